@@ -1,0 +1,83 @@
+"""The reference attention backend: plain torch, runs anywhere.
+
+Decode-only sequences (one query each) are gathered into one padded batch and
+attended in a single call; sequences with several queries go one by one, and a
+fresh prefill (nothing cached before it) attends to its own K/V directly.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.base import AttentionBackend, AttentionMetadata, write_kv
+
+
+class TorchAttention(AttentionBackend):
+    name = "torch"
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, sliding_window: int | None):
+        write_kv(k, v, k_cache, v_cache, meta)
+        out = torch.empty_like(q)
+        starts = meta.query_start_loc.tolist()
+        decode = [b for b, n in enumerate(meta.query_lens_cpu) if n == 1]
+        if len(decode) > 1:
+            idx = torch.tensor([starts[b] for b in decode], device=q.device)
+            out[idx] = self._decode_batch(q[idx], k_cache, v_cache, meta, decode, scale, sliding_window)
+            decode_set = set(decode)
+        else:
+            decode_set = set()
+        for b, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+            if q_len == 0 or b in decode_set:
+                continue
+            s = starts[b]
+            if q_len == seq_len:  # nothing cached before: attend to the fresh K/V
+                kb, vb = k[s : s + q_len], v[s : s + q_len]
+            else:
+                kb, vb = gather_kv(k_cache, v_cache, meta.block_tables[b], seq_len)
+            out[s : s + q_len] = _attend(q[s : s + q_len], kb, vb, scale, sliding_window)
+        return out
+
+    def _decode_batch(self, q, k_cache, v_cache, meta, seqs: list[int], scale, window):
+        tables = meta.block_tables[seqs]
+        lens = meta.seq_lens[seqs].to(torch.long)
+        max_len = int(lens.max())
+        n_blocks = -(-max_len // meta.block_size)
+        keys = k_cache[tables[:, :n_blocks]].flatten(1, 2)[:, :max_len]  # [B, L, KVH, D]
+        vals = v_cache[tables[:, :n_blocks]].flatten(1, 2)[:, :max_len]
+        pos = torch.arange(max_len, device=q.device)
+        mask = pos[None, :] < lens[:, None]
+        if window is not None:
+            mask &= pos[None, :] > (lens[:, None] - 1 - window)
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(2),  # [B, H, 1, D]
+            keys.transpose(1, 2),
+            vals.transpose(1, 2),
+            attn_mask=mask[:, None, None, :],
+            scale=scale,
+            enable_gqa=True,
+        )
+        return o.squeeze(2)
+
+
+def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int):
+    """A sequence's first `seq_len` cached K and V, each [seq_len, KVH, D]."""
+    n = -(-seq_len // k_cache.shape[1])
+    ids = block_table[:n]
+    return k_cache[ids].flatten(0, 1)[:seq_len], v_cache[ids].flatten(0, 1)[:seq_len]
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
+    """Causal attention of the last len(q) positions of a context of len(k) tokens."""
+    q_len, kv_len = q.shape[0], k.shape[0]
+    qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    if q_len == kv_len and window is None:
+        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)[:, None]
+        k_pos = torch.arange(kv_len, device=q.device)[None, :]
+        mask = k_pos <= q_pos
+        if window is not None:
+            mask &= k_pos > q_pos - window
+        o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=True)
+    return o.transpose(0, 1)

@@ -1,0 +1,22 @@
+"""Triton backend: paged kernels for decode and for prefill over paged KV."""
+
+from __future__ import annotations
+
+from engine.attention.base import AttentionBackend, AttentionMetadata, write_kv
+
+
+class TritonAttention(AttentionBackend):
+    name = "triton"
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, sliding_window: int | None):
+        from engine.attention import triton_kernels as kernels
+
+        write_kv(k, v, k_cache, v_cache, meta)
+        if meta.max_query_len == 1:
+            return kernels.paged_decode_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, sliding_window
+            )
+        return kernels.paged_prefill_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+            meta.max_query_len, scale, sliding_window,
+        )

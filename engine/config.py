@@ -1,0 +1,187 @@
+"""Frozen configuration for one engine: the model, the KV cache and the scheduler.
+
+`ModelConfig.from_hf_config` reads a Hugging Face `config.json` dict. It accepts both
+the transformers 4 spelling (`rope_theta` + `rope_scaling`) and the transformers 5
+spelling (`rope_parameters`), and refuses features the forward pass does not
+implement instead of silently computing something else.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        if name not in DTYPES.values():
+            raise ValueError(f"dtype: unsupported {name}; choose one of {sorted(DTYPES)}")
+        return name
+    if name not in DTYPES:
+        raise ValueError(f"dtype: unsupported {name!r}; choose one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    # One entry per layer: None for full attention, else the window length.
+    sliding_windows: tuple[int | None, ...]
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"model: no config.json in {model_dir}")
+        cfg = json.loads(path.read_text())
+        gen_path = Path(model_dir) / "generation_config.json"
+        gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+        return cls.from_hf_config(cfg, gen)
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any], generation: dict[str, Any] | None = None) -> "ModelConfig":
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(f"architectures: {archs} not supported; pdserve runs {SUPPORTED_ARCHITECTURES}")
+        num_heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        head_dim = cfg.get("head_dim") or hidden // num_heads
+        num_kv = int(cfg.get("num_key_value_heads") or num_heads)
+        if num_heads % num_kv:
+            raise ValueError(f"num_key_value_heads: {num_kv} does not divide num_attention_heads {num_heads}")
+        num_layers = int(cfg["num_hidden_layers"])
+        is_qwen2 = arch == "Qwen2ForCausalLM"
+        attention_bias = bool(cfg.get("attention_bias", False))
+        eos = _eos_ids(cfg, generation or {})
+        return cls(
+            architecture=arch,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=num_kv,
+            head_dim=int(head_dim),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope=_rope_config(cfg),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=is_qwen2 or attention_bias,
+            o_bias=attention_bias and not is_qwen2,
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            sliding_windows=_sliding_windows(cfg, arch, num_layers),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos,
+        )
+
+
+def _eos_ids(cfg: dict[str, Any], generation: dict[str, Any]) -> tuple[int, ...]:
+    eos = generation.get("eos_token_id", cfg.get("eos_token_id"))
+    if eos is None:
+        return ()
+    return tuple(int(e) for e in eos) if isinstance(eos, list) else (int(eos),)
+
+
+def _rope_config(cfg: dict[str, Any]) -> RopeConfig:
+    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope_parameters.rope_type: {rope_type!r} not supported ({SUPPORTED_ROPE_TYPES})")
+    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError("rope_parameters.partial_rotary_factor: only 1.0 is supported")
+    return RopeConfig(
+        theta=theta,
+        rope_type=rope_type,
+        factor=float(params.get("factor", 1.0)),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def _sliding_windows(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[int | None, ...]:
+    window = cfg.get("sliding_window")
+    if arch == "LlamaForCausalLM" or window is None:
+        return (None,) * num_layers
+    if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
+        return (None,) * num_layers
+    layer_types = cfg.get("layer_types")
+    if layer_types is None and arch == "Qwen2ForCausalLM":
+        first = int(cfg.get("max_window_layers", num_layers))
+        layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    if layer_types is None:
+        layer_types = ["sliding_attention"] * num_layers
+    return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    # None: size the pool from `memory_bytes` (or a default budget on CPU).
+    num_blocks: int | None = None
+    memory_bytes: int | None = None
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size: must be a power of two, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks: must be >= 1, got {self.num_blocks}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    # Prefill chunks are cut to this many tokens when set (forces chunked prefill).
+    long_prefill_token_threshold: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")

@@ -1,0 +1,97 @@
+"""Per-request view of the block pool: which blocks hold a request's KV.
+
+    request tokens   [ block 0 | block 1 | block 2 | blo.. ]
+    block table      [   17    |    3    |   42    |  8   ]
+    computed         <------- num_computed_tokens ------>
+
+`get_computed_blocks` finds the longest cached prefix (capped so the last token is
+always computed, since its logits are needed); `allocate_slots` takes references on
+those blocks and allocates the rest, or returns False and changes nothing;
+`cache_full_blocks` registers newly computed full blocks under their hashes.
+"""
+
+from __future__ import annotations
+
+from engine.block_pool import Block, BlockPool
+from engine.request import Request
+
+
+class KVCacheManager:
+    def __init__(self, pool: BlockPool, block_size: int) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.req_blocks: dict[str, list[Block]] = {}
+        self._num_cached: dict[str, int] = {}
+        self.prefix_cache_queries = 0  # tokens looked up
+        self.prefix_cache_hits = 0  # tokens found
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[Block], int]:
+        """Longest run of cached blocks from the start of the request, and its token count."""
+        if not self.pool.enable_caching:
+            return [], 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        bs = self.block_size
+        hits: list[Block] = []
+        for i, block_hash in enumerate(request.block_hashes[:max_blocks]):
+            block = self.pool.lookup(block_hash, request.token_ids[i * bs : (i + 1) * bs])
+            if block is None:
+                break
+            hits.append(block)
+        self.prefix_cache_queries += request.num_tokens
+        self.prefix_cache_hits += len(hits) * bs
+        return hits, len(hits) * bs
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, computed: list[Block] | None = None) -> bool:
+        """Make room for `num_new_tokens` more tokens after the computed ones."""
+        blocks = self.req_blocks.setdefault(request.request_id, [])
+        computed = computed or []
+        num_computed = request.num_computed_tokens + len(computed) * self.block_size
+        needed = -(-(num_computed + num_new_tokens) // self.block_size) - len(blocks) - len(computed)
+        # Cached blocks that sit in the free queue are not available for allocation.
+        reusable = sum(1 for b in computed if b.ref_cnt == 0)
+        if needed > self.pool.num_free_blocks - reusable:
+            if not blocks:
+                del self.req_blocks[request.request_id]
+            return False
+        self.pool.touch(computed)
+        blocks.extend(computed)
+        if needed > 0:
+            new = self.pool.allocate(needed)
+            assert new is not None  # checked above
+            blocks.extend(new)
+        self._num_cached.setdefault(request.request_id, len(computed))
+        return True
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register every full block whose KV is now computed."""
+        if not self.pool.enable_caching:
+            return
+        blocks = self.req_blocks[request.request_id]
+        start = self._num_cached.get(request.request_id, 0)
+        end = min(request.num_computed_tokens // self.block_size, len(request.block_hashes))
+        bs = self.block_size
+        for i in range(start, end):
+            self.pool.cache(blocks[i], request.block_hashes[i], request.token_ids[i * bs : (i + 1) * bs])
+        self._num_cached[request.request_id] = max(start, end)
+
+    def free(self, request_id: str) -> None:
+        """Release a request's blocks, tail first so a sequence's ends are evicted first."""
+        blocks = self.req_blocks.pop(request_id, [])
+        self._num_cached.pop(request_id, None)
+        self.pool.free(reversed(blocks))
+
+    def check_integrity(self) -> None:
+        self.pool.check_integrity()
+        refs: dict[int, int] = {}
+        for blocks in self.req_blocks.values():
+            for b in blocks:
+                refs[b.block_id] = refs.get(b.block_id, 0) + 1
+        for block in self.pool.blocks:
+            if block.ref_cnt != refs.get(block.block_id, 0):
+                raise RuntimeError(
+                    f"kv cache: block {block.block_id} ref_cnt {block.ref_cnt} but "
+                    f"{refs.get(block.block_id, 0)} request references"
+                )

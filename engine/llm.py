@@ -1,0 +1,95 @@
+"""The offline entry point: `LLM(model=...).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from pathlib import Path
+
+from engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from engine.engine import EngineConfig, LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer, has_tokenizer
+
+DEFAULT_MODEL = str(Path(__file__).resolve().parent.parent / "models" / "pdserve-tiny-code")
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str = DEFAULT_MODEL,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        enable_prefix_caching: bool = True,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int | None = None,
+        dtype: str = "float32",
+        device: str = "cpu",
+        kv_cache_memory: int | None = None,
+        attention_backend: str = "auto",
+        long_prefill_token_threshold: int | None = None,
+    ) -> None:
+        model_len = max_model_len or ModelConfig.from_dir(model).max_position_embeddings
+        self.engine = LLMEngine(
+            EngineConfig(
+                model=model,
+                dtype=dtype,
+                device=device,
+                cache=CacheConfig(block_size, num_blocks, kv_cache_memory, enable_prefix_caching),
+                scheduler=SchedulerConfig(
+                    max_num_seqs, max_num_batched_tokens, model_len, long_prefill_token_threshold
+                ),
+                attention_backend=attention_backend,
+            )
+        )
+        self.model_dir = model
+        self._tokenizer: Tokenizer | None = None
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        if self._tokenizer is None:
+            if not has_tokenizer(self.model_dir):
+                raise ValueError(f"prompt: text given but {self.model_dir} has no tokenizer; pass token ids")
+            self._tokenizer = Tokenizer(self.model_dir)
+        return self._tokenizer
+
+    def generate(
+        self,
+        prompts: Sequence[str] | Sequence[Sequence[int]] | str,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        params = sampling_params or SamplingParams()
+        params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"sampling_params: {len(params_list)} given for {len(prompts)} prompts")
+        order: dict[str, int] = {}
+        texts: list[str | None] = []
+        for i, (prompt, p) in enumerate(zip(prompts, params_list)):
+            text = prompt if isinstance(prompt, str) else None
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            request_id = f"gen-{next(self._ids)}"
+            self.engine.add_request(request_id, ids, p)
+            order[request_id] = i
+            texts.append(text)
+        results: list[RequestOutput | None] = [None] * len(prompts)
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                i = order[out.request_id]
+                out.prompt = texts[i]
+                if has_tokenizer(self.model_dir):
+                    for c in out.outputs:
+                        c.text = self.tokenizer.decode(c.token_ids)
+                results[i] = out
+        return [r for r in results if r is not None]
+
+    def stats(self) -> dict[str, int | float]:
+        return self.engine.stats()
+
+    def check_integrity(self) -> None:
+        self.engine.check_integrity()

@@ -1,0 +1,114 @@
+"""Owns the model weights and the KV tensor; turns a scheduled batch into logits.
+
+KV layout, one tensor per worker:
+
+    kv_cache[layer, block, 0 | 1, slot, kv_head, head_dim]      (0 = K, 1 = V)
+
+so one block of one layer (K and V together) is a contiguous page, which is what
+kvtransfer ships.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.attention import AttentionMetadata, get_backend
+from engine.config import ModelConfig
+from engine.model.loader import load_model
+from engine.request import Request
+
+
+@dataclass(frozen=True)
+class BatchItem:
+    request: Request
+    num_tokens: int  # tokens computed this step
+    block_ids: list[int]
+
+
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    return cfg.num_layers * 2 * block_size * cfg.kv_size * elem
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        cfg: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        block_size: int,
+        num_blocks: int,
+        max_model_len: int,
+        attention_backend: str = "auto",
+    ) -> None:
+        self.cfg = cfg
+        self.device = device
+        self.block_size = block_size
+        self.model = load_model(model_dir, cfg, dtype, device, max_model_len)
+        self.backend = get_backend(attention_backend, str(device))
+        shape = (cfg.num_layers, num_blocks, 2, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
+
+    @torch.inference_mode()
+    def execute(self, batch: list[BatchItem]) -> tuple[torch.Tensor, list[int]]:
+        """Run one step; returns logits [S, vocab] and the batch indices they belong to.
+
+        Only items that reach the end of their known tokens produce logits (a
+        prefill chunk in the middle of a prompt does not).
+        """
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        q_lens: list[int] = []
+        seq_lens: list[int] = []
+        logits_rows: list[int] = []
+        sampled: list[int] = []
+        for i, item in enumerate(batch):
+            req, start = item.request, item.request.num_computed_tokens
+            end = start + item.num_tokens
+            input_ids += req.token_ids[start:end]
+            pos = range(start, end)
+            positions += pos
+            slots += [item.block_ids[p // bs] * bs + p % bs for p in pos]
+            q_lens.append(item.num_tokens)
+            seq_lens.append(end)
+            if end == req.num_tokens:
+                logits_rows.append(len(input_ids) - 1)
+                sampled.append(i)
+        meta = self._metadata(batch, slots, q_lens, seq_lens)
+        dev = self.device
+        logits = self.model(
+            torch.tensor(input_ids, device=dev),
+            torch.tensor(positions, device=dev),
+            self.kv_cache,
+            meta,
+            self.backend,
+            torch.tensor(logits_rows, device=dev, dtype=torch.long),
+        )
+        return logits.float(), sampled
+
+    def _metadata(self, batch: list[BatchItem], slots, q_lens, seq_lens) -> AttentionMetadata:
+        dev = self.device
+        width = max(len(item.block_ids) for item in batch)
+        tables = torch.zeros((len(batch), width), dtype=torch.int32)
+        for i, item in enumerate(batch):
+            tables[i, : len(item.block_ids)] = torch.tensor(item.block_ids, dtype=torch.int32)
+        qsl = [0]
+        for n in q_lens:
+            qsl.append(qsl[-1] + n)
+        return AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=tables.to(dev),
+            max_query_len=max(q_lens),
+            max_seq_len=max(seq_lens),
+            block_size=self.block_size,
+            query_lens_cpu=tuple(q_lens),
+            seq_lens_cpu=tuple(seq_lens),
+        )

@@ -1,0 +1,91 @@
+"""The one data type that flows through the engine: a request and its tokens."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from engine.hashing import ROOT_HASH, BlockHash, hash_block
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self.value in ("stop", "length", "abort")
+
+
+@dataclass(eq=False)
+class Request:
+    """A sequence being generated.
+
+    Invariant: `num_computed_tokens <= num_tokens`; the KV of tokens
+    [0, num_computed_tokens) is in this request's blocks. `block_hashes[i]` is the
+    chained hash of full block i of `token_ids` (kept up to date as tokens append).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_size: int
+    eos_token_ids: tuple[int, ...] = ()
+    arrival_time: float = field(default_factory=time.monotonic)
+    token_ids: list[int] = field(init=False)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError("prompt: must contain at least one token")
+        self.token_ids = list(self.prompt_token_ids)
+        self._extend_hashes()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        self._extend_hashes()
+
+    def check_stop(self) -> RequestStatus | None:
+        """The finished status this request has reached, if any."""
+        params = self.sampling_params
+        last = self.token_ids[-1]
+        if not params.ignore_eos and last in self.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if last in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _extend_hashes(self) -> None:
+        bs = self.block_size
+        while (len(self.block_hashes) + 1) * bs <= len(self.token_ids):
+            i = len(self.block_hashes)
+            parent = self.block_hashes[-1] if self.block_hashes else ROOT_HASH
+            self.block_hashes.append(hash_block(parent, self.token_ids[i * bs : (i + 1) * bs]))

@@ -1,0 +1,107 @@
+"""Continuous batching with chunked prefill and preemption by recompute.
+
+There are no prefill and decode phases: every scheduled request moves its
+`num_computed_tokens` toward `num_tokens` by up to the step's token budget, so a
+long prompt is prefilled in chunks beside running decodes. Running requests go
+first (oldest first); when blocks run out the newest running request is preempted
+(its blocks freed, to be recomputed later). Waiting requests are admitted in
+arrival order while budget, sequence slots and blocks allow.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.config import SchedulerConfig
+from engine.kv_cache import KVCacheManager
+from engine.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    # (request, number of tokens to compute this step), in batch order
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def _chunk(self, num_remaining: int, budget: int) -> int:
+        n = min(num_remaining, budget)
+        cap = self.config.long_prefill_token_threshold
+        return min(n, cap) if cap else n
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
+            if self._make_room(request, n, out):
+                out.scheduled.append((request, n))
+                budget -= n
+                i += 1
+        if not out.preempted:
+            self._admit(out, budget)
+        return out
+
+    def _make_room(self, request: Request, n: int, out: SchedulerOutput) -> bool:
+        """Allocate n slots for a running request, preempting the newest until it fits."""
+        while not self.kv.allocate_slots(request, n):
+            victim = self.running.pop()
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            hits, num_hit = self.kv.get_computed_blocks(request)
+            n = self._chunk(request.num_tokens - num_hit, budget)
+            if not self.kv.allocate_slots(request, n, hits):
+                break
+            self.waiting.popleft()
+            request.num_computed_tokens = num_hit
+            request.num_cached_tokens = max(request.num_cached_tokens, num_hit)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append((request, n))
+            budget -= n
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """Take a request out of the queues and free its blocks (every path out ends here)."""
+        request.status = status
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv.free(request.request_id)

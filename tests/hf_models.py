@@ -1,0 +1,53 @@
+"""Random-initialised Hugging Face checkpoints built inside the tests (no downloads)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+BASE = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def make_config(arch: str, **overrides: Any):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    kinds = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}
+    return kinds[arch](**{**BASE, **overrides})
+
+
+def build_model(path: Path, arch: str = "llama", seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: Any):
+    """Save a random model in HF format to `path`; returns the HF model (eval mode)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = make_config(arch, **overrides)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    model.generation_config.pad_token_id = config.eos_token_id
+    model.save_pretrained(path)
+    return model
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos: bool = True) -> list[int]:
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=model.config.eos_token_id if eos else None,
+        )
+    return out[0, len(prompt) :].tolist()
