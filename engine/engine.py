@@ -43,16 +43,17 @@ class LLMEngine:
         dtype = parse_dtype(config.dtype)
         device = torch.device(config.device)
         sched = config.scheduler
-        if sched.max_model_len > self.model_config.max_position_embeddings:
+        self.max_model_len = sched.max_model_len or self.model_config.max_position_embeddings
+        if self.max_model_len > self.model_config.max_position_embeddings:
             raise ValueError(
-                f"max_model_len: {sched.max_model_len} exceeds the model's "
+                f"max_model_len: {self.max_model_len} exceeds the model's "
                 f"max_position_embeddings {self.model_config.max_position_embeddings}"
             )
         block_size = config.cache.block_size
         num_blocks = self._num_blocks(dtype, device)
         self.runner = ModelRunner(
             config.model, self.model_config, dtype, device, block_size, num_blocks,
-            sched.max_model_len, config.attention_backend,
+            self.max_model_len, config.attention_backend,
         )
         self.pool = BlockPool(num_blocks, config.cache.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, block_size)
@@ -70,7 +71,7 @@ class LLMEngine:
             budget = int(free * self.config.gpu_memory_utilization)
         budget = budget or DEFAULT_CPU_KV_BYTES
         # Never more than every sequence at full length could use.
-        most = sched.max_num_seqs * -(-sched.max_model_len // cache.block_size)
+        most = sched.max_num_seqs * -(-self.max_model_len // cache.block_size)
         num = min(budget // per_block, most)
         if num < 1:
             raise ValueError(f"kv_cache_memory: {budget} bytes holds no block of {per_block} bytes")
@@ -90,7 +91,7 @@ class LLMEngine:
         self.scheduler.add(request)
 
     def _validate(self, prompt: list[int], params: SamplingParams) -> None:
-        max_len = self.config.scheduler.max_model_len
+        max_len = self.max_model_len
         if not prompt:
             raise ValueError("prompt: must contain at least one token")
         if len(prompt) + params.max_tokens > max_len:

@@ -6,7 +6,7 @@ import itertools
 from collections.abc import Sequence
 from pathlib import Path
 
-from engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from engine.config import CacheConfig, SchedulerConfig
 from engine.engine import EngineConfig, LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -31,7 +31,6 @@ class LLM:
         attention_backend: str = "auto",
         long_prefill_token_threshold: int | None = None,
     ) -> None:
-        model_len = max_model_len or ModelConfig.from_dir(model).max_position_embeddings
         self.engine = LLMEngine(
             EngineConfig(
                 model=model,
@@ -39,7 +38,7 @@ class LLM:
                 device=device,
                 cache=CacheConfig(block_size, num_blocks, kv_cache_memory, enable_prefix_caching),
                 scheduler=SchedulerConfig(
-                    max_num_seqs, max_num_batched_tokens, model_len, long_prefill_token_threshold
+                    max_num_seqs, max_num_batched_tokens, max_model_len, long_prefill_token_threshold
                 ),
                 attention_backend=attention_backend,
             )

@@ -1,0 +1,34 @@
+"""Block hashes are stable across processes and chain through every earlier block."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from engine.hashing import ROOT_HASH, hash_block, hash_blocks
+
+
+def test_only_full_blocks_are_hashed():
+    assert len(hash_blocks(list(range(31)), 16)) == 1
+    assert len(hash_blocks(list(range(32)), 16)) == 2
+    assert hash_blocks([], 16) == []
+
+
+def test_hash_chains_on_the_parent():
+    a = hash_blocks([1, 2, 3, 4, 5, 6, 7, 8], 4)
+    b = hash_blocks([9, 2, 3, 4, 5, 6, 7, 8], 4)
+    assert a[1] != b[1]  # same second block, different history
+    assert a[0] == hash_block(ROOT_HASH, [1, 2, 3, 4])
+    assert hash_block(ROOT_HASH, [1, 2], ("lora:a",)) != hash_block(ROOT_HASH, [1, 2])
+
+
+def test_hash_is_identical_in_another_process():
+    code = "from engine.hashing import hash_blocks; print(hash_blocks(list(range(100)), 16)[-1].hex())"
+    env_seeds = []
+    for seed in ("1", "2"):
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True,
+            env={"PYTHONHASHSEED": seed, "PATH": ""}, cwd=__file__.rsplit("/tests/", 1)[0],
+        )
+        env_seeds.append(out.stdout.strip())
+    assert env_seeds[0] == env_seeds[1] == hash_blocks(list(range(100)), 16)[-1].hex()

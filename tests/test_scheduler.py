@@ -1,0 +1,80 @@
+"""Scheduling policy alone: budgets, chunking, admission order, preemption."""
+
+from __future__ import annotations
+
+from engine.block_pool import BlockPool
+from engine.config import SchedulerConfig
+from engine.kv_cache import KVCacheManager
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+
+BS = 4
+
+
+def make(num_blocks: int, **cfg) -> Scheduler:
+    return Scheduler(SchedulerConfig(**cfg), KVCacheManager(BlockPool(num_blocks), BS))
+
+
+def req(rid: str, n: int, first: int = 0) -> Request:
+    return Request(rid, list(range(first, first + n)), SamplingParams(max_tokens=64), BS)
+
+
+def run_step(s: Scheduler) -> dict[str, int]:
+    """Pretend the model ran: advance computed tokens, append a token where one is sampled."""
+    plan = s.schedule()
+    for r, n in plan.scheduled:
+        r.num_computed_tokens += n
+        s.kv.cache_full_blocks(r)
+        if r.num_computed_tokens == r.num_tokens:
+            r.append_token(7)
+    return {r.request_id: n for r, n in plan.scheduled}
+
+
+def test_long_prompt_is_chunked_under_the_budget():
+    s = make(64, max_num_batched_tokens=10)
+    s.add(req("a", 25))
+    assert run_step(s) == {"a": 10}
+    assert run_step(s) == {"a": 10}
+    assert run_step(s) == {"a": 5}
+    assert run_step(s) == {"a": 1}  # decoding now
+
+
+def test_running_requests_go_first_and_mix_with_prefill():
+    s = make(64, max_num_batched_tokens=8)
+    s.add(req("a", 3))
+    run_step(s)
+    s.add(req("b", 20, first=100))
+    assert run_step(s) == {"a": 1, "b": 7}
+
+
+def test_max_num_seqs_limits_admission():
+    s = make(64, max_num_seqs=2)
+    for i in range(3):
+        s.add(req(f"r{i}", 3, first=10 * i))
+    assert set(run_step(s)) == {"r0", "r1"}
+    assert len(s.waiting) == 1
+
+
+def test_newest_request_is_preempted_when_blocks_run_out():
+    s = make(4)  # 16 tokens of KV
+    s.add(req("old", 8))
+    s.add(req("new", 8, first=50))
+    run_step(s)  # both prefilled, 4 blocks in use, each sampled a 9th token
+    plan = s.schedule()
+    assert [r.request_id for r in plan.preempted] == ["new"]
+    assert [r.request_id for r, _ in plan.scheduled] == ["old"]
+    assert s.waiting[0].request_id == "new" and s.waiting[0].num_computed_tokens == 0
+    s.kv.check_integrity()
+
+
+def test_finish_frees_blocks_from_any_queue():
+    s = make(8)
+    s.add(req("a", 5))
+    s.add(req("b", 5, first=20))
+    run_step(s)
+    s.add(req("c", 5, first=40))
+    for r in list(s.running) + list(s.waiting):
+        s.finish(r, r.status)
+    assert s.kv.pool.num_free_blocks == 8 and s.num_unfinished == 0
+    s.kv.check_integrity()
