@@ -101,8 +101,11 @@ class ModelRunner:
         qsl = [0]
         for n in q_lens:
             qsl.append(qsl[-1] + n)
+        slot_mapping = torch.tensor(slots, dtype=torch.long, device=dev)
         return AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            slot_mapping=slot_mapping,
+            slot_blocks=slot_mapping // self.block_size,
+            slot_offsets=slot_mapping % self.block_size,
             query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             block_tables=tables.to(dev),

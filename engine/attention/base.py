@@ -23,6 +23,8 @@ import torch
 @dataclass(frozen=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64
+    slot_blocks: torch.Tensor  # [T] slot_mapping // block_size
+    slot_offsets: torch.Tensor  # [T] slot_mapping % block_size
     query_start_loc: torch.Tensor  # [B+1] int32
     seq_lens: torch.Tensor  # [B] int32
     block_tables: torch.Tensor  # [B, max_blocks] int32
@@ -57,7 +59,5 @@ class AttentionBackend(ABC):
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
-    blocks = meta.slot_mapping // meta.block_size
-    offsets = meta.slot_mapping % meta.block_size
-    k_cache[blocks, offsets] = k
-    v_cache[blocks, offsets] = v
+    k_cache[meta.slot_blocks, meta.slot_offsets] = k
+    v_cache[meta.slot_blocks, meta.slot_offsets] = v

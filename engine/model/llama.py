@@ -13,7 +13,7 @@ from torch import nn
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig
-from engine.model.rope import RotaryEmbedding
+from engine.model.rope import RotaryEmbedding, apply_rotary
 
 
 class RMSNorm(nn.Module):
@@ -38,13 +38,13 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim**-0.5
         self.sliding_window = cfg.sliding_windows[layer]
 
-    def forward(self, x, positions, rope: RotaryEmbedding, kv: torch.Tensor, meta, backend: AttentionBackend):
+    def forward(self, x, rotary: tuple[torch.Tensor, torch.Tensor], kv: torch.Tensor, meta, backend: AttentionBackend):
         cfg = self.cfg
         q, k, v = self.qkv_proj(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = q.view(-1, cfg.num_heads, cfg.head_dim)
         k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        q, k = rope(q, k, positions)
+        q, k = apply_rotary(q, k, *rotary)
         o = backend.forward(q, k, v, kv[:, 0], kv[:, 1], meta, self.scale, self.sliding_window)
         return self.o_proj(o.reshape(-1, cfg.q_size))
 
@@ -69,8 +69,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, h, positions, rope, kv, meta, backend):
-        h = h + self.self_attn(self.input_layernorm(h), positions, rope, kv, meta, backend)
+    def forward(self, h, rotary, kv, meta, backend):
+        h = h + self.self_attn(self.input_layernorm(h), rotary, kv, meta, backend)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -94,8 +94,9 @@ class LlamaForCausalLM(nn.Module):
         logits_indices: torch.Tensor,  # rows of the flat batch whose next-token logits are needed
     ) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
+        rotary = self.rope.lookup(positions, h.dtype)
         for i, layer in enumerate(self.layers):
-            h = layer(h, positions, self.rope, kv_cache[i], meta, backend)
+            h = layer(h, rotary, kv_cache[i], meta, backend)
         h = self.norm(h[logits_indices])
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(h, weight)
