@@ -3,24 +3,31 @@
     add_request -> waiting --schedule--> running --finish--> FINISHED (blocks freed)
                                ^            |
                                +--preempt---+
+
+A request is a group of sequences: one, n parallel samples (forked from the
+prompt's KV after its prefill), or k beams (forked every step). Forks share full
+blocks by reference and copy the partial last block.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
+from engine.beam import BeamSearch
 from engine.block_pool import BlockPool
 from engine.config import CacheConfig, ModelConfig, SchedulerConfig, parse_dtype
+from engine.detokenizer import IncrementalDetokenizer
+from engine.group import SequenceGroup
 from engine.kv_cache import KVCacheManager
 from engine.model_runner import BatchItem, ModelRunner, kv_bytes_per_block
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.request import Request, RequestStatus
-from engine.sampler import sample
+from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.tokenizer import Tokenizer, has_tokenizer
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
 
@@ -34,6 +41,8 @@ class EngineConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
     attention_backend: str = "auto"
     gpu_memory_utilization: float = 0.9
+    seed: int = 0
+    max_n: int = 64  # upper bound for n and beam_width
 
 
 class LLMEngine:
@@ -58,7 +67,11 @@ class LLMEngine:
         self.pool = BlockPool(num_blocks, config.cache.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, block_size)
         self.scheduler = Scheduler(sched, self.kv)
-        self.requests: dict[str, Request] = {}
+        self.sampler = Sampler(config.seed)
+        self.tokenizer = Tokenizer(config.model) if has_tokenizer(config.model) else None
+        self.groups: dict[str, SequenceGroup] = {}
+        self._seq_group: dict[str, SequenceGroup] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
 
     def _num_blocks(self, dtype: torch.dtype, device: torch.device) -> int:
         cache, sched = self.config.cache, self.config.scheduler
@@ -80,14 +93,19 @@ class LLMEngine:
     # -- requests ---------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        if request_id in self.requests:
+        if request_id in self.groups:
             raise ValueError(f"request_id: {request_id!r} is already running")
         self._validate(prompt_token_ids, params)
         request = Request(
             request_id, list(prompt_token_ids), params, self.config.cache.block_size,
             eos_token_ids=self.model_config.eos_token_ids,
         )
-        self.requests[request_id] = request
+        beam = None
+        if params.use_beam_search:
+            beam = BeamSearch(params, len(prompt_token_ids), () if params.ignore_eos else self.model_config.eos_token_ids)
+        group = SequenceGroup(request_id, params, list(prompt_token_ids), [request], beam=beam)
+        self.groups[request_id] = group
+        self._track(request, group)
         self.scheduler.add(request)
 
     def _validate(self, prompt: list[int], params: SamplingParams) -> None:
@@ -103,14 +121,20 @@ class LLMEngine:
         bad = next((t for t in prompt if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt_token_ids: token {bad} outside the vocabulary [0, {vocab})")
+        if max(params.n, params.beam_width) > self.config.max_n:
+            raise ValueError(f"n: n and beam_width must be <= {self.config.max_n}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop: stop strings need a tokenizer, and this model has none")
 
     def abort(self, request_id: str) -> None:
-        request = self.requests.pop(request_id, None)
-        if request is not None:
-            self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+        group = self.groups.pop(request_id, None)
+        if group is None:
+            return
+        for seq in group.live:
+            self._finish_seq(group, seq, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        return bool(self.groups)
 
     # -- the loop ---------------------------------------------------------------
 
@@ -120,36 +144,201 @@ class LLMEngine:
         if not plan.scheduled:
             return self._fail_unschedulable()
         batch = [BatchItem(r, n, self.kv.block_ids(r.request_id)) for r, n in plan.scheduled]
-        logits, rows = self.runner.execute(batch)
-        finished: list[RequestOutput] = []
-        for request, n in plan.scheduled:
+        logits, spans = self.runner.execute(batch)
+        seqs, logit_rows, beams = [], [], []
+        for (request, n), (first, num_rows) in zip(plan.scheduled, spans):
+            if request.sampling_params.prompt_logprobs is not None and request.num_computed_tokens < request.num_prompt_tokens:
+                self._record_prompt_logprobs(request, logits[first : first + num_rows])
             request.num_computed_tokens += n
             self.kv.cache_full_blocks(request)
-        sampled = [plan.scheduled[i][0] for i in rows]
-        for request, token in zip(sampled, sample(logits, sampled)):
-            request.append_token(token)
-            status = request.check_stop()
-            if status is not None:
-                self.scheduler.finish(request, status)
-                del self.requests[request.request_id]
-                finished.append(self._output(request))
+            if num_rows == 0 or request.num_computed_tokens < request.num_tokens:
+                continue
+            row = first + num_rows - 1
+            group = self._seq_group[request.request_id]
+            if group.beam is not None:
+                beams.append((group, request, logits[row]))
+                continue
+            for seq in self._fan_out(group, request):
+                seqs.append(seq)
+                logit_rows.append(row)
+        finished: list[RequestOutput] = []
+        if seqs:
+            self._apply_samples(seqs, logits[logit_rows], finished)
+        for group, request, row_logits in beams:
+            self._beam_step(group, request, row_logits, finished)
         return finished
+
+    def _record_prompt_logprobs(self, request: Request, logits: torch.Tensor) -> None:
+        """Row j scores the token after position num_computed + j, while it is a prompt token."""
+        start = request.num_computed_tokens
+        if start == 0:
+            request.prompt_logprobs = [None]
+        k = request.sampling_params.prompt_logprobs or 0
+        logprobs = torch.log_softmax(logits, dim=-1)
+        for j in range(logits.shape[0]):
+            nxt = start + j + 1
+            if nxt >= request.num_prompt_tokens or len(request.prompt_logprobs) > nxt:
+                continue
+            token = request.token_ids[nxt]
+            values, ids = logprobs[j].topk(k)
+            top = dict(zip(ids.tolist(), values.tolist()))
+            request.prompt_logprobs.append({**top, token: float(logprobs[j, token])})
+
+    def _fan_out(self, group: SequenceGroup, parent: Request) -> list[Request]:
+        """After the prompt's prefill, fork the n - 1 other samples off its KV."""
+        if not group.needs_fan_out:
+            return [parent]
+        group.fanned_out = True
+        out = [parent]
+        for index in range(1, group.params.n):
+            child = parent.fork(group.child_id(), index)
+            copies = self.kv.fork(parent, child)
+            self._track(child, group)
+            group.live.append(child)
+            if copies is None:  # no block for the copy: recompute it later (prefix cache hits)
+                child.num_computed_tokens = 0
+                self.scheduler.add(child)
+                continue
+            self.runner.copy_blocks(copies)
+            self.scheduler.adopt(child)
+            out.append(child)
+        return out
+
+    def _apply_samples(self, seqs: list[Request], logits: torch.Tensor, finished: list[RequestOutput]) -> None:
+        result = self.sampler(logits, seqs)
+        for i, seq in enumerate(seqs):
+            token = result.token_ids[i]
+            seq.append_token(token)
+            seq.cumulative_logprob += result.logprobs[i]
+            top = result.top_logprobs[i]
+            if top is not None:
+                seq.logprobs.append({**top, token: result.logprobs[i]})
+            status = seq.check_stop() or self._check_stop_strings(seq)
+            if status is not None:
+                group = self._seq_group[seq.request_id]
+                self._finish_seq(group, seq, status)
+                self._maybe_finish_group(group, finished)
+
+    def _check_stop_strings(self, seq: Request) -> RequestStatus | None:
+        detok = self._detok.get(seq.request_id)
+        if detok is None:
+            return None
+        new = detok.append(seq.token_ids[-1])
+        seq.text = detok.text
+        if not new or not seq.sampling_params.stop:
+            return None
+        window = len(new) + max(len(s) for s in seq.sampling_params.stop)
+        start = max(0, len(seq.text) - window)
+        hits = [seq.text.find(s, start) for s in seq.sampling_params.stop]
+        hits = [h for h in hits if h >= 0]
+        if not hits:
+            return None
+        seq.text = seq.text[: min(hits)]
+        return RequestStatus.FINISHED_STOPPED
+
+    def _beam_step(self, group: SequenceGroup, seq: Request, logits: torch.Tensor, finished: list[RequestOutput]) -> None:
+        group.pending[seq.request_id] = torch.log_softmax(logits.float(), dim=-1)
+        if len(group.pending) < len(group.live):
+            return  # siblings not stepped yet (not scheduled or preempted)
+        beams = list(group.live)
+        log_probs = torch.stack([group.pending[b.request_id] for b in beams])
+        group.pending.clear()
+        if seq.num_output_tokens < group.params.min_tokens:
+            log_probs[:, list(group.beam.eos_token_ids)] = float("-inf")
+        step = group.beam.step(log_probs, [b.output_token_ids for b in beams])
+        if step.done:
+            for b in beams:
+                self._finish_seq(group, b, RequestStatus.FINISHED_STOPPED)
+            self._maybe_finish_group(group, finished)
+            return
+        self._reform_beams(group, beams, step.continuations)
+
+    def _reform_beams(self, group: SequenceGroup, beams: list[Request], continuations: list[tuple[int, int]]) -> None:
+        """Fork the surviving beams' block tables for the next step; free the dropped."""
+        reused: set[int] = set()
+        new_live: list[Request] = []
+        for parent_index, token in continuations:
+            parent = beams[parent_index]
+            if parent_index not in reused:
+                reused.add(parent_index)
+                child = parent
+            else:
+                child = parent.fork(group.child_id(), parent.sample_index)
+                copies = self.kv.fork(parent, child)
+                self._track(child, group)
+                if copies is None:
+                    child.num_computed_tokens = 0
+                    self.scheduler.add(child)
+                else:
+                    self.runner.copy_blocks(copies)
+                    self.scheduler.adopt(child)
+            new_live.append(child)
+        for index, beam in enumerate(beams):
+            if index not in reused:
+                self._finish_seq(group, beam, RequestStatus.FINISHED_ABORTED, keep=False)
+        group.live = new_live
+        for child, (_, token) in zip(new_live, continuations):
+            child.append_token(token)
+
+    def _track(self, seq: Request, group: SequenceGroup) -> None:
+        self._seq_group[seq.request_id] = group
+        if self.tokenizer is not None and group.beam is None:
+            self._detok[seq.request_id] = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids)
+            if seq.output_token_ids:
+                for t in seq.output_token_ids:
+                    self._detok[seq.request_id].append(t)
+
+    def _finish_seq(self, group: SequenceGroup, seq: Request, status: RequestStatus, keep: bool = True) -> None:
+        self.scheduler.finish(seq, status)
+        self._seq_group.pop(seq.request_id, None)
+        detok = self._detok.pop(seq.request_id, None)
+        if detok is not None and status != RequestStatus.FINISHED_STOPPED:
+            seq.text = detok.text + detok.flush()
+        if seq in group.live:
+            group.live.remove(seq)
+        if keep:
+            group.finished.append(seq)
+
+    def _maybe_finish_group(self, group: SequenceGroup, finished: list[RequestOutput]) -> None:
+        if group.done and self.groups.pop(group.request_id, None) is not None:
+            finished.append(self._output(group))
 
     def _fail_unschedulable(self) -> list[RequestOutput]:
         """Nothing fits even in an idle pool: fail the head request instead of spinning."""
         if self.scheduler.running or not self.scheduler.waiting:
             return []
-        request = self.scheduler.waiting[0]
-        self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
-        del self.requests[request.request_id]
-        return [self._output(request)]
+        seq = self.scheduler.waiting[0]
+        group = self._seq_group[seq.request_id]
+        for s in list(group.live):
+            self._finish_seq(group, s, RequestStatus.FINISHED_ABORTED)
+        finished: list[RequestOutput] = []
+        self._maybe_finish_group(group, finished)
+        return finished
 
-    def _output(self, request: Request) -> RequestOutput:
-        completion = CompletionOutput(0, request.output_token_ids, finish_reason=request.status.value)
+    def _output(self, group: SequenceGroup) -> RequestOutput:
+        if group.beam is not None and group.beam.results(group.params.n):
+            completions = [
+                CompletionOutput(i, h.token_ids, self._decode(h.token_ids), "stop" if h.token_ids[-1] in group.beam.eos_token_ids else "length", h.sum_logprob)
+                for i, h in enumerate(group.beam.results(group.params.n))
+            ]
+        else:
+            seqs = sorted(group.finished, key=lambda s: s.sample_index)
+            completions = [
+                CompletionOutput(
+                    s.sample_index, s.output_token_ids, s.text, s.status.value, s.cumulative_logprob,
+                    s.logprobs if s.sampling_params.logprobs is not None else None,
+                )
+                for s in seqs
+            ]
+        first = group.finished[0] if group.finished else None
         return RequestOutput(
-            request.request_id, None, request.prompt_token_ids, [completion],
-            finished=True, num_cached_tokens=request.num_cached_tokens,
+            group.request_id, None, group.prompt_token_ids, completions, finished=True,
+            num_cached_tokens=first.num_cached_tokens if first else 0,
+            prompt_logprobs=first.prompt_logprobs if first and group.params.prompt_logprobs is not None else None,
         )
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids) if self.tokenizer is not None else ""
 
     # -- introspection ----------------------------------------------------------
 

@@ -30,8 +30,8 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[list[Block], int]:
         """Longest run of cached blocks from the start of the request, and its token count."""
-        if not self.pool.enable_caching:
-            return [], 0
+        if not self.pool.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return [], 0  # prompt logprobs need every prompt position computed
         max_blocks = (request.num_tokens - 1) // self.block_size
         bs = self.block_size
         hits: list[Block] = []
@@ -76,6 +76,24 @@ class KVCacheManager:
         for i in range(start, end):
             self.pool.cache(blocks[i], request.block_hashes[i], request.token_ids[i * bs : (i + 1) * bs])
         self._num_cached[request.request_id] = max(start, end)
+
+    def fork(self, parent: Request, child: Request) -> list[tuple[int, int]] | None:
+        """Give `child` the parent's computed KV: full blocks shared by reference, the
+        partial last block copied (copy on write: the two will write different tokens
+        into it). Returns the (src, dst) block copies to perform, or None (nothing
+        changed) when no block is free for the copy.
+        """
+        blocks = self.req_blocks[parent.request_id]
+        num_full = parent.num_computed_tokens // self.block_size
+        used = -(-parent.num_computed_tokens // self.block_size)
+        shared, partial = blocks[:num_full], blocks[num_full:used]
+        fresh = self.pool.allocate(len(partial))
+        if fresh is None:
+            return None
+        self.pool.touch(shared)
+        self.req_blocks[child.request_id] = shared + fresh
+        self._num_cached[child.request_id] = min(self._num_cached.get(parent.request_id, 0), num_full)
+        return [(src.block_id, dst.block_id) for src, dst in zip(partial, fresh)]
 
     def free(self, request_id: str) -> None:
         """Release a request's blocks, tail first so a sequence's ends are evicted first."""

@@ -10,7 +10,7 @@ from engine.config import CacheConfig, SchedulerConfig
 from engine.engine import EngineConfig, LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer, has_tokenizer
+from engine.tokenizer import Tokenizer
 
 DEFAULT_MODEL = str(Path(__file__).resolve().parent.parent / "models" / "pdserve-tiny-code")
 
@@ -44,16 +44,13 @@ class LLM:
             )
         )
         self.model_dir = model
-        self._tokenizer: Tokenizer | None = None
         self._ids = itertools.count()
 
     @property
     def tokenizer(self) -> Tokenizer:
-        if self._tokenizer is None:
-            if not has_tokenizer(self.model_dir):
-                raise ValueError(f"prompt: text given but {self.model_dir} has no tokenizer; pass token ids")
-            self._tokenizer = Tokenizer(self.model_dir)
-        return self._tokenizer
+        if self.engine.tokenizer is None:
+            raise ValueError(f"prompt: text given but {self.model_dir} has no tokenizer; pass token ids")
+        return self.engine.tokenizer
 
     def generate(
         self,
@@ -81,9 +78,6 @@ class LLM:
             for out in self.engine.step():
                 i = order[out.request_id]
                 out.prompt = texts[i]
-                if has_tokenizer(self.model_dir):
-                    for c in out.outputs:
-                        c.text = self.tokenizer.decode(c.token_ids)
                 results[i] = out
         return [r for r in results if r is not None]
 

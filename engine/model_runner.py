@@ -54,11 +54,20 @@ class ModelRunner:
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
 
     @torch.inference_mode()
-    def execute(self, batch: list[BatchItem]) -> tuple[torch.Tensor, list[int]]:
-        """Run one step; returns logits [S, vocab] and the batch indices they belong to.
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole blocks (every layer, K and V): the copy half of copy-on-write."""
+        if pairs:
+            src = torch.tensor([s for s, _ in pairs], device=self.device)
+            dst = torch.tensor([d for _, d in pairs], device=self.device)
+            self.kv_cache[:, dst] = self.kv_cache[:, src]
 
-        Only items that reach the end of their known tokens produce logits (a
-        prefill chunk in the middle of a prompt does not).
+    @torch.inference_mode()
+    def execute(self, batch: list[BatchItem]) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        """Run one step; returns logits [R, vocab] and, per batch item, its (first row, rows).
+
+        An item gets one row, for its last token, when it reaches the end of its known
+        tokens (a prefill chunk in the middle of a prompt gets none); an item that asked
+        for prompt logprobs gets a row for every prompt token it computes.
         """
         bs = self.block_size
         input_ids: list[int] = []
@@ -67,19 +76,23 @@ class ModelRunner:
         q_lens: list[int] = []
         seq_lens: list[int] = []
         logits_rows: list[int] = []
-        sampled: list[int] = []
-        for i, item in enumerate(batch):
+        spans: list[tuple[int, int]] = []
+        for item in batch:
             req, start = item.request, item.request.num_computed_tokens
             end = start + item.num_tokens
+            first = len(input_ids)
             input_ids += req.token_ids[start:end]
             pos = range(start, end)
             positions += pos
             slots += [item.block_ids[p // bs] * bs + p % bs for p in pos]
             q_lens.append(item.num_tokens)
             seq_lens.append(end)
-            if end == req.num_tokens:
-                logits_rows.append(len(input_ids) - 1)
-                sampled.append(i)
+            if req.sampling_params.prompt_logprobs is not None and start < req.num_prompt_tokens:
+                rows = list(range(first, len(input_ids)))
+            else:
+                rows = [len(input_ids) - 1] if end == req.num_tokens else []
+            spans.append((len(logits_rows), len(rows)))
+            logits_rows += rows
         meta = self._metadata(batch, slots, q_lens, seq_lens)
         dev = self.device
         logits = self.model(
@@ -90,7 +103,7 @@ class ModelRunner:
             self.backend,
             torch.tensor(logits_rows, device=dev, dtype=torch.long),
         )
-        return logits.float(), sampled
+        return logits.float(), spans
 
     def _metadata(self, batch: list[BatchItem], slots, q_lens, seq_lens) -> AttentionMetadata:
         dev = self.device

@@ -12,6 +12,8 @@ class CompletionOutput:
     text: str = ""
     finish_reason: str | None = None
     cumulative_logprob: float | None = None
+    # per generated token: {token_id: logprob} for the top-k and the chosen token
+    logprobs: list[dict[int, float]] | None = None
 
 
 @dataclass
@@ -22,3 +24,4 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, float] | None] | None = None

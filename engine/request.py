@@ -44,6 +44,13 @@ class Request:
     block_hashes: list[BlockHash] = field(default_factory=list)
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    # Which of a request's parallel samples this sequence is (seeds its noise).
+    sample_index: int = 0
+    cumulative_logprob: float = 0.0
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    text: str = ""
+    # one entry per prompt token (None for the first), when prompt_logprobs is asked
+    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -70,6 +77,22 @@ class Request:
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
         self._extend_hashes()
+
+    def fork(self, request_id: str, sample_index: int) -> "Request":
+        """A copy sharing this sequence's history (its blocks are forked separately)."""
+        child = Request(
+            request_id, self.prompt_token_ids, self.sampling_params, self.block_size,
+            eos_token_ids=self.eos_token_ids, arrival_time=self.arrival_time,
+            sample_index=sample_index,
+        )
+        child.token_ids = list(self.token_ids)
+        child.block_hashes = list(self.block_hashes)
+        child.num_computed_tokens = self.num_computed_tokens
+        child.num_cached_tokens = self.num_cached_tokens
+        child.cumulative_logprob = self.cumulative_logprob
+        child.logprobs = list(self.logprobs)
+        child.text = self.text
+        return child
 
     def check_stop(self) -> RequestStatus | None:
         """The finished status this request has reached, if any."""

@@ -40,6 +40,11 @@ class Scheduler:
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
+    def adopt(self, request: Request) -> None:
+        """A forked sequence that already holds its blocks joins the running batch."""
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
@@ -56,6 +61,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             n = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
+            if n == 0:  # waiting on its group (a beam whose siblings lag behind)
+                i += 1
+                continue
             if self._make_room(request, n, out):
                 out.scheduled.append((request, n))
                 budget -= n
