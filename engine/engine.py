@@ -130,7 +130,7 @@ class LLMEngine:
         group = self.groups.pop(request_id, None)
         if group is None:
             return
-        for seq in group.live:
+        for seq in list(group.live):
             self._finish_seq(group, seq, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished(self) -> bool:
