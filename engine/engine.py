@@ -11,6 +11,7 @@ blocks by reference and copy the partial last block.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,32 @@ from engine.scheduler import Scheduler
 from engine.tokenizer import Tokenizer, has_tokenizer
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
+
+
+class NoCapacityError(RuntimeError):
+    """Not enough free KV blocks to reserve for a remote prefill right now."""
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Decode side: where a prompt's KV must land, and how much of it is already here."""
+
+    request_id: str
+    block_ids: list[int]
+    num_cached_tokens: int  # prompt tokens whose KV this worker already holds (whole blocks)
+
+
+@dataclass(frozen=True)
+class ExportSlice:
+    """Prefill side: KV of tokens [start, end) of an exported request was just written."""
+
+    request_id: str
+    start: int
+    end: int
+    block_ids: list[int]
+
+
+LayerHook = Callable[[int, list[ExportSlice]], None]
 
 
 @dataclass(frozen=True)
@@ -72,6 +99,10 @@ class LLMEngine:
         self.groups: dict[str, SequenceGroup] = {}
         self._seq_group: dict[str, SequenceGroup] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
+        # Prefill role: finished requests whose blocks wait to be shipped, and the
+        # hook told after each layer which exported tokens it has written.
+        self.held: dict[str, Request] = {}
+        self.layer_hook: LayerHook | None = None
 
     def _num_blocks(self, dtype: torch.dtype, device: torch.device) -> int:
         cache, sched = self.config.cache, self.config.scheduler
@@ -92,8 +123,17 @@ class LLMEngine:
 
     # -- requests ---------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        if request_id in self.groups:
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, export_kv: bool = False
+    ) -> None:
+        """Queue a request. With `export_kv` (prefill role) its blocks outlive it until
+        `release(request_id)`, so the KV can be shipped to a decode worker."""
+        request = self._new_group(request_id, prompt_token_ids, params)
+        request.export_kv = export_kv
+        self.scheduler.add(request)
+
+    def _new_group(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+        if request_id in self.groups or request_id in self.held:
             raise ValueError(f"request_id: {request_id!r} is already running")
         self._validate(prompt_token_ids, params)
         request = Request(
@@ -106,7 +146,61 @@ class LLMEngine:
         group = SequenceGroup(request_id, params, list(prompt_token_ids), [request], beam=beam)
         self.groups[request_id] = group
         self._track(request, group)
-        self.scheduler.add(request)
+        return request
+
+    # -- disaggregation: decode side ----------------------------------------------
+
+    def reserve_remote(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Reservation:
+        """Allocate blocks for a prompt whose KV a prefill worker will send. The
+        request waits (WAITING_FOR_REMOTE_KV, never scheduled) until `commit_remote`
+        or `abort`; the caller owns its deadline. Raises NoCapacityError when full."""
+        request = self._new_group(request_id, prompt_token_ids, params)
+        hits, num_hit = self.kv.get_computed_blocks(request)
+        if not self.kv.allocate_slots(request, request.num_tokens - num_hit, hits):
+            self._drop_group(request_id)
+            raise NoCapacityError(f"kv cache: no room for {request.num_tokens} tokens of {request_id!r}")
+        request.num_cached_tokens = num_hit
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        return Reservation(request_id, self.kv.block_ids(request_id), num_hit)
+
+    def commit_remote(self, request_id: str, first_token: int | None = None) -> list[RequestOutput]:
+        """The reserved blocks now hold the prompt's KV: start decoding. With
+        `first_token` (sampled by the prefill worker) decoding continues from it;
+        without (n > 1, beams) this worker recomputes the last prompt token and samples
+        itself. Returns the request's output if that token already finished it."""
+        group = self.groups.get(request_id)
+        if group is None or group.live[0].status != RequestStatus.WAITING_FOR_REMOTE_KV:
+            raise ValueError(f"request_id: {request_id!r} has no reservation waiting for KV")
+        request = group.live[0]
+        request.num_computed_tokens = request.num_prompt_tokens - (first_token is None)
+        self.kv.cache_full_blocks(request)
+        self.scheduler.adopt(request)
+        if first_token is None:
+            return []
+        finished: list[RequestOutput] = []
+        self._apply_tokens(request, first_token, None, None, finished)
+        return finished
+
+    def _drop_group(self, request_id: str) -> None:
+        group = self.groups.pop(request_id)
+        for seq in group.live:
+            self._seq_group.pop(seq.request_id, None)
+            self._detok.pop(seq.request_id, None)
+            self.kv.free(seq.request_id)
+
+    # -- disaggregation: prefill side ---------------------------------------------
+
+    def release(self, request_id: str) -> None:
+        """Free the blocks of a finished exported request (its KV has been shipped, or
+        its lease ran out)."""
+        request = self.held.pop(request_id, None)
+        if request is not None:
+            self.kv.free(request_id)
+
+    def held_block_ids(self, request_id: str) -> list[int]:
+        if request_id not in self.held:
+            raise ValueError(f"request_id: {request_id!r} holds no exported blocks")
+        return self.kv.block_ids(request_id)
 
     def _validate(self, prompt: list[int], params: SamplingParams) -> None:
         max_len = self.max_model_len
@@ -127,6 +221,8 @@ class LLMEngine:
             raise ValueError("stop: stop strings need a tokenizer, and this model has none")
 
     def abort(self, request_id: str) -> None:
+        """Stop a request wherever it is and free its blocks (idempotent)."""
+        self.release(request_id)
         group = self.groups.pop(request_id, None)
         if group is None:
             return
@@ -144,7 +240,7 @@ class LLMEngine:
         if not plan.scheduled:
             return self._fail_unschedulable()
         batch = [BatchItem(r, n, self.kv.block_ids(r.request_id)) for r, n in plan.scheduled]
-        logits, spans = self.runner.execute(batch)
+        logits, spans = self.runner.execute(batch, self._layer_callback(plan.scheduled))
         seqs, logit_rows, beams = [], [], []
         for (request, n), (first, num_rows) in zip(plan.scheduled, spans):
             if request.sampling_params.prompt_logprobs is not None and request.num_computed_tokens < request.num_prompt_tokens:
@@ -167,6 +263,19 @@ class LLMEngine:
         for group, request, row_logits in beams:
             self._beam_step(group, request, row_logits, finished)
         return finished
+
+    def _layer_callback(self, scheduled: list[tuple[Request, int]]) -> Callable[[int], None] | None:
+        hook = self.layer_hook
+        if hook is None:
+            return None
+        slices = [
+            ExportSlice(r.request_id, r.num_computed_tokens, r.num_computed_tokens + n, self.kv.block_ids(r.request_id))
+            for r, n in scheduled
+            if r.export_kv
+        ]
+        if not slices:
+            return None
+        return lambda layer: hook(layer, slices)
 
     def _record_prompt_logprobs(self, request: Request, logits: torch.Tensor) -> None:
         """Row j scores the token after position num_computed + j, while it is a prompt token."""
@@ -207,17 +316,21 @@ class LLMEngine:
     def _apply_samples(self, seqs: list[Request], logits: torch.Tensor, finished: list[RequestOutput]) -> None:
         result = self.sampler(logits, seqs)
         for i, seq in enumerate(seqs):
-            token = result.token_ids[i]
-            seq.append_token(token)
-            seq.cumulative_logprob += result.logprobs[i]
-            top = result.top_logprobs[i]
-            if top is not None:
-                seq.logprobs.append({**top, token: result.logprobs[i]})
-            status = seq.check_stop() or self._check_stop_strings(seq)
-            if status is not None:
-                group = self._seq_group[seq.request_id]
-                self._finish_seq(group, seq, status)
-                self._maybe_finish_group(group, finished)
+            self._apply_tokens(seq, result.token_ids[i], result.logprobs[i], result.top_logprobs[i], finished)
+
+    def _apply_tokens(
+        self, seq: Request, token: int, logprob: float | None, top: dict[int, float] | None, finished: list[RequestOutput]
+    ) -> None:
+        seq.append_token(token)
+        if logprob is not None:
+            seq.cumulative_logprob += logprob
+        if top is not None:
+            seq.logprobs.append({**top, token: logprob})
+        status = seq.check_stop() or self._check_stop_strings(seq)
+        if status is not None:
+            group = self._seq_group[seq.request_id]
+            self._finish_seq(group, seq, status)
+            self._maybe_finish_group(group, finished)
 
     def _check_stop_strings(self, seq: Request) -> RequestStatus | None:
         detok = self._detok.get(seq.request_id)
@@ -289,7 +402,10 @@ class LLMEngine:
                     self._detok[seq.request_id].append(t)
 
     def _finish_seq(self, group: SequenceGroup, seq: Request, status: RequestStatus, keep: bool = True) -> None:
-        self.scheduler.finish(seq, status)
+        hold = seq.export_kv and status != RequestStatus.FINISHED_ABORTED
+        self.scheduler.finish(seq, status, free=not hold)
+        if hold:
+            self.held[seq.request_id] = seq
         self._seq_group.pop(seq.request_id, None)
         detok = self._detok.pop(seq.request_id, None)
         if detok is not None and status != RequestStatus.FINISHED_STOPPED:
@@ -353,6 +469,7 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "num_requests_running": len(self.scheduler.running),
             "num_requests_waiting": len(self.scheduler.waiting),
+            "num_requests_held": len(self.held),
         }
 
     def check_integrity(self) -> None:

@@ -10,6 +10,7 @@ kvtransfer ships.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,7 +63,9 @@ class ModelRunner:
             self.kv_cache[:, dst] = self.kv_cache[:, src]
 
     @torch.inference_mode()
-    def execute(self, batch: list[BatchItem]) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    def execute(
+        self, batch: list[BatchItem], on_layer: Callable[[int], None] | None = None
+    ) -> tuple[torch.Tensor, list[tuple[int, int]]]:
         """Run one step; returns logits [R, vocab] and, per batch item, its (first row, rows).
 
         An item gets one row, for its last token, when it reaches the end of its known
@@ -102,6 +105,7 @@ class ModelRunner:
             meta,
             self.backend,
             torch.tensor(logits_rows, device=dev, dtype=torch.long),
+            on_layer,
         )
         return logits.float(), spans
 

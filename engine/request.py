@@ -17,6 +17,8 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    # Decode role: blocks reserved, pages arriving from a prefill worker.
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
 
     @property
     def finished(self) -> bool:
@@ -44,6 +46,8 @@ class Request:
     block_hashes: list[BlockHash] = field(default_factory=list)
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    # Prefill role: keep the blocks after finishing, until the KV has been shipped.
+    export_kv: bool = False
     # Which of a request's parallel samples this sequence is (seeds its noise).
     sample_index: int = 0
     cumulative_logprob: float = 0.0

@@ -105,11 +105,13 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def finish(self, request: Request, status: RequestStatus) -> None:
-        """Take a request out of the queues and free its blocks (every path out ends here)."""
+    def finish(self, request: Request, status: RequestStatus, free: bool = True) -> None:
+        """Take a request out of the queues and free its blocks (every path out ends
+        here; `free=False` only for KV a prefill worker still has to ship)."""
         request.status = status
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.kv.free(request.request_id)
+        if free:
+            self.kv.free(request.request_id)

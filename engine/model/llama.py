@@ -7,6 +7,8 @@ matmul each. Input is a flat batch of tokens from many sequences (no padding).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -92,11 +94,15 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
         logits_indices: torch.Tensor,  # rows of the flat batch whose next-token logits are needed
+        on_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
+        """`on_layer(i)` runs once layer i's K/V are in the cache (layer-wise KV streaming)."""
         h = self.embed_tokens(input_ids)
         rotary = self.rope.lookup(positions, h.dtype)
         for i, layer in enumerate(self.layers):
             h = layer(h, rotary, kv_cache[i], meta, backend)
+            if on_layer is not None:
+                on_layer(i)
         h = self.norm(h[logits_indices])
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(h, weight)
