@@ -326,18 +326,24 @@ class LLMEngine:
             seq.cumulative_logprob += logprob
         if top is not None:
             seq.logprobs.append({**top, token: logprob})
-        status = seq.check_stop() or self._check_stop_strings(seq)
+        new_text = self._detokenize(seq)
+        status = seq.check_stop() or self._check_stop_strings(seq, new_text)
         if status is not None:
             group = self._seq_group[seq.request_id]
             self._finish_seq(group, seq, status)
             self._maybe_finish_group(group, finished)
 
-    def _check_stop_strings(self, seq: Request) -> RequestStatus | None:
+    def _detokenize(self, seq: Request) -> str:
         detok = self._detok.get(seq.request_id)
         if detok is None:
-            return None
+            return ""
         new = detok.append(seq.token_ids[-1])
         seq.text = detok.text
+        return new
+
+    def _check_stop_strings(self, seq: Request, new: str) -> RequestStatus | None:
+        """Stop strings are matched on the text, so they may span tokens; the match
+        and everything after it is cut from the output."""
         if not new or not seq.sampling_params.stop:
             return None
         window = len(new) + max(len(s) for s in seq.sampling_params.stop)
