@@ -43,8 +43,11 @@ class TorchAttention(AttentionBackend):
         lens = meta.seq_lens[seqs].to(torch.long)
         max_len = int(lens.max())
         n_blocks = -(-max_len // meta.block_size)
-        keys = k_cache[tables[:, :n_blocks]].flatten(1, 2)[:, :max_len]  # [B, L, KVH, D]
-        vals = v_cache[tables[:, :n_blocks]].flatten(1, 2)[:, :max_len]
+        ids = tables[:, :n_blocks].flatten()
+        shape = (len(seqs), n_blocks * meta.block_size, *k_cache.shape[2:])
+        # index_select copies whole pages; plain indexing here is several times slower
+        keys = k_cache.index_select(0, ids).view(shape)[:, :max_len]  # [B, L, KVH, D]
+        vals = v_cache.index_select(0, ids).view(shape)[:, :max_len]
         pos = torch.arange(max_len, device=q.device)
         mask = pos[None, :] < lens[:, None]
         if window is not None:
@@ -64,7 +67,7 @@ def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.T
     """A sequence's first `seq_len` cached K and V, each [seq_len, KVH, D]."""
     n = -(-seq_len // k_cache.shape[1])
     ids = block_table[:n]
-    return k_cache[ids].flatten(0, 1)[:seq_len], v_cache[ids].flatten(0, 1)[:seq_len]
+    return k_cache.index_select(0, ids).flatten(0, 1)[:seq_len], v_cache.index_select(0, ids).flatten(0, 1)[:seq_len]
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
