@@ -60,6 +60,26 @@ LayerHook = Callable[[int, list[ExportSlice]], None]
 
 
 @dataclass(frozen=True)
+class TokenDelta:
+    """One token just appended to a sequence, for streaming (see `LLMEngine.token_hook`).
+
+    Told for every sampled token of plain and parallel-sampled requests, in the order
+    they are appended (a preempted sequence recomputes its KV but never re-emits).
+    Beam search emits none: beams reorder until the end, so its tokens are only final
+    in the `RequestOutput` that `step()` returns."""
+
+    request_id: str  # the request given to add_request (not the forked sequence's id)
+    index: int  # which of the request's parallel samples
+    token_id: int
+    logprob: float | None  # of the chosen token; None when not computed here (commit_remote)
+    top_logprobs: dict[int, float] | None  # when the request asked for logprobs
+    finish_reason: str | None  # "stop" / "length" when this token ended the sequence
+
+
+TokenHook = Callable[[TokenDelta], None]
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: str
     dtype: str = "float32"
@@ -103,6 +123,9 @@ class LLMEngine:
         # hook told after each layer which exported tokens it has written.
         self.held: dict[str, Request] = {}
         self.layer_hook: LayerHook | None = None
+        # Streaming: told each new token of a non-beam sequence, inside step() and
+        # commit_remote(), on the caller's thread, before step() returns.
+        self.token_hook: TokenHook | None = None
 
     def _num_blocks(self, dtype: torch.dtype, device: torch.device) -> int:
         cache, sched = self.config.cache, self.config.scheduler
@@ -328,8 +351,12 @@ class LLMEngine:
             seq.logprobs.append({**top, token: logprob})
         new_text = self._detokenize(seq)
         status = seq.check_stop() or self._check_stop_strings(seq, new_text)
+        group = self._seq_group[seq.request_id]
+        if self.token_hook is not None:
+            self.token_hook(TokenDelta(
+                group.request_id, seq.sample_index, token, logprob, top, status.value if status else None,
+            ))
         if status is not None:
-            group = self._seq_group[seq.request_id]
             self._finish_seq(group, seq, status)
             self._maybe_finish_group(group, finished)
 
@@ -477,6 +504,15 @@ class LLMEngine:
             "num_requests_waiting": len(self.scheduler.waiting),
             "num_requests_held": len(self.held),
         }
+
+    def has_scheduled_work(self) -> bool:
+        """Whether `step()` has anything to run (reservations waiting for remote KV and
+        held exported blocks do not count: they only change through calls)."""
+        return self.scheduler.num_unfinished > 0
+
+    def cached_block_hashes(self) -> list[bytes]:
+        """Hashes of the blocks whose KV this worker's prefix cache holds right now."""
+        return [b.block_hash for b in self.pool.blocks if b.block_hash is not None]
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from engine.attention import AttentionMetadata, get_backend
+from engine.attention.base import kv_rows
 from engine.config import ModelConfig
 from engine.model.loader import load_model
 from engine.request import Request
@@ -121,8 +122,7 @@ class ModelRunner:
         slot_mapping = torch.tensor(slots, dtype=torch.long, device=dev)
         return AttentionMetadata(
             slot_mapping=slot_mapping,
-            slot_blocks=slot_mapping // self.block_size,
-            slot_offsets=slot_mapping % self.block_size,
+            kv_rows=kv_rows(slot_mapping, self.block_size),
             query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             block_tables=tables.to(dev),

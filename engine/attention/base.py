@@ -23,8 +23,9 @@ import torch
 @dataclass(frozen=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64
-    slot_blocks: torch.Tensor  # [T] slot_mapping // block_size
-    slot_offsets: torch.Tensor  # [T] slot_mapping % block_size
+    # [T] row of each new token's K in the layer cache viewed as [NB * 2 * BS, KVH, D];
+    # its V sits block_size rows further (see write_kv)
+    kv_rows: torch.Tensor
     query_start_loc: torch.Tensor  # [B+1] int32
     seq_lens: torch.Tensor  # [B] int32
     block_tables: torch.Tensor  # [B, max_blocks] int32
@@ -49,8 +50,7 @@ class AttentionBackend(ABC):
         q: torch.Tensor,  # [T, H, D]
         k: torch.Tensor,  # [T, KVH, D]
         v: torch.Tensor,  # [T, KVH, D]
-        k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D] (strided view)
-        v_cache: torch.Tensor,
+        kv: torch.Tensor,  # one layer's cache [num_blocks, 2, block_size, KVH, D]
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
@@ -58,6 +58,16 @@ class AttentionBackend(ABC):
         """Write k/v into the cache at `meta.slot_mapping`, then attend; returns [T, H, D]."""
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
-    k_cache[meta.slot_blocks, meta.slot_offsets] = k
-    v_cache[meta.slot_blocks, meta.slot_offsets] = v
+def kv_rows(slot_mapping: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Slot (block * BS + offset) -> row of its K in a layer cache flattened to rows:
+
+        [block 0: K slot 0..BS-1 | V slot 0..BS-1 | block 1: K ... | V ... ]
+    """
+    return (slot_mapping // block_size) * (2 * block_size) + slot_mapping % block_size
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata) -> None:
+    """Store the step's new K/V (one index_copy each: much faster than 2-D indexing)."""
+    rows = kv.view(-1, *kv.shape[3:])
+    rows.index_copy_(0, meta.kv_rows, k)
+    rows.index_copy_(0, meta.kv_rows + meta.block_size, v)

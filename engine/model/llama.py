@@ -25,10 +25,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.to(torch.float32)
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        # Bit-identical to HF's op-by-op version (normalise in float32, cast, scale),
+        # in one fused kernel.
+        shape = (x.shape[-1],)
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, shape, self.weight, self.eps)
+        return self.weight * F.rms_norm(x.float(), shape, None, self.eps).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -42,12 +44,12 @@ class Attention(nn.Module):
 
     def forward(self, x, rotary: tuple[torch.Tensor, torch.Tensor], kv: torch.Tensor, meta, backend: AttentionBackend):
         cfg = self.cfg
-        q, k, v = self.qkv_proj(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = q.view(-1, cfg.num_heads, cfg.head_dim)
-        k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        q, k = apply_rotary(q, k, *rotary)
-        o = backend.forward(q, k, v, kv[:, 0], kv[:, 1], meta, self.scale, self.sliding_window)
+        qkv = self.qkv_proj(x)
+        # q and k are adjacent columns: rotate both heads' sets in one pass
+        qk = qkv[:, : cfg.q_size + cfg.kv_size].view(-1, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
+        q, k = apply_rotary(qk, *rotary).split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+        v = qkv[:, cfg.q_size + cfg.kv_size :].view(-1, cfg.num_kv_heads, cfg.head_dim)
+        o = backend.forward(q, k, v, kv, meta, self.scale, self.sliding_window)
         return self.o_proj(o.reshape(-1, cfg.q_size))
 
 

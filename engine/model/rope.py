@@ -42,15 +42,17 @@ class RotaryEmbedding:
         self.sin = emb.sin()
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [T, 1, D] for a step's tokens (looked up once, used by every layer)."""
-        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+        """cos and signed sin [T, 1, D] for a step's tokens (looked up once per step).
+
+        HF rotates with rotate_half(x) * sin = cat(-x2, x1) * cat(s, s); we compute the
+        same products as roll(x) * cat(-s, s): bit-identical, fewer passes.
+        """
+        cos = self.cos[positions].to(dtype)[:, None, :]
+        sin = self.sin[positions].to(dtype)[:, None, :]
+        half = sin.shape[-1] // 2
+        return cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
 
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q [T, H, D] and k [T, KVH, D] as Hugging Face's apply_rotary_pos_emb does."""
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, heads, D] as Hugging Face's apply_rotary_pos_emb does."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
