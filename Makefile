@@ -18,8 +18,9 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# A local cluster (router + workers as processes), prompts over gRPC, then shutdown.
 demo: $(STAMP)
-	$(PY) -m engine.demo --model $(MODEL)
+	$(PY) -m launch.demo --model $(MODEL)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

@@ -1,8 +1,18 @@
-"""The `pdserve` command line."""
+"""The `pdserve` command line.
+
+    pdserve offline PROMPT...            generate in this process with the engine alone
+    pdserve up [--decode M] [--prefill N] [--mixed K] [--port P] [router/worker flags]
+                                         a local cluster; prints `ready <address>`
+    pdserve router|prefill|decode|mixed [flags]   one service
+    pdserve generate [--addr A] PROMPT   stream a completion from a running router
+
+Every flag also reads PDSERVE_<NAME> from the environment (e.g. PDSERVE_NUM_BLOCKS).
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 
@@ -17,10 +27,78 @@ def _offline(args: argparse.Namespace) -> int:
     return 0
 
 
+def _router(args: argparse.Namespace) -> int:
+    from services.common.flags import from_namespace
+    from services.router.config import RouterConfig
+    from services.router.main import run
+
+    return run(from_namespace(RouterConfig, args))
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from services.common.flags import from_namespace
+    from services.worker.config import WorkerConfig
+    from services.worker.main import run
+
+    return run(from_namespace(WorkerConfig, args, role=args.command))
+
+
+def _up(args: argparse.Namespace) -> int:
+    from launch.local import ClusterSpec, LaunchConfig, up
+    from services.common.flags import from_namespace
+    from services.router.config import RouterConfig
+    from services.worker.config import WorkerConfig
+
+    spec = ClusterSpec(
+        router=from_namespace(RouterConfig, args),
+        worker=from_namespace(WorkerConfig, args, role="decode"),
+        launch=from_namespace(LaunchConfig, args),
+    )
+    return up(spec)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import grpc
+    from google.protobuf import json_format
+
+    from services.router.client import Client
+
+    sampling = {"max_tokens": args.max_tokens, "temperature": args.temperature, "n": args.n,
+                "beam_width": args.beam_width, "seed": args.seed}
+    texts: dict[int, str] = {}
+    try:
+        with Client(args.addr, timeout=args.timeout) as client:
+            for message in client.generate(args.prompt, **sampling):
+                if args.json:
+                    record = json_format.MessageToDict(
+                        message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True,
+                    )
+                    print(json.dumps(record), flush=True)
+                elif args.n == 1 and args.beam_width == 1:
+                    print(message.text, end="", flush=True)
+                else:
+                    texts[message.index] = texts.get(message.index, "") + message.text
+    except grpc.RpcError as e:
+        print(f"\npdserve: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    if not args.json and (args.n > 1 or args.beam_width > 1):
+        for index in sorted(texts):
+            print(f"--- [{index}]\n{texts[index]}")
+    elif not args.json:
+        print()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from engine.llm import DEFAULT_MODEL
+    from launch.local import PER_WORKER, LaunchConfig
+    from services.common.flags import add_flags
+    from services.router.config import RouterConfig
+    from services.worker.config import WorkerConfig
 
-    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="pdserve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     off = sub.add_parser("offline", help="generate in this process with the engine alone")
     off.add_argument("prompts", nargs="+")
@@ -31,16 +109,65 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--dtype", default="float32")
     off.add_argument("--device", default="cpu")
     off.set_defaults(func=_offline)
+
+    up = sub.add_parser("up", help="start router + workers locally; prints `ready <address>`")
+    add_flags(up, LaunchConfig)
+    taken = add_flags(up, RouterConfig, skip={"address_file"})  # shared names (model, block_size, ...) go to both
+    add_flags(up, WorkerConfig, skip=taken | set(PER_WORKER))
+    up.set_defaults(func=_up)
+
+    router = sub.add_parser("router", help="the router: public Generation API + worker registry")
+    add_flags(router, RouterConfig)
+    router.set_defaults(func=_router)
+    for role in ("prefill", "decode", "mixed"):
+        worker = sub.add_parser(role, help=f"a {role} worker")
+        add_flags(worker, WorkerConfig)
+        worker.set_defaults(func=_worker)
+
+    gen = sub.add_parser("generate", help="stream a completion from a running router")
+    gen.add_argument("prompt")
+    gen.add_argument("--addr", default="127.0.0.1:50051")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--n", type=int, default=1)
+    gen.add_argument("--beam-width", type=int, default=1)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds")
+    gen.add_argument("--json", action="store_true", help="one JSON object per response message")
+    gen.set_defaults(func=_generate)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
-    except ValueError as e:
+        code = args.func(args)
+    except ValueError as e:  # bad flags or input: the message names the field
         print(f"pdserve: {e}", file=sys.stderr)
-        return 2
+        code = 2
+    except (TimeoutError, OSError) as e:  # router unreachable, port taken, ...
+        print(f"pdserve: {e}", file=sys.stderr)
+        code = 1
+    if args.command in SERVICES:
+        _exit_now(code)
+    return code
+
+
+# Long-running services: each tears its own state down in order (server, engine
+# thread, connector) before returning, so the interpreter's slow generic teardown of
+# torch and gRPC (seconds) is skipped; a launcher's stop then takes well under its
+# grace period.
+SERVICES = ("router", "prefill", "decode", "mixed")
+
+
+def _exit_now(code: int) -> None:
+    import logging
+    import os
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

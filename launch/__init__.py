@@ -1,0 +1,1 @@
+"""Launchers: local processes (launch/local.py); Ray placement groups to come."""

@@ -1,0 +1,403 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ROLE_UNSPECIFIED: _ClassVar[Role]
+    ROLE_PREFILL: _ClassVar[Role]
+    ROLE_DECODE: _ClassVar[Role]
+    ROLE_MIXED: _ClassVar[Role]
+ROLE_UNSPECIFIED: Role
+ROLE_PREFILL: Role
+ROLE_DECODE: Role
+ROLE_MIXED: Role
+
+class TokenIds(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SamplingOptions(_message.Message):
+    __slots__ = ("max_tokens", "min_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs", "n", "beam_width", "length_penalty", "early_stopping")
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
+    BEAM_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    EARLY_STOPPING_FIELD_NUMBER: _ClassVar[int]
+    max_tokens: int
+    min_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    seed: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ignore_eos: bool
+    logprobs: int
+    prompt_logprobs: int
+    n: int
+    beam_width: int
+    length_penalty: float
+    early_stopping: str
+    def __init__(self, max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., n: _Optional[int] = ..., beam_width: _Optional[int] = ..., length_penalty: _Optional[float] = ..., early_stopping: _Optional[str] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("request_id", "model", "text", "token_ids", "sampling")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    model: str
+    text: str
+    token_ids: TokenIds
+    sampling: SamplingOptions
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ...) -> None: ...
+
+class TopLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
+
+class TokenLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob", "top")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    top: _containers.RepeatedCompositeFieldContainer[TopLogprob]
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
+
+class PromptTokenLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob", "top")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    top: _containers.RepeatedCompositeFieldContainer[TopLogprob]
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
+
+class Usage(_message.Message):
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+
+class Timing(_message.Message):
+    __slots__ = ("ttft_seconds", "tpot_seconds", "e2e_seconds")
+    TTFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TPOT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    E2E_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ttft_seconds: float
+    tpot_seconds: float
+    e2e_seconds: float
+    def __init__(self, ttft_seconds: _Optional[float] = ..., tpot_seconds: _Optional[float] = ..., e2e_seconds: _Optional[float] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("request_id", "index", "text", "token_ids", "logprobs", "finish_reason", "usage", "timing", "cumulative_logprob", "prompt_logprobs")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
+    CUMULATIVE_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    index: int
+    text: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    finish_reason: str
+    usage: Usage
+    timing: Timing
+    cumulative_logprob: float
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptTokenLogprob]
+    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., cumulative_logprob: _Optional[float] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptTokenLogprob, _Mapping]]] = ...) -> None: ...
+
+class ListModelsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("name", "max_model_len", "vocab_size", "max_n")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_N_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    max_model_len: int
+    vocab_size: int
+    max_n: int
+    def __init__(self, name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_n: _Optional[int] = ...) -> None: ...
+
+class ListModelsResponse(_message.Message):
+    __slots__ = ("models",)
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
+    def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
+
+class ReserveRequest(_message.Message):
+    __slots__ = ("request_id", "token_ids", "sampling", "timeout_seconds")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: SamplingOptions
+    timeout_seconds: float
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class ReserveResponse(_message.Message):
+    __slots__ = ("kv_endpoint", "num_cached_tokens", "block_ids", "block_size", "transfer_target")
+    KV_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_TARGET_FIELD_NUMBER: _ClassVar[int]
+    kv_endpoint: str
+    num_cached_tokens: int
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_size: int
+    transfer_target: bytes
+    def __init__(self, kv_endpoint: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., transfer_target: _Optional[bytes] = ...) -> None: ...
+
+class KVTarget(_message.Message):
+    __slots__ = ("worker_id", "kv_endpoint", "block_ids", "num_cached_tokens", "transfer_target")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_TARGET_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    kv_endpoint: str
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_cached_tokens: int
+    transfer_target: bytes
+    def __init__(self, worker_id: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., transfer_target: _Optional[bytes] = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("request_id", "token_ids", "sampling", "target", "sample_first_token")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: SamplingOptions
+    target: KVTarget
+    sample_first_token: bool
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., target: _Optional[_Union[KVTarget, _Mapping]] = ..., sample_first_token: _Optional[bool] = ...) -> None: ...
+
+class PrefillResponse(_message.Message):
+    __slots__ = ("first_token", "num_cached_tokens")
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    first_token: TokenLogprob
+    num_cached_tokens: int
+    def __init__(self, first_token: _Optional[_Union[TokenLogprob, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+
+class DecodeRequest(_message.Message):
+    __slots__ = ("request_id", "local_prefill", "token_ids", "sampling")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    local_prefill: bool
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: SamplingOptions
+    def __init__(self, request_id: _Optional[str] = ..., local_prefill: _Optional[bool] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ...) -> None: ...
+
+class SequenceDelta(_message.Message):
+    __slots__ = ("index", "token_ids", "logprobs", "finish_reason")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    finish_reason: str
+    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ...) -> None: ...
+
+class SequenceResult(_message.Message):
+    __slots__ = ("index", "token_ids", "finish_reason", "cumulative_logprob")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    CUMULATIVE_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    finish_reason: str
+    cumulative_logprob: float
+    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., cumulative_logprob: _Optional[float] = ...) -> None: ...
+
+class DecodeResponse(_message.Message):
+    __slots__ = ("deltas", "finished", "results", "num_cached_tokens", "prompt_logprobs")
+    DELTAS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    deltas: _containers.RepeatedCompositeFieldContainer[SequenceDelta]
+    finished: bool
+    results: _containers.RepeatedCompositeFieldContainer[SequenceResult]
+    num_cached_tokens: int
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptTokenLogprob]
+    def __init__(self, deltas: _Optional[_Iterable[_Union[SequenceDelta, _Mapping]]] = ..., finished: _Optional[bool] = ..., results: _Optional[_Iterable[_Union[SequenceResult, _Mapping]]] = ..., num_cached_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptTokenLogprob, _Mapping]]] = ...) -> None: ...
+
+class AbortRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class AbortResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ("include_block_hashes",)
+    INCLUDE_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    include_block_hashes: bool
+    def __init__(self, include_block_hashes: _Optional[bool] = ...) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("worker_id", "role", "block_size", "num_blocks", "num_free_blocks", "num_cached_blocks", "prefix_cache_queries", "prefix_cache_hits", "num_running", "num_waiting", "num_held", "num_reserved", "num_preemptions", "cached_block_hashes")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    NUM_HELD_FIELD_NUMBER: _ClassVar[int]
+    NUM_RESERVED_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    role: Role
+    block_size: int
+    num_blocks: int
+    num_free_blocks: int
+    num_cached_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_running: int
+    num_waiting: int
+    num_held: int
+    num_reserved: int
+    num_preemptions: int
+    cached_block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_held: _Optional[int] = ..., num_reserved: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., cached_block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class WorkerInfo(_message.Message):
+    __slots__ = ("worker_id", "role", "address", "model", "kv_endpoint", "block_size", "max_model_len", "num_blocks", "pid")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    KV_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    role: Role
+    address: str
+    model: str
+    kv_endpoint: str
+    block_size: int
+    max_model_len: int
+    num_blocks: int
+    pid: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_blocks: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("worker",)
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    worker: WorkerInfo
+    def __init__(self, worker: _Optional[_Union[WorkerInfo, _Mapping]] = ...) -> None: ...
+
+class RegisterResponse(_message.Message):
+    __slots__ = ("heartbeat_interval_seconds", "timeout_seconds")
+    HEARTBEAT_INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    heartbeat_interval_seconds: float
+    timeout_seconds: float
+    def __init__(self, heartbeat_interval_seconds: _Optional[float] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class Load(_message.Message):
+    __slots__ = ("num_free_blocks", "num_running", "num_waiting")
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    num_free_blocks: int
+    num_running: int
+    num_waiting: int
+    def __init__(self, num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("worker_id", "load")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    load: Load
+    def __init__(self, worker_id: _Optional[str] = ..., load: _Optional[_Union[Load, _Mapping]] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListWorkersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListWorkersResponse(_message.Message):
+    __slots__ = ("workers",)
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ...) -> None: ...

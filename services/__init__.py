@@ -1,0 +1,1 @@
+"""gRPC services wiring the engine (and kvtransfer) into a cluster: router, workers."""

@@ -1,0 +1,1 @@
+"""What every service shares: flags/env config, logging, gRPC server setup, errors."""

@@ -1,0 +1,63 @@
+"""Between proto messages (pdserve.v1) and engine types. No policy here."""
+
+from __future__ import annotations
+
+from engine.engine import TokenDelta
+from engine.sampling_params import SamplingParams
+from proto.pdserve.v1 import pdserve_pb2 as pb
+
+_SCALARS = (
+    "max_tokens", "min_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+    "presence_penalty", "frequency_penalty", "seed", "ignore_eos", "logprobs", "prompt_logprobs",
+    "n", "beam_width", "length_penalty",
+)
+_EARLY_STOPPING = {"true": True, "false": False, "never": "never"}
+
+ROLES = {"prefill": pb.ROLE_PREFILL, "decode": pb.ROLE_DECODE, "mixed": pb.ROLE_MIXED}
+ROLE_NAMES = {v: k for k, v in ROLES.items()}
+
+
+def params_from_options(options: pb.SamplingOptions) -> SamplingParams:
+    """SamplingParams from the set fields (unset ones keep the engine defaults).
+    Raises ValueError naming the field for any value SamplingParams refuses."""
+    kwargs: dict[str, object] = {name: getattr(options, name) for name in _SCALARS if options.HasField(name)}
+    if options.stop:
+        kwargs["stop"] = tuple(options.stop)
+    if options.stop_token_ids:
+        kwargs["stop_token_ids"] = tuple(options.stop_token_ids)
+    if options.HasField("early_stopping"):
+        value = options.early_stopping.strip().lower()
+        if value not in _EARLY_STOPPING:
+            raise ValueError(f"early_stopping: must be 'true', 'false' or 'never', got {options.early_stopping!r}")
+        kwargs["early_stopping"] = _EARLY_STOPPING[value]
+    return SamplingParams(**kwargs)  # type: ignore[arg-type]
+
+
+def token_logprob(token_id: int, logprob: float, top: dict[int, float] | None) -> pb.TokenLogprob:
+    ranked = sorted((top or {}).items(), key=lambda kv: -kv[1])
+    return pb.TokenLogprob(
+        token_id=token_id, logprob=logprob,
+        top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in ranked],
+    )
+
+
+def delta_logprob(delta: TokenDelta) -> pb.TokenLogprob | None:
+    """The chosen token's logprob and the top-k, when the request asked for logprobs."""
+    if delta.top_logprobs is None or delta.logprob is None:
+        return None
+    return token_logprob(delta.token_id, delta.logprob, delta.top_logprobs)
+
+
+def prompt_logprobs(prompt: list[int], entries: list[dict[int, float] | None]) -> list[pb.PromptTokenLogprob]:
+    """Engine prompt logprobs (None first, then {top-k..., actual}) as messages; `top`
+    holds the engine's entry as is: the top-k and the actual token."""
+    out = []
+    for token, entry in zip(prompt, entries):
+        message = pb.PromptTokenLogprob(token_id=token)
+        if entry is not None:
+            if token in entry:
+                message.logprob = entry[token]
+            ranked = sorted(entry.items(), key=lambda kv: -kv[1])
+            message.top.extend(pb.TopLogprob(token_id=t, logprob=lp) for t, lp in ranked)
+        out.append(message)
+    return out

@@ -1,0 +1,71 @@
+"""The decode role's RPCs: Reserve and Decode."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import grpc
+
+from proto.pdserve.v1 import pdserve_pb2 as pb
+from services.common.convert import params_from_options
+from services.common.deadline import Deadline
+from services.common.errors import rpc_errors
+from services.decode.stream import DecodeStream
+from services.worker.config import WorkerConfig
+from services.worker.engine_loop import EngineLoop
+from services.worker.kv_seam import KVReceiver
+
+log = logging.getLogger(__name__)
+CALL_TIMEOUT = 10.0  # longest wait for the engine thread to take a command
+
+
+class DecodeService:
+    def __init__(self, loop: EngineLoop, receiver: KVReceiver | None, config: WorkerConfig) -> None:
+        self.loop = loop
+        self.receiver = receiver
+        self.config = config
+
+    def reserve(self, request: pb.ReserveRequest, context: grpc.ServicerContext) -> pb.ReserveResponse:
+        """Blocks for a prompt whose KV a prefill worker will send (P/D seam)."""
+        if self.receiver is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "Reserve: this worker has no KV receiver (--kv-connector)")
+        lease = min(request.timeout_seconds or self.config.reservation_timeout, self.config.reservation_timeout)
+        with rpc_errors(context):
+            params = params_from_options(request.sampling)
+            reservation = self.loop.reserve(request.request_id, list(request.token_ids), params, lease, CALL_TIMEOUT)
+        try:
+            plan = self.receiver.expect(reservation, list(request.token_ids), params, Deadline.after(lease).at)
+        except Exception as e:
+            self.loop.abort(request.request_id)
+            context.abort(grpc.StatusCode.INTERNAL, f"Reserve: KV receiver refused {request.request_id!r}: {e}")
+        return pb.ReserveResponse(
+            kv_endpoint=self.receiver.endpoint, num_cached_tokens=reservation.num_cached_tokens,
+            block_ids=reservation.block_ids, block_size=self.config.block_size, transfer_target=plan,
+        )
+
+    def decode(self, request: pb.DecodeRequest, context: grpc.ServicerContext) -> Iterator[pb.DecodeResponse]:
+        deadline = Deadline.of_rpc(context, self.config.request_timeout)
+        rid = request.request_id
+        with rpc_errors(context):
+            if not rid:
+                raise ValueError("request_id: must not be empty")
+            if request.local_prefill:
+                params = params_from_options(request.sampling)
+                stream = self.loop.submit(rid, list(request.token_ids), params, CALL_TIMEOUT)
+            else:
+                stream = self._attach(rid, context)
+        decode = DecodeStream(stream)
+        try:
+            yield from decode.messages(self.loop, context, deadline)
+        finally:
+            # Cancelled, deadline passed, failed: free it (the loop cancels it on the KV
+            # receiver first). A finished request is freed already.
+            if not decode.finished:
+                self.loop.abort(rid)
+
+    def _attach(self, rid: str, context: grpc.ServicerContext):
+        try:
+            return self.loop.attach(rid, CALL_TIMEOUT)
+        except KeyError as e:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(e.args[0]))

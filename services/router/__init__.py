@@ -1,0 +1,1 @@
+"""The router: public Generation API, validation, routing, streaming, retries."""

@@ -1,0 +1,253 @@
+"""Running one validated request on the workers, with retries.
+
+    for each attempt (another decode worker each time, at most --max-attempts):
+        D = least loaded decode worker
+        if D and some prefill worker can move KV and the prompt's part D has not
+           cached is >= --local-prefill-threshold tokens:         # P/D seam
+            D.Reserve -> blocks + KV endpoint
+            D.Decode(local_prefill=false) -> D's token stream (buffered on D)
+            P = best prefill worker (cached prefix vs queue); P.Prefill(D's endpoint)
+              -> first token, forwarded at once (TTFT); P dead: next P
+            stream D's tokens after the first
+            no P left: abort the reservation, prefill on D instead
+        else:
+            D.Decode(local_prefill=true) -> D's token stream
+    A worker failure before any token reached the client: next attempt.
+    After a token: UNAVAILABLE. Client gone or deadline: Abort on the workers.
+
+Every attempt gets its own worker request id, so a late abort of one attempt can
+never hit the next.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Generator, Iterator
+from dataclasses import dataclass
+
+import grpc
+
+from proto.pdserve.v1 import pdserve_pb2 as pb
+from services.common.deadline import Deadline
+from services.router import policy
+from services.router.config import RouterConfig
+from services.router.registry import WorkerHandle, WorkerRegistry
+from services.router.validate import Job
+
+log = logging.getLogger(__name__)
+ABORT_TIMEOUT = 1.0
+RESERVE_TIMEOUT = 10.0
+RESERVATION_LEASE = 30.0
+
+
+class RouterError(Exception):
+    """End the client's RPC with this status."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class ClientGone(Exception):
+    """The client cancelled or its deadline passed: nobody to answer."""
+
+
+class WorkerFailed(Exception):
+    """A worker died or refused in a way another worker may not."""
+
+
+@dataclass
+class _Attempt:
+    worker_request_id: str
+    produced: bool = False  # a token reached the client
+
+
+class Dispatcher:
+    def __init__(self, registry: WorkerRegistry, config: RouterConfig) -> None:
+        self.registry = registry
+        self.config = config
+
+    def run(
+        self, job: Job, deadline: Deadline, context: grpc.ServicerContext, note_cached: Callable[[int], None]
+    ) -> Iterator[pb.DecodeResponse]:
+        tried: set[str] = set()
+        failures: list[str] = []
+        for number in range(self.config.max_attempts):
+            decode = self.registry.acquire_decode(job.block_hashes, tried)
+            if decode is None:
+                break
+            tried.add(decode.worker_id)
+            attempt = _Attempt(f"{job.worker_request_id}-{number}")
+            try:
+                yield from self._on(decode, job, attempt, deadline, context, note_cached)
+                return
+            except WorkerFailed as e:
+                if attempt.produced:
+                    log.warning("request %s: %s mid-stream; failing it", job.request_id, e)
+                    self.registry.probe_soon()
+                    message = f"decode worker {decode.worker_id} failed mid-stream: {e}"
+                    raise RouterError(grpc.StatusCode.UNAVAILABLE, message) from None
+                failures.append(f"{decode.worker_id}: {e}")
+                log.warning("request %s: %s; retrying on another worker", job.request_id, e)
+                self.registry.probe_soon()
+            finally:
+                self.registry.release(decode)
+        detail = "; ".join(failures) if failures else "no decode worker is registered"
+        raise RouterError(grpc.StatusCode.UNAVAILABLE, f"no decode worker could serve the request ({detail})")
+
+    def _on(
+        self, decode: WorkerHandle, job: Job, attempt: _Attempt, deadline: Deadline,
+        context: grpc.ServicerContext, note_cached: Callable[[int], None],
+    ) -> Iterator[pb.DecodeResponse]:
+        if self._remote_prefill(job, decode):
+            served = yield from self._disaggregated(decode, job, attempt, deadline, context, note_cached)
+            if served:
+                return
+            attempt.worker_request_id += "-local"
+        request = pb.DecodeRequest(
+            request_id=attempt.worker_request_id, local_prefill=True, token_ids=job.prompt, sampling=job.options,
+        )
+        call = decode.stub.Decode(request, timeout=deadline.remaining())
+        yield from self._stream(decode, call, attempt, context, skip_first=False)
+
+    def _remote_prefill(self, job: Job, decode: WorkerHandle) -> bool:
+        if not decode.info.kv_endpoint or job.params.prompt_logprobs is not None:
+            return False
+        if not self.registry.has_remote_prefill():
+            return False
+        cached = policy.cached_prefix_tokens(job.block_hashes, decode.cached, self.config.block_size)
+        return not policy.prefill_locally(len(job.prompt), cached, self.config.local_prefill_threshold)
+
+    # -- the P/D seam ---------------------------------------------------------------------
+
+    def _disaggregated(
+        self, decode: WorkerHandle, job: Job, attempt: _Attempt, deadline: Deadline,
+        context: grpc.ServicerContext, note_cached: Callable[[int], None],
+    ) -> Generator[pb.DecodeResponse, None, bool]:
+        """Reserve on D, prefill on P into D's blocks, stream D. Returns False (nothing
+        sent) when the request should be prefilled on D after all."""
+        rid = attempt.worker_request_id
+        reservation = self._reserve(decode, job, rid, deadline, context)
+        if reservation is None:
+            return False
+        call = decode.stub.Decode(pb.DecodeRequest(request_id=rid), timeout=deadline.remaining())
+        _cancel_with_client(context, call)
+        prefilled = self._prefill(decode, job, rid, reservation, deadline, context)
+        if prefilled is None:  # no prefill worker could do it: free D's reservation
+            call.cancel()
+            _abort_quietly(decode, rid)
+            return False
+        note_cached(max(prefilled.num_cached_tokens, reservation.num_cached_tokens))
+        first = prefilled.first_token if prefilled.HasField("first_token") else None
+        if first is not None:
+            logprobs = [first] if job.params.logprobs is not None else []
+            attempt.produced = True
+            yield pb.DecodeResponse(deltas=[pb.SequenceDelta(index=0, token_ids=[first.token_id], logprobs=logprobs)])
+        yield from self._stream(decode, call, attempt, context, skip_first=first is not None)
+        return True
+
+    def _reserve(
+        self, decode: WorkerHandle, job: Job, rid: str, deadline: Deadline, context: grpc.ServicerContext
+    ) -> pb.ReserveResponse | None:
+        request = pb.ReserveRequest(
+            request_id=rid, token_ids=job.prompt, sampling=job.options,
+            timeout_seconds=min(deadline.remaining(), RESERVATION_LEASE),
+        )
+        try:
+            return decode.stub.Reserve(request, timeout=min(deadline.remaining(), RESERVE_TIMEOUT))
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.FAILED_PRECONDITION:  # no KV receiver after all
+                return None
+            raise self._classify(decode, e, context, rid) from None
+
+    def _prefill(
+        self, decode: WorkerHandle, job: Job, rid: str, reservation: pb.ReserveResponse, deadline: Deadline,
+        context: grpc.ServicerContext,
+    ) -> pb.PrefillResponse | None:
+        """Prefill on the best prefill worker, the next one if it fails; None if none could."""
+        request = pb.PrefillRequest(
+            request_id=rid, token_ids=job.prompt, sampling=job.options,
+            target=pb.KVTarget(
+                worker_id=decode.worker_id, kv_endpoint=reservation.kv_endpoint,
+                block_ids=reservation.block_ids, num_cached_tokens=reservation.num_cached_tokens,
+                transfer_target=reservation.transfer_target,
+            ),
+            sample_first_token=job.params.n == 1 and not job.params.use_beam_search,
+        )
+        tried = {decode.worker_id}
+        for _ in range(self.config.max_attempts):
+            prefill = self.registry.acquire_prefill(job.block_hashes, tried)
+            if prefill is None:
+                return None
+            tried.add(prefill.worker_id)
+            try:
+                future = prefill.stub.Prefill.future(request, timeout=deadline.remaining())
+                _cancel_with_client(context, future)
+                return future.result()
+            except grpc.RpcError as e:
+                error = self._classify(prefill, e, context, rid)
+                if not isinstance(error, WorkerFailed):
+                    _abort_quietly(decode, rid)
+                    raise error from None
+                log.warning("request %s: prefill on %s failed (%s); next prefill worker",
+                            job.request_id, prefill.worker_id, error)
+                self.registry.probe_soon()
+            finally:
+                self.registry.release(prefill)
+        return None
+
+    # -- streams and errors -----------------------------------------------------------------
+
+    def _stream(
+        self, worker: WorkerHandle, call: grpc.Call, attempt: _Attempt, context: grpc.ServicerContext, skip_first: bool
+    ) -> Iterator[pb.DecodeResponse]:
+        _cancel_with_client(context, call)
+        try:
+            for message in call:
+                if skip_first:
+                    skip_first = not _drop_first_token(message)
+                if any(d.token_ids for d in message.deltas) or any(r.token_ids for r in message.results):
+                    attempt.produced = True
+                yield message
+        except grpc.RpcError as e:
+            raise self._classify(worker, e, context, attempt.worker_request_id) from None
+
+    def _classify(self, worker: WorkerHandle, error: grpc.RpcError, context: grpc.ServicerContext, rid: str) -> Exception:
+        code = error.code()
+        if not context.is_active():
+            _abort_quietly(worker, rid)
+            return ClientGone()
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            _abort_quietly(worker, rid)
+            return RouterError(code, f"deadline passed ({error.details()})")
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED,
+                    grpc.StatusCode.RESOURCE_EXHAUSTED):
+            why = "dropped" if worker.dropped else f"{code.name}: {error.details()}"
+            return WorkerFailed(f"worker {worker.worker_id} {why}")
+        return RouterError(code, error.details() or code.name)
+
+
+def _cancel_with_client(context: grpc.ServicerContext, call: grpc.Future) -> None:
+    """Cancel a worker call when the client's call ends (cancel, deadline, done)."""
+    if not context.add_callback(call.cancel):
+        call.cancel()
+
+
+def _drop_first_token(message: pb.DecodeResponse) -> bool:
+    """Remove sequence 0's first token (already forwarded from Prefill); True if done."""
+    for delta in message.deltas:
+        if delta.index == 0 and delta.token_ids:
+            if len(delta.logprobs) == len(delta.token_ids):
+                del delta.logprobs[0]
+            del delta.token_ids[0]
+            return True
+    return False
+
+
+def _abort_quietly(worker: WorkerHandle, rid: str) -> None:
+    """Best effort: the worker also aborts on its own when our stream to it ends."""
+    try:
+        worker.stub.Abort(pb.AbortRequest(request_id=rid), timeout=ABORT_TIMEOUT)
+    except grpc.RpcError:
+        pass

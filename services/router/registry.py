@@ -1,0 +1,229 @@
+"""The router's view of its workers: who is alive, their load, what they cache.
+
+A worker is live from a successful Register (the router first checks it answers
+Stats) until it is dropped: no heartbeat or Stats answer for `worker_timeout`, or
+a Stats poll finds it unreachable. Dropping closes its channel, which cancels every
+call in flight to it; the dispatcher sees `handle.dropped` and fails or retries
+those requests. A dropped worker that heartbeats again is told NOT_FOUND and
+registers anew, so workers join (and rejoin) while the cluster serves.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from proto.pdserve.v1 import pdserve_pb2 as pb
+from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from services.common.convert import ROLE_NAMES
+from services.common.server import CHANNEL_OPTIONS
+from services.router import policy
+from services.router.config import RouterConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class WorkerHandle:
+    info: pb.WorkerInfo
+    channel: grpc.Channel
+    stub: pb_grpc.WorkerStub
+    last_seen: float
+    inflight: int = 0
+    running: int = 0
+    waiting: int = 0
+    free_blocks: int = 0
+    cached: frozenset[bytes] = field(default_factory=frozenset)
+    dropped: bool = False
+
+    @property
+    def worker_id(self) -> str:
+        return self.info.worker_id
+
+    @property
+    def role(self) -> str:
+        return ROLE_NAMES.get(self.info.role, "unknown")
+
+    @property
+    def can_decode(self) -> bool:
+        return self.role in ("decode", "mixed")
+
+    @property
+    def can_prefill_remote(self) -> bool:
+        return self.role in ("prefill", "mixed") and bool(self.info.kv_endpoint)
+
+    def load(self) -> policy.Load:
+        return policy.Load(self.worker_id, self.inflight, self.running, self.waiting, self.free_blocks, self.cached)
+
+
+class WorkerRegistry:
+    def __init__(self, config: RouterConfig, model_name: str, max_model_len: int) -> None:
+        self.config = config
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self._lock = threading.Lock()
+        self._workers: dict[str, WorkerHandle] = {}
+        self._stop = threading.Event()
+        self._probe = threading.Event()
+        self._monitor = threading.Thread(target=self._watch, name="worker-monitor", daemon=True)
+
+    # -- membership ---------------------------------------------------------------------
+
+    def register(self, info: pb.WorkerInfo) -> None:
+        """Add (or replace) a worker after checking it fits and answers. Raises
+        ValueError naming the mismatching field, or ConnectionError."""
+        self._check_compatible(info)
+        channel = grpc.insecure_channel(info.address, options=CHANNEL_OPTIONS)
+        stub = pb_grpc.WorkerStub(channel)
+        try:
+            stats = stub.Stats(pb.StatsRequest(include_block_hashes=True), timeout=self.config.worker_timeout)
+        except grpc.RpcError as e:
+            channel.close()
+            raise ConnectionError(f"address: {info.address} does not answer Stats ({e.code().name})") from e
+        handle = WorkerHandle(pb.WorkerInfo(), channel, stub, time.monotonic())
+        handle.info.CopyFrom(info)
+        self._apply_stats(handle, stats)
+        with self._lock:
+            old = self._workers.pop(info.worker_id, None)
+            self._workers[info.worker_id] = handle
+        if old is not None:
+            self._close(old, "replaced by a new registration")
+        log.info("worker %s (%s) joined at %s", info.worker_id, handle.role, info.address)
+
+    def _check_compatible(self, info: pb.WorkerInfo) -> None:
+        if not info.worker_id:
+            raise ValueError("worker.worker_id: must not be empty")
+        if info.role not in ROLE_NAMES:
+            raise ValueError(f"worker.role: unknown role {info.role}")
+        if not info.address:
+            raise ValueError("worker.address: must not be empty")
+        if info.model != self.model_name:
+            raise ValueError(f"worker.model: serves {info.model!r}, this router serves {self.model_name!r}")
+        if info.block_size != self.config.block_size:
+            raise ValueError(f"worker.block_size: {info.block_size}, the router hashes blocks of {self.config.block_size}")
+        if info.max_model_len < self.max_model_len:
+            raise ValueError(f"worker.max_model_len: {info.max_model_len} < the router's {self.max_model_len}")
+
+    def heartbeat(self, worker_id: str, load: pb.Load) -> bool:
+        """False when the worker is unknown (it must register again)."""
+        with self._lock:
+            handle = self._workers.get(worker_id)
+            if handle is None:
+                return False
+            handle.last_seen = time.monotonic()
+            handle.free_blocks, handle.running, handle.waiting = load.num_free_blocks, load.num_running, load.num_waiting
+            return True
+
+    def drop(self, handle: WorkerHandle, reason: str) -> None:
+        with self._lock:
+            if self._workers.get(handle.worker_id) is handle:
+                del self._workers[handle.worker_id]
+            else:
+                return
+        self._close(handle, reason)
+
+    def _close(self, handle: WorkerHandle, reason: str) -> None:
+        log.warning("dropping worker %s at %s: %s", handle.worker_id, handle.info.address, reason)
+        handle.dropped = True
+        handle.channel.close()  # cancels its calls in flight
+
+    def live(self) -> list[WorkerHandle]:
+        with self._lock:
+            return list(self._workers.values())
+
+    # -- choosing (load is booked under the lock, so concurrent picks spread) ---------------
+
+    def acquire_decode(self, block_hashes: Sequence[bytes], exclude: set[str]) -> WorkerHandle | None:
+        with self._lock:
+            handles = {h.worker_id: h for h in self._workers.values() if h.can_decode and h.worker_id not in exclude}
+            chosen = policy.pick_decode([h.load() for h in handles.values()], block_hashes, self.config.block_size)
+            return self._book(handles, chosen)
+
+    def acquire_prefill(self, block_hashes: Sequence[bytes], exclude: set[str]) -> WorkerHandle | None:
+        with self._lock:
+            handles = {
+                h.worker_id: h for h in self._workers.values() if h.can_prefill_remote and h.worker_id not in exclude
+            }
+            chosen = policy.pick_prefill(
+                [h.load() for h in handles.values()], block_hashes, self.config.block_size,
+                self.config.prefill_queue_weight,
+            )
+            return self._book(handles, chosen)
+
+    def has_remote_prefill(self) -> bool:
+        with self._lock:
+            return any(h.can_prefill_remote for h in self._workers.values())
+
+    @staticmethod
+    def _book(handles: dict[str, WorkerHandle], chosen: policy.Load | None) -> WorkerHandle | None:
+        if chosen is None:
+            return None
+        handle = handles[chosen.worker_id]
+        handle.inflight += 1
+        return handle
+
+    def release(self, handle: WorkerHandle) -> None:
+        with self._lock:
+            handle.inflight -= 1
+
+    def probe_soon(self) -> None:
+        """A call to some worker failed as if it were gone: check everyone now."""
+        self._probe.set()
+
+    # -- monitoring ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._monitor.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._probe.set()
+        if self._monitor.is_alive():
+            self._monitor.join(self.config.worker_timeout + 1.0)
+        for handle in self.live():
+            handle.channel.close()
+
+    def _watch(self) -> None:
+        next_poll = 0.0
+        tick = max(0.05, min(self.config.heartbeat_interval, self.config.stats_interval) / 2)
+        while not self._stop.is_set():
+            probe = self._probe.wait(tick)
+            self._probe.clear()
+            now = time.monotonic()
+            for handle in self.live():
+                if now - handle.last_seen > self.config.worker_timeout:
+                    self.drop(handle, f"not heard from for {now - handle.last_seen:.1f}s")
+            if probe or now >= next_poll:
+                self._poll_stats()
+                next_poll = time.monotonic() + self.config.stats_interval
+
+    def _poll_stats(self) -> None:
+        """Every live worker's Stats, in parallel, each within half the worker timeout."""
+        timeout = self.config.worker_timeout / 2
+        pending = [
+            (h, h.stub.Stats.future(pb.StatsRequest(include_block_hashes=True), timeout=timeout)) for h in self.live()
+        ]
+        for handle, future in pending:
+            try:
+                stats = future.result(timeout=timeout + 1.0)
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.UNAVAILABLE and not handle.dropped:
+                    self.drop(handle, f"unreachable ({e.details()})")
+                continue
+            except Exception as e:  # a future that outlived its own deadline
+                log.warning("Stats of %s: %s", handle.worker_id, e)
+                future.cancel()
+                continue
+            with self._lock:
+                self._apply_stats(handle, stats)
+                handle.last_seen = time.monotonic()
+
+    @staticmethod
+    def _apply_stats(handle: WorkerHandle, stats: pb.StatsResponse) -> None:
+        handle.free_blocks, handle.running, handle.waiting = stats.num_free_blocks, stats.num_running, stats.num_waiting
+        handle.cached = frozenset(stats.cached_block_hashes)

@@ -1,0 +1,137 @@
+"""Worker DecodeResponses -> client GenerateResponses: incremental text, timing, usage.
+
+Text comes from an IncrementalDetokenizer per sequence (a multi-byte character is
+never split: it waits for its last byte's token). With stop strings, the last
+`max(len(stop)) - 1` characters are held back while the sequence runs, so text
+sent never includes a stop string that only completes later; the final message
+cuts at the first stop string, as the engine does.
+
+    ttft  arrival at the router -> the request's first token leaving the router
+    tpot  (last token - first token of the sequence) / (its tokens - 1)
+    e2e   arrival -> the sequence's last message
+Beam search streams nothing (beams reorder until the end): one message per beam.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from engine.detokenizer import Decoder, IncrementalDetokenizer
+from proto.pdserve.v1 import pdserve_pb2 as pb
+from services.router.validate import Job
+
+
+@dataclass
+class _Sequence:
+    detok: IncrementalDetokenizer | None
+    stop: tuple[str, ...]
+    holdback: int  # max(len(stop)) - 1: a stop string may still complete over these
+    num_tokens: int = 0
+    emitted: int = 0  # characters of text sent
+    first_at: float | None = None
+    last_at: float | None = None
+
+    def add(self, token_ids: list[int], now: float) -> None:
+        if not token_ids:
+            return
+        self.first_at = self.first_at or now
+        self.last_at = now
+        self.num_tokens += len(token_ids)
+        if self.detok is not None:
+            for t in token_ids:
+                self.detok.append(t)
+
+    def running_text(self) -> str:
+        """New text that no stop string can still claim."""
+        if self.detok is None:
+            return ""
+        text = self.detok.text
+        safe = min(len(text) - self.holdback, len(self._cut(text)))
+        return self._emit(text, safe)
+
+    def final_text(self) -> str:
+        if self.detok is None:
+            return ""
+        text = self._cut(self.detok.text + self.detok.flush())
+        return self._emit(text, len(text))
+
+    def _cut(self, text: str) -> str:
+        """The text before the first stop string (the engine stops there)."""
+        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        return text[: min(hits)] if hits else text
+
+    def _emit(self, text: str, upto: int) -> str:
+        if upto <= self.emitted:
+            return ""
+        new = text[self.emitted : upto]
+        self.emitted = upto
+        return new
+
+
+class ResponseBuilder:
+    def __init__(self, job: Job, tokenizer: Decoder | None, arrival: float) -> None:
+        self.job = job
+        self.tokenizer = tokenizer
+        self.arrival = arrival
+        self.first_token_at: float | None = None
+        self.cached_tokens = 0
+        self._holdback = max((len(s) for s in job.params.stop), default=1) - 1
+        self._seqs: dict[int, _Sequence] = {}
+
+    def note_cached_tokens(self, n: int) -> None:
+        self.cached_tokens = max(self.cached_tokens, n)
+
+    def messages(self, decode: pb.DecodeResponse) -> list[pb.GenerateResponse]:
+        """The client messages for one worker message, by sequence index."""
+        now = time.monotonic()
+        out: dict[int, pb.GenerateResponse] = {}
+        for delta in decode.deltas:
+            seq = self._seq(delta.index)
+            seq.add(list(delta.token_ids), now)
+            message = self._message(out, delta.index)
+            message.token_ids.extend(delta.token_ids)
+            message.logprobs.extend(delta.logprobs)
+            message.text += seq.running_text()
+        self._first_tokens(any(d.token_ids for d in decode.deltas), now)
+        if decode.finished:
+            self.note_cached_tokens(decode.num_cached_tokens)
+            self._first_tokens(any(r.token_ids for r in decode.results), now)
+            for result in decode.results:
+                seq = self._seq(result.index)
+                seq.add(list(result.token_ids), now)
+                message = self._message(out, result.index)
+                message.token_ids.extend(result.token_ids)
+                self._finish(message, seq, result, now)
+            if decode.prompt_logprobs and 0 in out:
+                out[0].prompt_logprobs.extend(decode.prompt_logprobs)
+        return [out[i] for i in sorted(out) if out[i].token_ids or out[i].text or out[i].finish_reason]
+
+    def _first_tokens(self, seen: bool, now: float) -> None:
+        if seen and self.first_token_at is None:
+            self.first_token_at = now
+
+    def _seq(self, index: int) -> _Sequence:
+        seq = self._seqs.get(index)
+        if seq is None:
+            detok = IncrementalDetokenizer(self.tokenizer, list(self.job.prompt)) if self.tokenizer else None
+            seq = self._seqs[index] = _Sequence(detok, self.job.params.stop, self._holdback)
+        return seq
+
+    def _message(self, out: dict[int, pb.GenerateResponse], index: int) -> pb.GenerateResponse:
+        if index not in out:
+            out[index] = pb.GenerateResponse(request_id=self.job.request_id, index=index)
+        return out[index]
+
+    def _finish(self, message: pb.GenerateResponse, seq: _Sequence, result: pb.SequenceResult, now: float) -> None:
+        message.text += seq.final_text()
+        message.finish_reason = result.finish_reason or "abort"
+        message.cumulative_logprob = result.cumulative_logprob
+        message.usage.CopyFrom(pb.Usage(
+            prompt_tokens=len(self.job.prompt), completion_tokens=seq.num_tokens, cached_tokens=self.cached_tokens,
+        ))
+        first = self.first_token_at or seq.first_at or now
+        tpot = (seq.last_at - seq.first_at) / (seq.num_tokens - 1) if seq.num_tokens > 1 else 0.0
+        message.timing.CopyFrom(pb.Timing(
+            ttft_seconds=first - self.arrival, tpot_seconds=tpot, e2e_seconds=now - self.arrival,
+        ))

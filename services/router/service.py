@@ -1,0 +1,60 @@
+"""pdserve.v1.Generation: the public API."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+
+from engine.tokenizer import Tokenizer
+from proto.pdserve.v1 import pdserve_pb2 as pb
+from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from services.common.deadline import Deadline
+from services.common.errors import rpc_errors
+from services.router.config import RouterConfig
+from services.router.dispatch import ClientGone, Dispatcher, RouterError
+from services.router.responses import ResponseBuilder
+from services.router.validate import Limits, Validator
+
+log = logging.getLogger(__name__)
+
+
+class GenerationServicer(pb_grpc.GenerationServicer):
+    def __init__(
+        self, config: RouterConfig, limits: Limits, tokenizer: Tokenizer | None, dispatcher: Dispatcher
+    ) -> None:
+        self.config = config
+        self.limits = limits
+        self.tokenizer = tokenizer
+        self.validator = Validator(limits, tokenizer)
+        self.dispatcher = dispatcher
+        self._slots = threading.BoundedSemaphore(config.max_concurrent_requests)
+
+    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
+        arrival = time.monotonic()
+        if not self._slots.acquire(blocking=False):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"router: {self.config.max_concurrent_requests} requests in flight (--max-concurrent-requests)")
+        try:
+            with rpc_errors(context):
+                job = self.validator.validate(request)
+            deadline = Deadline.of_rpc(context, self.config.request_timeout)
+            builder = ResponseBuilder(job, self.tokenizer, arrival)
+            try:
+                for message in self.dispatcher.run(job, deadline, context, builder.note_cached_tokens):
+                    yield from builder.messages(message)
+            except ClientGone:
+                log.info("request %s: client gone, aborted on the workers", job.request_id)
+            except RouterError as e:
+                context.abort(e.code, e.message)
+        finally:
+            self._slots.release()
+
+    def ListModels(self, request: pb.ListModelsRequest, context: grpc.ServicerContext) -> pb.ListModelsResponse:
+        lim = self.limits
+        return pb.ListModelsResponse(models=[pb.ModelInfo(
+            name=lim.model_name, max_model_len=lim.max_model_len, vocab_size=lim.vocab_size, max_n=lim.max_n,
+        )])

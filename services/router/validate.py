@@ -1,0 +1,95 @@
+"""A GenerateRequest -> a `Job` the dispatcher can run, or ValueError naming the field.
+
+Every check the engine would make is made here first, so a bad request never
+reaches a worker: model name, prompt (text or ids, non-empty, in the vocabulary,
+fits max_model_len), every sampling field (engine.SamplingParams), n and
+beam_width within --max-n, prompt + max_tokens within max_model_len.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+from engine.hashing import hash_blocks
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
+from proto.pdserve.v1 import pdserve_pb2 as pb
+from services.common.convert import params_from_options
+
+MAX_REQUEST_ID = 256
+
+
+@dataclass(frozen=True)
+class Job:
+    request_id: str  # the client's, echoed in every response
+    worker_request_id: str  # unique per router: what workers see
+    prompt: tuple[int, ...]
+    params: SamplingParams
+    options: pb.SamplingOptions  # as the client sent them: workers apply the same defaults
+    block_hashes: tuple[bytes, ...]
+
+
+@dataclass(frozen=True)
+class Limits:
+    model_name: str
+    vocab_size: int
+    max_model_len: int
+    max_n: int
+    block_size: int
+
+
+class Validator:
+    def __init__(self, limits: Limits, tokenizer: Tokenizer | None) -> None:
+        self.limits = limits
+        self.tokenizer = tokenizer
+
+    def validate(self, request: pb.GenerateRequest) -> Job:
+        lim = self.limits
+        if request.model and request.model != lim.model_name:
+            raise ValueError(f"model: unknown model {request.model!r}; this router serves {lim.model_name!r}")
+        if len(request.request_id) > MAX_REQUEST_ID:
+            raise ValueError(f"request_id: longer than {MAX_REQUEST_ID} characters")
+        prompt = self._prompt(request)
+        params = params_from_options(request.sampling)
+        if params.n > lim.max_n:
+            raise ValueError(f"n: must be <= {lim.max_n} (--max-n), got {params.n}")
+        if params.beam_width > lim.max_n:
+            raise ValueError(f"beam_width: must be <= {lim.max_n} (--max-n), got {params.beam_width}")
+        if len(prompt) >= lim.max_model_len:
+            raise ValueError(f"prompt: {len(prompt)} tokens leave no room below max_model_len {lim.max_model_len}")
+        if len(prompt) + params.max_tokens > lim.max_model_len:
+            raise ValueError(
+                f"max_tokens: prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) "
+                f"exceeds max_model_len {lim.max_model_len}"
+            )
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop: stop strings need a tokenizer, and this model has none")
+        if params.stop_token_ids and max(params.stop_token_ids) >= lim.vocab_size:
+            raise ValueError(f"stop_token_ids: must be < vocab_size {lim.vocab_size}")
+        worker_id = uuid.uuid4().hex
+        return Job(
+            request.request_id or worker_id, worker_id, tuple(prompt), params, request.sampling,
+            tuple(hash_blocks(prompt, lim.block_size)),
+        )
+
+    def _prompt(self, request: pb.GenerateRequest) -> list[int]:
+        which = request.WhichOneof("prompt")
+        if which is None:
+            raise ValueError("prompt: set text or token_ids")
+        if which == "text":
+            if not request.text:
+                raise ValueError("prompt: text must not be empty")
+            if self.tokenizer is None:
+                raise ValueError("prompt: text given but the model has no tokenizer; send token_ids")
+            ids = self.tokenizer.encode(request.text)
+            if not ids:
+                raise ValueError("prompt: text encodes to no tokens")
+            return ids
+        ids = list(request.token_ids.ids)
+        if not ids:
+            raise ValueError("prompt: token_ids must not be empty")
+        bad = next((t for t in ids if not 0 <= t < self.limits.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"token_ids: token {bad} outside the vocabulary [0, {self.limits.vocab_size})")
+        return ids

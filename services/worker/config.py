@@ -1,0 +1,76 @@
+"""A worker's settings: from flags (`pdserve decode --num-blocks 512`) or the
+environment (`PDSERVE_NUM_BLOCKS=512`); see services/common/flags.py."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.config import CacheConfig, SchedulerConfig
+from engine.engine import EngineConfig
+from engine.llm import DEFAULT_MODEL
+from services.common.flags import check, flag
+
+ROLES = ("prefill", "decode", "mixed")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    role: str = flag("mixed", "prefill | decode | mixed", cli=False)
+    model: str = flag(DEFAULT_MODEL, "model directory (Hugging Face format)")
+    served_model_name: str | None = flag(None, "model name clients use (default: the directory's name)")
+    host: str = flag("127.0.0.1", "address to listen on")
+    port: int = flag(0, "port to listen on (0: any free port)")
+    router: str | None = flag(None, "router address to register with (none: standalone)")
+    worker_id: str | None = flag(None, "unique worker id (default: role-pid)")
+    advertise_host: str | None = flag(None, "host the router should dial (default: --host)")
+    address_file: str | None = flag(None, "write the bound address to this file when serving")
+    # engine
+    block_size: int = flag(16, "KV cache block size in tokens")
+    num_blocks: int | None = flag(None, "KV cache blocks (default: sized from --kv-cache-memory)")
+    kv_cache_memory: int | None = flag(None, "KV cache bytes (default: 1 GiB on a CPU)")
+    enable_prefix_caching: bool = flag(True, "reuse the KV of cached prompt prefixes")
+    max_num_seqs: int = flag(256, "most sequences in a batch")
+    max_num_batched_tokens: int = flag(2048, "token budget of one engine step")
+    max_model_len: int | None = flag(None, "longest prompt + output (default: the model's)")
+    max_n: int = flag(8, "largest n and beam_width accepted")
+    dtype: str = flag("float32", "float32 | float16 | bfloat16")
+    device: str = flag("cpu", "torch device")
+    attention_backend: str = flag("auto", "auto | torch | triton")
+    seed: int = flag(0, "seed of the sampler's shared generator")
+    torch_threads: int = flag(1, "torch intra-op threads (0: torch's default)")
+    # serving
+    kv_connector: str = flag("", "KV transfer connector 'module:factory' (empty: none)")
+    reservation_timeout: float = flag(30.0, "decode: longest wait for a reservation's KV")
+    held_lease: float = flag(30.0, "prefill: longest time exported blocks wait to be shipped")
+    request_timeout: float = flag(600.0, "longest a request may run when its caller set no deadline")
+    register_timeout: float = flag(60.0, "how long to keep trying to register with the router")
+    grpc_threads: int | None = flag(None, "gRPC handler threads, each stream holds one (default: max_num_seqs + 16)")
+    log_level: str = flag("INFO", "DEBUG | INFO | WARNING | ERROR")
+
+    def __post_init__(self) -> None:
+        check(self.role in ROLES, "role", f"must be one of {ROLES}", self.role)
+        check(Path(self.model, "config.json").is_file(), "model", "must be a directory with config.json", self.model)
+        check(0 <= self.port < 65536, "port", "must be in [0, 65535]", self.port)
+        check(self.max_n >= 1, "max_n", "must be >= 1", self.max_n)
+        check(self.torch_threads >= 0, "torch_threads", "must be >= 0", self.torch_threads)
+        check(self.grpc_threads is None or self.grpc_threads >= 4, "grpc_threads", "must be >= 4", self.grpc_threads)
+        for name in ("reservation_timeout", "held_lease", "request_timeout", "register_timeout"):
+            check(getattr(self, name) > 0, name, "must be > 0", getattr(self, name))
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model).resolve().name
+
+    @property
+    def id(self) -> str:
+        return self.worker_id or f"{self.role}-{os.getpid()}"
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            model=self.model, dtype=self.dtype, device=self.device,
+            cache=CacheConfig(self.block_size, self.num_blocks, self.kv_cache_memory, self.enable_prefix_caching),
+            scheduler=SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len),
+            attention_backend=self.attention_backend, seed=self.seed, max_n=self.max_n,
+        )

@@ -1,0 +1,308 @@
+"""The one thread that owns an `LLMEngine` (the engine is not thread-safe).
+
+    gRPC handler threads                       engine thread (EngineLoop._run)
+    --------------------                       -------------------------------
+    submit / reserve / call  --commands-->     run the command on the engine
+    abort / commit / release                   step() while there is work
+    stream.get(timeout)      <--events---      token deltas, finish, failure
+
+Every request the loop has accepted has exactly one `RequestStream` until it ends:
+finished (`FinishedEvent`), or failed (`FailedEvent`: aborted, reservation expired,
+transfer failed, engine error). Every path out frees the request's blocks.
+Deadlines owned here:
+  - a reservation (decode side) expires if its KV is not committed in time;
+  - held exported blocks (prefill side) are released when their lease runs out.
+The idle loop blocks on its command queue with a timeout, so it never spins.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import TypeVar
+
+from engine.engine import LLMEngine, Reservation, TokenDelta
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from services.worker.events import Event, FailedEvent, Failure, FinishedEvent, RequestStream, TokenEvent
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+Command = Callable[[], None]
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, *, idle_wait: float = 0.25, held_lease: float = 30.0) -> None:
+        self.engine = engine
+        self.idle_wait = idle_wait
+        self.held_lease = held_lease
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        # Engine-thread state only (never touched from other threads):
+        self._streams: dict[str, RequestStream] = {}
+        self._unattached: set[str] = set()  # reserved, no reader yet
+        self._reservations: dict[str, float] = {}  # request id -> monotonic deadline
+        self._held: dict[str, float] = {}  # request id -> lease end
+        self._batch: dict[str, tuple[RequestStream, list[Event]]] = {}  # this step's events
+        self._pollers: list[Callable[[], None]] = []
+        self._abort_hooks: list[Callable[[str], None]] = []
+        # engine.stats() as of the last iteration, replaced whole (readers never block)
+        self._snapshot: dict[str, float] = {**engine.stats(), "num_requests_reserved": 0, "at": time.monotonic()}
+        engine.token_hook = self._on_token
+
+    # -- lifecycle ----------------------------------------------------------------
+
+    def start(self) -> "EngineLoop":
+        self._thread.start()
+        return self
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the thread; every open request fails with ABORTED and is freed."""
+        if not self._thread.is_alive():
+            return
+        self._commands.put(self._fail_all_aborted)
+        self._stop.set()
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stop.is_set()
+
+    def add_poller(self, poll: Callable[[], None]) -> None:
+        """Run `poll()` on the engine thread every iteration (at least every
+        `idle_wait` s), e.g. a KV connector turning arrived pages into commits. Call
+        before `start()`. An exception is logged and does not stop the loop."""
+        self._pollers.append(poll)
+
+    def add_abort_hook(self, hook: Callable[[str], None]) -> None:
+        """Run `hook(request_id)` on the engine thread before an aborted, expired or
+        failed request's blocks are freed (a KV receiver must stop writing into them
+        first). Called for every request that ends that way, so it must ignore ids it
+        does not know. Call before `start()`."""
+        self._abort_hooks.append(hook)
+
+    # -- thread-safe API --------------------------------------------------------------
+
+    def call(self, fn: Callable[[LLMEngine], T], timeout: float) -> T:
+        """Run fn(engine) on the engine thread; its result, or its exception re-raised.
+        Raises TimeoutError when the engine thread has not run it within `timeout`."""
+        future: Future[T] = Future()
+
+        def command() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                future.set_result(fn(self.engine))
+            except BaseException as e:  # handed to the caller, who owns the request
+                future.set_exception(e)
+
+        if not self.alive:
+            raise RuntimeError("engine loop: not running")
+        self._commands.put(command)
+        try:
+            return future.result(timeout)
+        except TimeoutError:
+            future.cancel()
+            raise TimeoutError(f"engine loop: no answer within {timeout:.1f}s") from None
+
+    def submit(
+        self, request_id: str, prompt: list[int], params: SamplingParams, timeout: float, export_kv: bool = False
+    ) -> RequestStream:
+        """Queue a request to run here; its stream. Raises ValueError (bad input)."""
+
+        def add(engine: LLMEngine) -> RequestStream:
+            engine.add_request(request_id, prompt, params, export_kv=export_kv)
+            return self._open(request_id)
+
+        return self._call_or_abort(request_id, add, timeout)
+
+    def reserve(
+        self, request_id: str, prompt: list[int], params: SamplingParams, lease: float, timeout: float
+    ) -> Reservation:
+        """Decode side: blocks for a prompt whose KV arrives remotely, until `lease`
+        seconds pass without `commit_remote`. Its stream waits for `attach`.
+        Raises ValueError (bad input) or NoCapacityError (no room now)."""
+
+        def reserve(engine: LLMEngine) -> Reservation:
+            reservation = engine.reserve_remote(request_id, prompt, params)
+            self._open(request_id)
+            self._unattached.add(request_id)
+            self._reservations[request_id] = time.monotonic() + lease
+            return reservation
+
+        return self._call_or_abort(request_id, reserve, timeout)
+
+    def attach(self, request_id: str, timeout: float) -> RequestStream:
+        """The stream of a reserved request (once). Raises KeyError if there is none."""
+
+        def attach(_engine: LLMEngine) -> RequestStream:
+            if request_id not in self._unattached:
+                raise KeyError(f"request_id: {request_id!r} has no reservation to stream")
+            self._unattached.discard(request_id)
+            return self._streams[request_id]
+
+        return self.call(attach, timeout)
+
+    def commit_remote(self, request_id: str, first_token: int | None) -> None:
+        """The reserved blocks hold the prompt's KV (the receiver says so): decode."""
+        self._commands.put(lambda: self._commit(request_id, first_token))
+
+    def fail(self, request_id: str, failure: Failure, message: str) -> None:
+        """End a request with an error (e.g. its transfer failed) and free its blocks."""
+        self._commands.put(lambda: self._end(request_id, failure, message))
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request wherever it is and free its blocks (idempotent, asynchronous)."""
+        self._commands.put(lambda: self._end(request_id, Failure.ABORTED, "aborted"))
+
+    def release(self, request_id: str) -> None:
+        """Prefill side: the exported KV has been shipped; free the held blocks."""
+        self._commands.put(lambda: self._release(request_id))
+
+    def snapshot(self) -> dict[str, float]:
+        """Load as of the engine thread's last iteration (`at`: when), without waiting
+        for it: for heartbeats, which must not stall behind a long engine step."""
+        return self._snapshot
+
+    def stats(self, timeout: float, include_block_hashes: bool = False) -> dict[str, object]:
+        def stats(engine: LLMEngine) -> dict[str, object]:
+            out: dict[str, object] = dict(engine.stats())
+            out["num_requests_reserved"] = len(self._reservations)
+            if include_block_hashes:
+                out["cached_block_hashes"] = engine.cached_block_hashes()
+            return out
+
+        return self.call(stats, timeout)
+
+    # -- engine thread ---------------------------------------------------------------
+
+    def _call_or_abort(self, request_id: str, fn: Callable[[LLMEngine], T], timeout: float) -> T:
+        try:
+            return self.call(fn, timeout)
+        except TimeoutError:
+            self.abort(request_id)  # it may still run after we gave up: undo it then
+            raise
+
+    def _open(self, request_id: str) -> RequestStream:
+        stream = RequestStream(request_id)
+        self._streams[request_id] = stream
+        return stream
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._run_commands(block=not self.engine.has_scheduled_work())
+            self._poll()
+            self._expire(time.monotonic())
+            if self.engine.has_scheduled_work() and not self._stop.is_set():
+                self._step()
+            self._snapshot = {**self.engine.stats(), "num_requests_reserved": len(self._reservations),
+                              "at": time.monotonic()}
+        self._run_commands(block=False)
+
+    def _run_commands(self, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=self.idle_wait) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            try:
+                command()
+            except Exception:  # a bug in a command must not take the engine thread down
+                log.exception("engine loop command failed")
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # the batch's requests are in an unknown state: fail them all
+            log.exception("engine step failed")
+            for request_id in list(self._streams):
+                self._end(request_id, Failure.INTERNAL, f"engine: {type(e).__name__}: {e}")
+            return
+        for output in outputs:
+            self._finished(output)
+        self._flush()
+
+    def _poll(self) -> None:
+        for poll in self._pollers:
+            try:
+                poll()
+            except Exception:
+                log.exception("engine loop poller failed")
+
+    def _emit(self, stream: RequestStream, event: Event) -> None:
+        self._batch.setdefault(stream.request_id, (stream, []))[1].append(event)
+
+    def _flush(self) -> None:
+        """Hand each stream this step's events in one batch."""
+        for stream, events in self._batch.values():
+            stream.put(*events)
+        self._batch.clear()
+
+    def _on_token(self, delta: TokenDelta) -> None:
+        stream = self._streams.get(delta.request_id)
+        if stream is not None:
+            self._emit(stream, TokenEvent(delta))
+
+    def _finished(self, output: RequestOutput) -> None:
+        stream = self._streams.pop(output.request_id, None)
+        self._unattached.discard(output.request_id)
+        self._reservations.pop(output.request_id, None)
+        if output.request_id in self.engine.held:
+            self._held[output.request_id] = time.monotonic() + self.held_lease
+        if stream is not None:
+            self._emit(stream, FinishedEvent(output))
+
+    def _commit(self, request_id: str, first_token: int | None) -> None:
+        if self._reservations.pop(request_id, None) is None:
+            log.warning("commit for %r, which has no live reservation (expired or aborted)", request_id)
+            return
+        try:
+            outputs = self.engine.commit_remote(request_id, first_token)
+        except Exception as e:
+            self._end(request_id, Failure.INTERNAL, f"commit: {e}")
+            return
+        for output in outputs:
+            self._finished(output)
+        self._flush()
+
+    def _end(self, request_id: str, failure: Failure, message: str) -> None:
+        self._flush()  # tokens already told go before the failure
+        for hook in self._abort_hooks:
+            try:
+                hook(request_id)
+            except Exception:
+                log.exception("abort hook failed for %r", request_id)
+        self.engine.abort(request_id)  # frees running, waiting, reserved and held blocks
+        self._held.pop(request_id, None)
+        self._reservations.pop(request_id, None)
+        self._unattached.discard(request_id)
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.put(FailedEvent(failure, message))
+
+    def _release(self, request_id: str) -> None:
+        self._held.pop(request_id, None)
+        self.engine.release(request_id)
+
+    def _expire(self, now: float) -> None:
+        for request_id, deadline in list(self._reservations.items()):
+            if now >= deadline:
+                log.warning("reservation %r expired before its KV arrived", request_id)
+                self._end(request_id, Failure.EXPIRED, "reservation expired before its KV arrived")
+        for request_id, deadline in list(self._held.items()):
+            if now >= deadline:
+                log.warning("lease on the exported KV of %r ran out: releasing", request_id)
+                self._release(request_id)
+
+    def _fail_all_aborted(self) -> None:
+        for request_id in list(self._streams) + list(self._held):
+            self._end(request_id, Failure.ABORTED, "worker is shutting down")

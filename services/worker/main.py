@@ -1,0 +1,106 @@
+"""A worker process: engine thread + Worker gRPC service (+ health, reflection),
+registered with the router when one is given.
+
+    Worker(config).start()  ->  address;   .stop()   (in-process, for tests too)
+    run(config)             ->  serve until SIGINT/SIGTERM (the `pdserve decode` CLI)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+import torch
+
+from engine.engine import LLMEngine
+from proto.pdserve.v1 import pdserve_pb2 as pb
+from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from services.common import log as service_log
+from services.common.convert import ROLES
+from services.common.server import GrpcServer, announce, shutdown_event
+from services.decode.service import DecodeService
+from services.prefill.service import PrefillService
+from services.worker.config import WorkerConfig
+from services.worker.engine_loop import EngineLoop
+from services.worker.kv_seam import Connector, load_connector
+from services.worker.registration import Registrar
+from services.worker.servicer import WorkerServicer
+
+log = logging.getLogger(__name__)
+
+
+class Worker:
+    def __init__(self, config: WorkerConfig, connector: Connector | None = None) -> None:
+        self.config = config
+        self.engine = LLMEngine(config.engine_config())
+        self.loop = EngineLoop(self.engine, held_lease=config.held_lease)
+        self.connector = connector if connector is not None else load_connector(config.kv_connector, config.role, config.id)
+        prefill = PrefillService(self.loop, self.connector.sender, config) if config.role != "decode" else None
+        decode = DecodeService(self.loop, self.connector.receiver, config) if config.role != "prefill" else None
+        threads = config.grpc_threads or config.max_num_seqs + 16  # each stream holds one
+        self.server = GrpcServer(threads=threads, max_concurrent_rpcs=threads)
+        pb_grpc.add_WorkerServicer_to_server(WorkerServicer(config, self.loop, prefill, decode), self.server.grpc)
+        self.registrar: Registrar | None = None
+        self.address = ""
+
+    def start(self) -> str:
+        """Start the engine thread and the server; register; returns host:port."""
+        self.connector.bind(self.loop)
+        self.loop.start()
+        port = self.server.start(self.config.host, self.config.port, ["pdserve.v1.Worker"])
+        self.address = f"{self.config.advertise_host or self.config.host}:{port}"
+        self.server.set_serving()
+        if self.config.router:
+            self.registrar = Registrar(self.config.router, self.info(), self._load)
+            self.registrar.register(self.config.register_timeout)
+            self.registrar.start()
+        log.info("%s worker %s serving on %s", self.config.role, self.config.id, self.address)
+        return self.address
+
+    def info(self) -> pb.WorkerInfo:
+        return pb.WorkerInfo(
+            worker_id=self.config.id, role=ROLES[self.config.role], address=self.address,
+            model=self.config.model_name, kv_endpoint=self.connector.endpoint,
+            block_size=self.config.block_size, max_model_len=self.engine.max_model_len,
+            num_blocks=self.engine.pool.num_blocks, pid=os.getpid(),
+        )
+
+    def stop(self, grace: float = 2.0) -> None:
+        if self.registrar is not None:
+            self.registrar.stop()
+        self.server.stop(grace)
+        self.loop.close()
+        self.connector.close()
+
+    def _load(self) -> pb.Load | None:
+        """For heartbeats; None (skip the beat) once the engine thread is gone, so the
+        router drops a worker that can no longer serve."""
+        if not self.loop.alive:
+            return None
+        stats = self.loop.snapshot()
+        return pb.Load(
+            num_free_blocks=stats["num_free_blocks"], num_running=stats["num_requests_running"],
+            num_waiting=stats["num_requests_waiting"],
+        )
+
+
+def run(config: WorkerConfig) -> int:
+    """Serve until SIGINT/SIGTERM."""
+    service_log.configure(config.log_level, config.id)
+    if config.torch_threads:
+        torch.set_num_threads(config.torch_threads)
+    stop = shutdown_event()
+    worker = Worker(config)
+    try:
+        address = worker.start()
+        announce(config.role, address, config.address_file)
+        _serve_until(stop)
+    finally:
+        worker.stop()
+    return 0
+
+
+def _serve_until(stop: threading.Event) -> None:
+    while not stop.wait(1.0):
+        pass

@@ -1,0 +1,77 @@
+"""pdserve.v1.Worker for every role: dispatches each RPC to the role that serves it.
+
+    role      Reserve  Prefill  Decode  Abort  Stats
+    prefill     -        x        -       x      x
+    decode      x        -        x       x      x
+    mixed       x        x        x       x      x
+
+An RPC the role does not serve answers UNIMPLEMENTED, naming the role.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import grpc
+
+from proto.pdserve.v1 import pdserve_pb2 as pb
+from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from services.common.convert import ROLES
+from services.common.errors import abort_unimplemented
+from services.decode.service import DecodeService
+from services.prefill.service import PrefillService
+from services.worker.config import WorkerConfig
+from services.worker.engine_loop import EngineLoop
+
+STATS_TIMEOUT = 5.0
+
+
+class WorkerServicer(pb_grpc.WorkerServicer):
+    def __init__(
+        self, config: WorkerConfig, loop: EngineLoop, prefill: PrefillService | None, decode: DecodeService | None
+    ) -> None:
+        self.config = config
+        self.loop = loop
+        self.prefill_service = prefill
+        self.decode_service = decode
+
+    def Reserve(self, request: pb.ReserveRequest, context: grpc.ServicerContext) -> pb.ReserveResponse:
+        if self.decode_service is None:
+            abort_unimplemented(context, "Reserve", self.config.role)
+        return self.decode_service.reserve(request, context)
+
+    def Prefill(self, request: pb.PrefillRequest, context: grpc.ServicerContext) -> pb.PrefillResponse:
+        if self.prefill_service is None:
+            abort_unimplemented(context, "Prefill", self.config.role)
+        return self.prefill_service.prefill(request, context)
+
+    def Decode(self, request: pb.DecodeRequest, context: grpc.ServicerContext) -> Iterator[pb.DecodeResponse]:
+        if self.decode_service is None:
+            abort_unimplemented(context, "Decode", self.config.role)
+        yield from self.decode_service.decode(request, context)
+
+    def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortResponse:
+        self.loop.abort(request.request_id)
+        return pb.AbortResponse()
+
+    def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
+        try:
+            stats = self.loop.stats(STATS_TIMEOUT, include_block_hashes=request.include_block_hashes)
+        except TimeoutError as e:  # a long engine step: busy, not gone
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"Stats: {e}")
+        except RuntimeError as e:  # the engine thread has stopped
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"Stats: {e}")
+        return stats_message(self.config, stats)
+
+
+def stats_message(config: WorkerConfig, stats: dict) -> pb.StatsResponse:
+    return pb.StatsResponse(
+        worker_id=config.id, role=ROLES[config.role], block_size=config.block_size,
+        num_blocks=stats["num_blocks"], num_free_blocks=stats["num_free_blocks"],
+        num_cached_blocks=stats["num_cached_blocks"],
+        prefix_cache_queries=stats["prefix_cache_queries"], prefix_cache_hits=stats["prefix_cache_hits"],
+        num_running=stats["num_requests_running"], num_waiting=stats["num_requests_waiting"],
+        num_held=stats["num_requests_held"], num_reserved=stats["num_requests_reserved"],
+        num_preemptions=stats["num_preemptions"],
+        cached_block_hashes=stats.get("cached_block_hashes", []),
+    )

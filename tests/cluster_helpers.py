@@ -1,0 +1,115 @@
+"""Helpers for tests that start real pdserve processes (tests/test_cluster*.py)."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import grpc
+
+from proto.pdserve.v1 import pdserve_pb2 as pb
+from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+
+REPO = Path(__file__).resolve().parent.parent
+T = TypeVar("T")
+
+
+def child_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+class UpProcess:
+    """`pdserve up ...` as a child process; `address` once it printed `ready <address>`."""
+
+    def __init__(self, args: list[str], log_path: Path, timeout: float = 240.0) -> None:
+        self.log = open(log_path, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pdserve_cli", "up", "--port", "0", *args],
+            cwd=REPO, env=child_env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=self.log, text=True,
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        try:
+            line = self.lines.get(timeout=timeout)
+        except queue.Empty:
+            self.stop()
+            raise TimeoutError(f"pdserve up: not ready within {timeout}s; see {log_path}") from None
+        assert line.startswith("ready "), f"pdserve up printed {line!r}; see {log_path}"
+        self.address = line.split()[1]
+        self.stdout_lines = [line]
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line.rstrip("\n"))
+
+    def children(self) -> list[int]:
+        pids: list[int] = []
+        for task in Path(f"/proc/{self.proc.pid}/task").glob("*"):
+            text = (task / "children").read_text().split()
+            pids += [int(p) for p in text]
+        return pids
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        while True:
+            try:
+                self.stdout_lines.append(self.lines.get_nowait())
+            except queue.Empty:
+                break
+        self.log.close()
+        return self.proc.returncode
+
+
+def wait_for(predicate: Callable[[], T], timeout: float, what: str, step: float = 0.1) -> T:
+    give_up = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > give_up:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(step)
+
+
+def list_workers(router: str) -> list[pb.WorkerInfo]:
+    with grpc.insecure_channel(router) as channel:
+        return list(pb_grpc.RegistryStub(channel).ListWorkers(pb.ListWorkersRequest(), timeout=5).workers)
+
+
+def stats(address: str) -> pb.StatsResponse:
+    with grpc.insecure_channel(address) as channel:
+        return pb_grpc.WorkerStub(channel).Stats(pb.StatsRequest(), timeout=5)
+
+
+def all_blocks_free(address: str) -> bool:
+    s = stats(address)
+    busy = s.num_running + s.num_waiting + s.num_held + s.num_reserved
+    return s.num_free_blocks == s.num_blocks and busy == 0
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is dead for our purposes
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False

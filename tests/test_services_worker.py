@@ -1,0 +1,94 @@
+"""The Worker service of each role, in process and standalone (no router)."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+
+from cluster_helpers import wait_for
+from engine.hashing import hash_blocks
+from proto.pdserve.v1 import pdserve_pb2 as pb
+from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from services.worker.config import WorkerConfig
+from services.worker.main import Worker
+
+PROMPT = list(range(3, 40))
+OPTIONS = pb.SamplingOptions(max_tokens=4, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def stubs():
+    torch.set_num_threads(1)
+    workers = {role: Worker(WorkerConfig(role=role, worker_id=f"{role}-t", num_blocks=32)) for role in ("prefill", "decode")}
+    channels = {}
+    for role, worker in workers.items():
+        channels[role] = grpc.insecure_channel(worker.start())
+    yield {role: pb_grpc.WorkerStub(c) for role, c in channels.items()}
+    for role in workers:
+        channels[role].close()
+        workers[role].stop()
+
+
+def code_of(call) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as info:
+        result = call()
+        if not isinstance(result, pb.PrefillResponse | pb.ReserveResponse):
+            list(result)
+    return info.value.code(), info.value.details()
+
+
+def test_rpcs_a_role_does_not_serve_are_unimplemented(stubs):
+    code, details = code_of(lambda: stubs["prefill"].Decode(pb.DecodeRequest(request_id="x", local_prefill=True), timeout=5))
+    assert code == grpc.StatusCode.UNIMPLEMENTED and "prefill" in details
+    code, _ = code_of(lambda: stubs["prefill"].Reserve(pb.ReserveRequest(request_id="x"), timeout=5))
+    assert code == grpc.StatusCode.UNIMPLEMENTED
+    code, _ = code_of(lambda: stubs["decode"].Prefill(pb.PrefillRequest(request_id="x"), timeout=5))
+    assert code == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_transfer_rpcs_without_a_connector_fail_the_precondition(stubs):
+    code, details = code_of(lambda: stubs["decode"].Reserve(
+        pb.ReserveRequest(request_id="r", token_ids=PROMPT, sampling=OPTIONS), timeout=5))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "kv-connector" in details
+    code, _ = code_of(lambda: stubs["prefill"].Prefill(
+        pb.PrefillRequest(request_id="p", token_ids=PROMPT, sampling=OPTIONS), timeout=5))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_local_decode_streams_and_stats_report_the_cache(stubs):
+    request = pb.DecodeRequest(request_id="d", local_prefill=True, token_ids=PROMPT, sampling=OPTIONS)
+    messages = list(stubs["decode"].Decode(request, timeout=30))
+    tokens = [t for m in messages for d in m.deltas for t in d.token_ids]
+    assert len(tokens) == 4 and messages[-1].finished and messages[-1].results[0].finish_reason == "length"
+    assert not messages[-1].results[0].token_ids  # all streamed already
+    stats = stubs["decode"].Stats(pb.StatsRequest(include_block_hashes=True), timeout=5)
+    assert (stats.worker_id, stats.role, stats.num_blocks, stats.num_free_blocks) == ("decode-t", pb.ROLE_DECODE, 32, 32)
+    assert set(stats.cached_block_hashes) >= set(hash_blocks(PROMPT, 16))
+    assert stats.prefix_cache_queries > 0
+    assert not stubs["decode"].Stats(pb.StatsRequest(), timeout=5).cached_block_hashes
+
+
+def test_decode_errors_have_codes(stubs):
+    code, details = code_of(lambda: stubs["decode"].Decode(pb.DecodeRequest(request_id="nothing-reserved"), timeout=5))
+    assert code == grpc.StatusCode.NOT_FOUND and details.startswith("request_id:")
+    bad = pb.DecodeRequest(request_id="b", local_prefill=True, token_ids=[1, 99999], sampling=OPTIONS)
+    code, details = code_of(lambda: stubs["decode"].Decode(bad, timeout=5))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("prompt_token_ids:")
+    bad = pb.DecodeRequest(request_id="b", local_prefill=True, token_ids=PROMPT,
+                           sampling=pb.SamplingOptions(temperature=-1.0))
+    code, details = code_of(lambda: stubs["decode"].Decode(bad, timeout=5))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("temperature:")
+
+
+def test_deadline_on_a_worker_stream_frees_the_request(stubs):
+    long = pb.SamplingOptions(max_tokens=900, temperature=0.0, ignore_eos=True)
+    request = pb.DecodeRequest(request_id="slow", local_prefill=True, token_ids=PROMPT, sampling=long)
+    code, _ = code_of(lambda: stubs["decode"].Decode(request, timeout=0.5))
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+    def free() -> bool:
+        s = stubs["decode"].Stats(pb.StatsRequest(), timeout=5)
+        return s.num_free_blocks == s.num_blocks and s.num_running == 0
+
+    wait_for(free, 10, "the expired request to be freed")
+    stubs["decode"].Abort(pb.AbortRequest(request_id="slow"), timeout=5)  # idempotent
