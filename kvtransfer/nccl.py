@@ -1,0 +1,351 @@
+"""torch.distributed point-to-point transport for KV pages (NCCL on GPUs, gloo on CPUs).
+
+Same contract as the ZeroMQ transport; only the page bytes take another road:
+
+    sender                                         receiver
+    DEALER --hello(pair)-------------------------> ROUTER     (once per receiver)
+           <-welcome(pair, store host:port, rank)-
+    rank 1 ----- 2-rank process group over ------- rank 0     (rendezvous in the
+                 receiver's TCPStore under "pdserve-kv/<pair>")
+    DEALER --header(pages, via=p2p)--------------> ROUTER
+    pg.send(run, tag k) ------------------------->  pg.recv straight into the reserved
+    pg.send(run, tag k+1) ----------------------->  blocks (tags count runs per pair)
+           <-ack---------------------------------
+
+Every pair is its own process group made on demand (no global group, no
+`init_process_group`): any prefill worker can pair with any decode worker at any
+time, and a broken pair is dropped and made again on the next transfer. Page tensors
+travel as uint8 views, so both ends agree on counts whatever the KV dtype.
+
+The receiver consumes exactly the runs a p2p header announces, even for a header it
+rejects (into scratch memory), so the per-pair tag sequence stays in step.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+import torch
+import torch.distributed as dist
+import zmq
+
+from kvtransfer.wire import (
+    AckHeader,
+    Header,
+    HelloHeader,
+    Outgoing,
+    PagesHandler,
+    PagesHeader,
+    PageLayout,
+    TransferError,
+    WelcomeHeader,
+    WireError,
+    decode,
+    encode,
+    fill_frames,
+)
+from kvtransfer.zmq import ZmqConfig, ZmqReceiver, ZmqSender, SocketFrames
+
+log = logging.getLogger(__name__)
+STORE_PREFIX = "pdserve-kv"
+SENDER_RANK, RECEIVER_RANK = 1, 0
+
+
+@dataclass(frozen=True)
+class TorchDistConfig:
+    backend: str = "gloo"  # "gloo" (CPU KV) or "nccl" (CUDA KV)
+    # Receiver: the address its rendezvous store binds and advertises (default: the
+    # host of its tcp:// endpoint; required with ipc://).
+    store_host: str | None = None
+    # gloo: the address this side's sockets bind (default: the store's host, which is
+    # right when both workers share a machine; set it on multi-host deployments).
+    local_host: str | None = None
+    timeout_s: float = 30.0  # pairing, and each point-to-point operation
+    max_discard_bytes: int = 1 << 30  # most a rejected header may make the receiver drain
+    zmq: ZmqConfig = field(default_factory=ZmqConfig)
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend: {self.backend!r} is not 'gloo' or 'nccl'")
+        if self.timeout_s <= 0:
+            raise ValueError("timeout_s: must be > 0")
+
+    @property
+    def timeout(self) -> datetime.timedelta:
+        return datetime.timedelta(seconds=self.timeout_s)
+
+
+def _tcp_host(endpoint: str) -> str | None:
+    if not endpoint.startswith("tcp://"):
+        return None
+    return urlsplit(endpoint).hostname
+
+
+def make_pair_group(config: TorchDistConfig, store: dist.Store, pair: str, rank: int, local_host: str) -> dist.ProcessGroup:
+    """A 2-rank process group of its own, rendezvous under `pair` in `store`."""
+    prefixed = dist.PrefixStore(f"{STORE_PREFIX}/{pair}", store)
+    if config.backend == "gloo":
+        opts = dist.ProcessGroupGloo._Options()
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=local_host)]
+        opts._timeout = config.timeout
+        return dist.ProcessGroupGloo(prefixed, rank, 2, opts)
+    if not dist.is_nccl_available():
+        raise TransferError("backend: NCCL is not available in this torch build")
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = config.timeout
+    return dist.ProcessGroupNCCL(prefixed, rank, 2, opts)
+
+
+def _as_wire_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor (same memory)."""
+    return t.contiguous().view(torch.uint8).reshape(-1)
+
+
+class _Pair:
+    """One side of a 2-rank group; built in the background on the receiver."""
+
+    def __init__(self, pair_id: str) -> None:
+        self.pair_id = pair_id
+        self.group: dist.ProcessGroup | None = None
+        self.error: BaseException | None = None
+        self.ready = threading.Event()
+        self.tag = 0
+
+    def build(self, make) -> None:
+        try:
+            self.group = make()
+        except BaseException as exc:  # reported to whoever waits on the pair
+            self.error = exc
+        self.ready.set()
+
+    def wait(self, timeout_s: float) -> dist.ProcessGroup:
+        if not self.ready.wait(timeout_s) or self.group is None:
+            raise TransferError(f"pair {self.pair_id}: group not formed ({self.error or 'timeout'})")
+        return self.group
+
+    def next_tag(self) -> int:
+        self.tag = (self.tag + 1) % (1 << 30)
+        return self.tag
+
+    def close(self) -> None:
+        group, self.group = self.group, None
+        if group is not None:
+            try:
+                group.shutdown()
+            except Exception:  # already broken: nothing left to release
+                pass
+
+
+class TorchDistReceiver(ZmqReceiver):
+    """Decode side: headers over ZeroMQ, page runs received by torch.distributed straight
+    into the reserved blocks (on the KV tensor's device). Also accepts frame pages."""
+
+    host_buffers = False
+
+    def __init__(self, kv_cache: torch.Tensor, bind: str, config: TorchDistConfig = TorchDistConfig()) -> None:
+        super().__init__(kv_cache, bind, config.zmq)
+        expected = "cuda" if config.backend == "nccl" else "cpu"
+        if kv_cache.device.type != expected:
+            raise ValueError(f"backend: {config.backend} moves {expected} tensors, the KV cache is on {kv_cache.device}")
+        self.dist_config = config
+        self._pairs: dict[bytes, _Pair] = {}
+        self._store: dist.TCPStore | None = None
+        self._store_host = ""
+
+    @property
+    def transport(self) -> str:
+        return "torch"
+
+    def _on_start(self) -> None:
+        host = self.dist_config.store_host or _tcp_host(self.endpoint)
+        if host is None:
+            raise ValueError("store_host: required when the control endpoint is not tcp://")
+        self._store_host = host
+        self._store = dist.TCPStore(host, 0, None, True, timeout=self.dist_config.timeout, wait_for_workers=False)
+
+    def _on_stop(self) -> None:
+        for pair in self._pairs.values():
+            pair.close()
+        self._pairs.clear()
+        self._store = None
+
+    def _on_control(self, sock: zmq.Socket, identity: bytes, header: Header) -> None:
+        if not isinstance(header, HelloHeader):
+            super()._on_control(sock, identity, header)
+            return
+        old = self._pairs.pop(identity, None)
+        if old is not None:
+            old.close()
+        pair = _Pair(header.pair)
+        self._pairs[identity] = pair
+        welcome = WelcomeHeader(header.pair, self._store_host, self._store.port, SENDER_RANK)
+        sock.send_multipart([identity, encode(welcome)], zmq.NOBLOCK)
+        local = self.dist_config.local_host or self._store_host
+        make = lambda: make_pair_group(self.dist_config, self._store, header.pair, RECEIVER_RANK, local)  # noqa: E731
+        threading.Thread(target=pair.build, args=(make,), name="kv-pair", daemon=True).start()
+
+    def _pages_handler(self, sock: zmq.Socket, identity: bytes) -> PagesHandler | None:
+        src = SocketFrames(sock)
+
+        def take(h: PagesHeader) -> None:
+            if h.via == "frames":
+                with self.inbox.pages(h, identity, host=True) as landings:
+                    fill_frames(src, landings)
+            else:
+                self._receive_p2p(identity, h, src.more())
+
+        return take
+
+    def _receive_p2p(self, identity: bytes, h: PagesHeader, has_frames: bool) -> None:
+        pair = self._pairs.get(identity)
+        if pair is None:
+            raise WireError("not_paired", "p2p pages from a sender that never said hello")
+        consumed = 0
+        try:
+            with self.inbox.pages(h, identity, host=False) as landings:
+                if has_frames:
+                    raise WireError("extra_frames", "p2p pages carry no frames")
+                for landing in landings:
+                    self._recv(pair, landing.tensor)
+                    consumed += 1
+        except WireError:
+            self._discard(identity, pair, h, consumed)
+            raise
+        except TransferError as exc:
+            self._drop(identity)
+            self.inbox.fail_peer(identity, f"sender connection lost: {exc}", h.request_id)
+            raise
+
+    def _recv(self, pair: _Pair, tensor: torch.Tensor) -> None:
+        group = pair.wait(self.dist_config.timeout_s)
+        try:
+            group.recv([_as_wire_tensor(tensor)], SENDER_RANK, pair.next_tag()).wait(self.dist_config.timeout)
+            if tensor.device.type == "cuda":
+                torch.cuda.synchronize(tensor.device)
+        except TransferError:
+            raise
+        except Exception as exc:  # gloo/NCCL errors: peer gone, timeout
+            raise TransferError(f"pair {pair.pair_id}: recv failed: {exc}") from exc
+
+    def _discard(self, identity: bytes, pair: _Pair, h: PagesHeader, consumed: int) -> None:
+        """Receive and drop the runs of a rejected header, keeping the tags in step."""
+        rest = h.nbytes[consumed:]
+        if sum(rest) > self.dist_config.max_discard_bytes:
+            self._drop(identity)
+            return
+        device = self.inbox.kv.device
+        try:
+            for nbytes in rest:
+                self._recv(pair, torch.empty(nbytes, dtype=torch.uint8, device=device))
+        except TransferError:
+            self._drop(identity)
+
+    def _drop(self, identity: bytes) -> None:
+        pair = self._pairs.pop(identity, None)
+        if pair is not None:
+            pair.close()
+
+
+class TorchDistSender(ZmqSender):
+    """Prefill side: pairs with each receiver on first use (a blocking handshake of at
+    most `timeout_s`, once per receiver), then sends runs with `send`, asynchronously.
+    Engine thread only."""
+
+    _via = "p2p"
+
+    def __init__(self, config: TorchDistConfig = TorchDistConfig()) -> None:
+        super().__init__(config.zmq)
+        self.dist_config = config
+        self._pairs: dict[str, _Pair] = {}
+        self._works: deque[tuple[str, str, object]] = deque()  # (endpoint, request id, work)
+
+    @property
+    def transport(self) -> str:
+        return "torch"
+
+    def open(self, request_id: str, endpoint: str, server_key: bytes | None = None) -> Outgoing:
+        out = super().open(request_id, endpoint, server_key)
+        if endpoint not in self._pairs:
+            self._pairs[endpoint] = self._handshake(out)
+        return out
+
+    def poll(self, timeout_s: float = 0.0) -> list[AckHeader]:
+        """Acks, plus a failed ack for each request whose page send failed."""
+        acks = super().poll(timeout_s)
+        while self._works and self._works[0][2].is_completed():
+            endpoint, request_id, work = self._works.popleft()
+            try:
+                work.wait()
+            except Exception as exc:  # the pair is broken: make a new one next time
+                acks.append(AckHeader(request_id, False, f"p2p send failed: {exc}"))
+                self._drop(endpoint)
+        return acks
+
+    def forget(self, endpoint: str) -> None:
+        self._drop(endpoint)
+        super().forget(endpoint)
+
+    def close(self) -> None:
+        for endpoint in list(self._pairs):
+            self._drop(endpoint)
+        super().close()
+
+    def _drop(self, endpoint: str) -> None:
+        pair = self._pairs.pop(endpoint, None)
+        if pair is not None:
+            pair.close()
+
+    def _payloads(self, runs: Sequence[tuple[int, torch.Tensor]], layout: PageLayout) -> tuple[list[tuple[int, int]], list]:
+        """One tensor per run, whole: `recv` writes it straight into the reserved blocks."""
+        return [(first, pages.shape[0]) for first, pages in runs], [pages for _, pages in runs]
+
+    def _send_runs(self, out: Outgoing, header: PagesHeader, tensors: list[torch.Tensor]) -> None:
+        pair = self._pairs.get(out.endpoint)
+        if pair is None:
+            raise TransferError(f"{out.endpoint}: not paired")
+        self._send(out, [encode(header)])
+        group = pair.wait(0)
+        for t in tensors:
+            try:
+                work = group.send([_as_wire_tensor(t)], RECEIVER_RANK, pair.next_tag())
+            except Exception as exc:
+                self._drop(out.endpoint)
+                raise TransferError(f"{out.endpoint}: p2p send failed: {exc}") from exc
+            self._works.append((out.endpoint, out.request_id, work))
+
+    def _handshake(self, out: Outgoing) -> _Pair:
+        sock = self._socket(out)
+        pair_id = uuid.uuid4().hex
+        self._send(out, [encode(HelloHeader(pair_id))])
+        deadline = time.monotonic() + self.dist_config.timeout_s
+        welcome = None
+        while welcome is None:
+            left = deadline - time.monotonic()
+            if left <= 0 or not sock.poll(int(left * 1000) + 1, zmq.POLLIN):
+                self.forget(out.endpoint)
+                raise TransferError(f"{out.endpoint}: no welcome within {self.dist_config.timeout_s} s")
+            frames = sock.recv_multipart()
+            try:
+                header = decode(frames[0])
+            except WireError:
+                continue
+            if isinstance(header, AckHeader):
+                self._acks.append(header)
+            elif isinstance(header, WelcomeHeader) and header.pair == pair_id:
+                welcome = header
+        store = dist.TCPStore(welcome.host, welcome.port, None, False, timeout=self.dist_config.timeout)
+        pair = _Pair(pair_id)
+        local = self.dist_config.local_host or welcome.host
+        pair.build(lambda: make_pair_group(self.dist_config, store, pair_id, welcome.rank, local))
+        if pair.error is not None:
+            self.forget(out.endpoint)
+            raise TransferError(f"{out.endpoint}: pairing failed: {pair.error}") from pair.error
+        return pair

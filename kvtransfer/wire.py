@@ -1,0 +1,697 @@
+"""The KV-transfer wire format (version 1) and the receiver's rules for accepting it.
+
+A message is a multipart ZeroMQ message:
+
+    frame 0       header: a msgpack map, at most MAX_HEADER_BYTES, no pickle anywhere
+    frame 1..n    raw page bytes, one frame per run (`pages` headers only)
+
+Over torch.distributed the header still travels over ZeroMQ and each run follows as
+one point-to-point tensor instead of a frame.
+
+Page bytes are the engine's KV layout, byte for byte. Block b of layer l is the
+contiguous page `kv_cache[l, b]` = [2 (K, V), block_size, num_kv_heads, head_dim] of
+`dtype`; a run of n blocks is n * page_bytes bytes:
+
+    prompt     [ blk 0 | blk 1 | blk 2 | blk 3 | blk 4 ]     block *indices* on the wire
+    reserved   [  17   |  18   |  19   |   4   |   5   ]     the receiver's block ids
+                 cached          run (2, 1)    run (3, 2)     <- runs [first, count]
+
+Blocks are named by their index in the prompt's block table, never by a worker's
+physical block id: the receiver maps an index to the block it reserved itself, so
+no header can point a write at another request's block, and indices below the
+receiver's cached prefix (`skip`) are refused.
+
+Headers (every key is required; unknown keys are ignored):
+
+    pages    v kind rid seq layer runs nbytes dtype page via
+    final    v kind rid seq num_tokens digest first
+    abort    v kind rid reason
+    ack      v kind rid ok reason
+    hello    v kind pair                  (torch.distributed pairing, sender -> receiver)
+    welcome  v kind pair host port rank   (receiver -> sender)
+
+`seq` numbers a request's pages and final messages 0, 1, 2, ... in sending order.
+The receiver accepts exactly the next number: a smaller one is a replay (rejected),
+a larger one means a message was lost, which fails the transfer; a final message is
+accepted only when every page of every layer from `skip` on has arrived intact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import struct
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, Union
+
+import msgpack
+import torch
+
+VERSION = 1
+MAX_HEADER_BYTES = 1 << 16
+MAX_REQUEST_ID_CHARS = 256
+MAX_REASON_CHARS = 1024
+MAX_FIRST_TOKENS = 16
+MAX_INT = (1 << 63) - 1
+DIGEST_BYTES = 32
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class WireError(ValueError):
+    """A message the receiver refuses. `reason` is a short code, counted in stats."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(f"{reason}: {message}")
+        self.reason = reason
+
+
+class TransferError(RuntimeError):
+    """A transfer cannot go on (peer not accepting, connection broken, pairing failed)."""
+
+
+# -- page layout --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PageLayout:
+    """Shape of one KV page; sender and receiver must agree on it exactly."""
+
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype: {self.dtype!r} not one of {sorted(DTYPES)}")
+        for name in ("num_layers", "block_size", "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: must be a positive int, got {value!r}")
+
+    @classmethod
+    def of(cls, kv_cache: torch.Tensor) -> "PageLayout":
+        """The layout of an engine KV tensor [layers, blocks, 2, block_size, heads, head_dim]."""
+        names = {v: k for k, v in DTYPES.items()}
+        if kv_cache.dim() != 6 or kv_cache.shape[2] != 2 or kv_cache.dtype not in names:
+            raise ValueError(f"kv_cache: not an engine KV tensor ({tuple(kv_cache.shape)}, {kv_cache.dtype})")
+        if not kv_cache.is_contiguous():
+            raise ValueError("kv_cache: must be contiguous")
+        layers, _, _, block_size, heads, head_dim = kv_cache.shape
+        return cls(layers, block_size, heads, head_dim, names[kv_cache.dtype])
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def page_shape(self) -> tuple[int, int, int, int]:
+        return (2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def wire_page(self) -> tuple[int, int, int]:
+        return (self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def page_bytes(self) -> int:
+        return 2 * self.block_size * self.num_kv_heads * self.head_dim * self.torch_dtype.itemsize
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"layers": self.num_layers, "page": list(self.wire_page), "dtype": self.dtype}
+
+    @classmethod
+    def from_wire(cls, d: Any) -> "PageLayout":
+        if not isinstance(d, dict):
+            raise ValueError("layout: must be a map")
+        page = d.get("page")
+        if not isinstance(page, list) or len(page) != 3:
+            raise ValueError("layout.page: must be [block_size, num_kv_heads, head_dim]")
+        return cls(d.get("layers"), page[0], page[1], page[2], d.get("dtype"))
+
+
+def prompt_digest(token_ids: Sequence[int]) -> bytes:
+    """A fingerprint of the whole prompt: the final message proves the pages belong to it."""
+    if any(not 0 <= t <= MAX_INT for t in token_ids):
+        raise ValueError("token_ids: must be in [0, 2**63)")
+    h = hashlib.sha256(b"pdserve/kv-prompt/v1")
+    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    return h.digest()
+
+
+def as_bytes_view(t: torch.Tensor) -> memoryview:
+    """A flat byte view of a contiguous CPU tensor, sharing its memory (any dtype)."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError("tensor: need a contiguous CPU tensor for a byte view")
+    return memoryview(t.view(torch.uint8).reshape(-1).numpy())
+
+
+# -- headers --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PagesHeader:
+    request_id: str
+    seq: int
+    layer: int
+    runs: tuple[tuple[int, int], ...]  # (first block index, number of blocks)
+    nbytes: tuple[int, ...]  # bytes of each run
+    dtype: str
+    page: tuple[int, int, int]  # block_size, num_kv_heads, head_dim
+    via: str = "frames"  # "frames": runs follow as frames; "p2p": as torch.distributed tensors
+    kind = "pages"
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.nbytes)
+
+
+@dataclass(frozen=True)
+class FinalHeader:
+    request_id: str
+    seq: int
+    num_tokens: int
+    digest: bytes
+    first_tokens: tuple[int, ...]
+    kind = "final"
+
+
+@dataclass(frozen=True)
+class AbortHeader:
+    request_id: str
+    reason: str
+    kind = "abort"
+
+
+@dataclass(frozen=True)
+class AckHeader:
+    request_id: str
+    ok: bool
+    reason: str
+    kind = "ack"
+
+
+@dataclass(frozen=True)
+class HelloHeader:
+    pair: str
+    kind = "hello"
+
+
+@dataclass(frozen=True)
+class WelcomeHeader:
+    pair: str
+    host: str
+    port: int
+    rank: int
+    kind = "welcome"
+
+
+Header = Union[PagesHeader, FinalHeader, AbortHeader, AckHeader, HelloHeader, WelcomeHeader]
+
+
+def encode(h: Header) -> bytes:
+    """The header frame of a message (msgpack map)."""
+    d: dict[str, Any] = {"v": VERSION, "kind": h.kind}
+    if isinstance(h, PagesHeader):
+        d.update(rid=h.request_id, seq=h.seq, layer=h.layer, runs=[list(r) for r in h.runs],
+                 nbytes=list(h.nbytes), dtype=h.dtype, page=list(h.page), via=h.via)
+    elif isinstance(h, FinalHeader):
+        d.update(rid=h.request_id, seq=h.seq, num_tokens=h.num_tokens, digest=h.digest, first=list(h.first_tokens))
+    elif isinstance(h, (AbortHeader, AckHeader)):
+        d.update(rid=h.request_id, reason=h.reason)
+        if isinstance(h, AckHeader):
+            d["ok"] = h.ok
+    elif isinstance(h, HelloHeader):
+        d["pair"] = h.pair
+    elif isinstance(h, WelcomeHeader):
+        d.update(pair=h.pair, host=h.host, port=h.port, rank=h.rank)
+    else:
+        raise TypeError(f"header: unknown type {type(h).__name__}")
+    return msgpack.packb(d, use_bin_type=True)
+
+
+def decode(raw: bytes | memoryview) -> Header:
+    """Parse and validate a header frame; raises WireError, never anything else."""
+    if len(raw) > MAX_HEADER_BYTES:
+        raise WireError("oversized", f"header of {len(raw)} bytes exceeds {MAX_HEADER_BYTES}")
+    try:
+        d = msgpack.unpackb(raw, raw=False, strict_map_key=True, use_list=True)
+    except Exception as exc:  # msgpack raises many types on garbage
+        raise WireError("bad_header", f"not a msgpack map ({type(exc).__name__})") from None
+    if not isinstance(d, dict):
+        raise WireError("bad_header", "header is not a map")
+    version = d.get("v")
+    if version != VERSION or isinstance(version, bool):
+        raise WireError("bad_version", f"version {version!r}, this receiver speaks {VERSION}")
+    parse = _PARSERS.get(d.get("kind")) if isinstance(d.get("kind"), str) else None
+    if parse is None:
+        raise WireError("bad_kind", f"unknown kind {d.get('kind')!r}")
+    return parse(d)
+
+
+def _check_int(v: Any, key: str, lo: int = 0, hi: int = MAX_INT) -> int:
+    if v.__class__ is not int or not lo <= v <= hi:  # bool is a subclass of int: refused
+        raise WireError("bad_header", f"{key}: {v!r} is not an int in [{lo}, {hi}]")
+    return v
+
+
+def _int(d: dict, key: str, lo: int = 0, hi: int = MAX_INT) -> int:
+    return _check_int(d.get(key), key, lo, hi)
+
+
+def _str(d: dict, key: str, max_chars: int, min_chars: int = 0) -> str:
+    v = d.get(key)
+    if not isinstance(v, str) or not min_chars <= len(v) <= max_chars:
+        raise WireError("bad_header", f"{key}: must be a string of {min_chars}..{max_chars} chars")
+    return v
+
+
+def _int_list(d: dict, key: str, max_len: int, lo: int = 0, hi: int = MAX_INT) -> tuple[int, ...]:
+    v = d.get(key)
+    if not isinstance(v, list) or len(v) > max_len:
+        raise WireError("bad_header", f"{key}: must be a list of at most {max_len} ints")
+    return tuple(_check_int(x, key, lo, hi) for x in v)
+
+
+def _rid(d: dict) -> str:
+    return _str(d, "rid", MAX_REQUEST_ID_CHARS, 1)
+
+
+def _parse_pages(d: dict) -> PagesHeader:
+    runs_raw = d.get("runs")
+    if not isinstance(runs_raw, list) or not 1 <= len(runs_raw) <= 1 << 16:
+        raise WireError("bad_header", "runs: must be a non-empty list of [first, count]")
+    runs = []
+    for r in runs_raw:
+        if r.__class__ is not list or len(r) != 2:
+            raise WireError("bad_header", "runs: each run is [first, count]")
+        runs.append((_check_int(r[0], "runs.first"), _check_int(r[1], "runs.count", 1)))
+    nbytes = _int_list(d, "nbytes", len(runs))
+    if len(nbytes) != len(runs):
+        raise WireError("bad_length", f"nbytes: {len(nbytes)} lengths for {len(runs)} runs")
+    page = _int_list(d, "page", 3, 1)
+    if len(page) != 3:
+        raise WireError("bad_header", "page: must be [block_size, num_kv_heads, head_dim]")
+    via = d.get("via")
+    if via not in ("frames", "p2p"):
+        raise WireError("bad_header", f"via: {via!r} is not 'frames' or 'p2p'")
+    return PagesHeader(
+        _rid(d), _int(d, "seq"), _int(d, "layer"), tuple(runs), nbytes,
+        _str(d, "dtype", 16), (page[0], page[1], page[2]), via,
+    )
+
+
+def _parse_final(d: dict) -> FinalHeader:
+    digest = d.get("digest")
+    if not isinstance(digest, bytes) or len(digest) != DIGEST_BYTES:
+        raise WireError("bad_header", f"digest: must be {DIGEST_BYTES} bytes")
+    first = _int_list(d, "first", MAX_FIRST_TOKENS, 0, (1 << 31) - 1)
+    return FinalHeader(_rid(d), _int(d, "seq"), _int(d, "num_tokens", 1), digest, first)
+
+
+def _parse_abort(d: dict) -> AbortHeader:
+    return AbortHeader(_rid(d), _str(d, "reason", MAX_REASON_CHARS))
+
+
+def _parse_ack(d: dict) -> AckHeader:
+    ok = d.get("ok")
+    if not isinstance(ok, bool):
+        raise WireError("bad_header", "ok: must be a bool")
+    return AckHeader(_rid(d), ok, _str(d, "reason", MAX_REASON_CHARS))
+
+
+def _parse_hello(d: dict) -> HelloHeader:
+    return HelloHeader(_str(d, "pair", 64, 1))
+
+
+def _parse_welcome(d: dict) -> WelcomeHeader:
+    return WelcomeHeader(_str(d, "pair", 64, 1), _str(d, "host", 255, 1), _int(d, "port", 1, 65535), _int(d, "rank", 0, 1))
+
+
+_PARSERS: dict[str, Callable[[dict], Header]] = {
+    "pages": _parse_pages, "final": _parse_final, "abort": _parse_abort,
+    "ack": _parse_ack, "hello": _parse_hello, "welcome": _parse_welcome,
+}
+
+
+# -- the receiver's table -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TransferEvent:
+    """A transfer reached a terminal state on the receiver (done, or failed with a reason)."""
+
+    request_id: str
+    ok: bool
+    reason: str = ""
+    first_tokens: tuple[int, ...] = ()
+    peer: bytes | None = None
+    nbytes: int = 0
+
+
+@dataclass
+class _Expected:
+    """One reservation waiting for pages. `have[layer][i]` is 1 once page i of that layer
+    arrived intact; `missing` counts the zeros at indices >= skip."""
+
+    request_id: str
+    block_ids: tuple[int, ...]
+    skip: int
+    num_tokens: int
+    digest: bytes
+    deadline: float
+    have: list[bytearray]
+    missing: int
+    peer: bytes | None = None
+    next_seq: int = 0
+    nbytes: int = 0
+    writing: bool = False  # a message's bytes are landing in its blocks right now
+    doomed: str | None = None  # cancelled or expired while writing: fail when the write ends
+
+
+class Landing:
+    """Where one run's bytes land: straight in the reserved pages when their block ids are
+    consecutive (and, for `host` byte transports, on the CPU); otherwise in a staging
+    buffer that `commit` scatters into those pages."""
+
+    def __init__(self, kv: torch.Tensor, layer: int, block_ids: Sequence[int], host: bool,
+                 layer_bytes: memoryview | None = None) -> None:
+        self._kv, self._layer, self._ids = kv, layer, block_ids
+        first, n = block_ids[0], len(block_ids)
+        consecutive = block_ids[-1] - first == n - 1 and all(b == first + i for i, b in enumerate(block_ids))
+        self._staged = not consecutive or (host and kv.device.type != "cpu")
+        self._view: memoryview | None = None
+        self._tensor: torch.Tensor | None = None
+        if self._staged:
+            device = torch.device("cpu") if host else kv.device
+            pin = host and kv.device.type == "cuda"
+            self._tensor = torch.empty((n, *kv.shape[2:]), dtype=kv.dtype, device=device, pin_memory=pin)
+            self.nbytes = self._tensor.numel() * self._tensor.element_size()
+        elif host and layer_bytes is not None:
+            page = layer_bytes.nbytes // kv.shape[1]
+            self._view = layer_bytes[first * page : (first + n) * page]  # no torch call: cheap
+            self.nbytes = self._view.nbytes
+        else:
+            self.nbytes = self.tensor.numel() * self.tensor.element_size()
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The landing area as pages [n, 2, block_size, heads, head_dim] (for p2p receives)."""
+        if self._tensor is None:
+            self._tensor = self._kv[self._layer, self._ids[0] : self._ids[0] + len(self._ids)]
+        return self._tensor
+
+    def buffer(self) -> memoryview:
+        """Writable bytes of the landing area (CPU only)."""
+        return self._view if self._view is not None else as_bytes_view(self.tensor)
+
+    def commit(self) -> None:
+        if self._staged:
+            index = torch.tensor(list(self._ids), device=self._kv.device)
+            self._kv[self._layer].index_copy_(0, index, self.tensor.to(self._kv.device))
+
+
+class Inbox:
+    """The receiver's reservations and the state machine of each transfer.
+
+    Thread-safe: the engine thread calls `expect`/`cancel`, a transport thread feeds
+    messages. Every write into the KV tensor happens inside `pages()` under the lock and
+    only into blocks of a live reservation at indices >= its `skip`; once a transfer is
+    done or failed it leaves the table before its event is published, so nothing writes
+    its blocks after the engine learns of it (and maybe frees them).
+    """
+
+    def __init__(self, kv_cache: torch.Tensor, clock: Callable[[], float] = time.monotonic) -> None:
+        self.layout = PageLayout.of(kv_cache)
+        self.kv = kv_cache
+        self.clock = clock
+        self.lock = threading.RLock()
+        self.rejected: Counter[str] = Counter()
+        self.stats: Counter[str] = Counter()
+        self._table: dict[str, _Expected] = {}
+        self._events: list[TransferEvent] = []
+        # Flat bytes of each layer, so a landing is a memoryview slice (no torch call).
+        self._layer_bytes = [as_bytes_view(kv_cache[i]) for i in range(kv_cache.shape[0])] if kv_cache.device.type == "cpu" else None
+
+    # -- engine side -------------------------------------------------------------
+
+    def expect(self, request_id: str, block_ids: Sequence[int], skip: int, num_tokens: int,
+               digest: bytes, deadline: float) -> None:
+        """Register a reservation: pages of blocks [skip, len(block_ids)) will arrive."""
+        n = len(block_ids)
+        num_blocks = self.kv.shape[1]
+        if not 0 <= skip <= n or any(not 0 <= b < num_blocks for b in block_ids):
+            raise ValueError(f"block_ids: out of range for {request_id!r}")
+        if -(-num_tokens // self.layout.block_size) != n:
+            raise ValueError(f"num_tokens: {num_tokens} tokens do not fill {n} blocks")
+        with self.lock:
+            if request_id in self._table:
+                raise ValueError(f"request_id: {request_id!r} is already expected")
+            have = [bytearray(n) for _ in range(self.layout.num_layers)]
+            missing = (n - skip) * self.layout.num_layers
+            self._table[request_id] = _Expected(request_id, tuple(block_ids), skip, num_tokens, digest, deadline, have, missing)
+
+    def cancel(self, request_id: str, reason: str = "cancelled") -> bool:
+        """Fail a reservation. True when nothing writes its blocks any more, so the
+        engine may free them now; False while a message is landing in them: the failed
+        event follows when that write ends (bounded by the transport's timeout), and the
+        blocks must be freed only then. Never waits for the network."""
+        with self.lock:
+            t = self._table.get(request_id)
+            if t is None:
+                return True
+            if t.writing:
+                t.doomed = t.doomed or reason
+                return False
+            self._fail(t, reason)
+            return True
+
+    def has_events(self) -> bool:
+        return bool(self._events)  # a racy peek is fine: take_events is the locked read
+
+    def take_events(self) -> list[TransferEvent]:
+        with self.lock:
+            events, self._events = self._events, []
+            return events
+
+    def pending(self) -> list[str]:
+        with self.lock:
+            return list(self._table)
+
+    def next_deadline(self) -> float | None:
+        with self.lock:
+            return min((t.deadline for t in self._table.values()), default=None)
+
+    def expire(self) -> None:
+        """Fail every transfer past its deadline (when its write in flight ends)."""
+        now = self.clock()
+        with self.lock:
+            for t in [t for t in self._table.values() if t.deadline <= now]:
+                if t.writing:
+                    t.doomed = t.doomed or "deadline exceeded"
+                else:
+                    self._fail(t, "deadline exceeded")
+
+    def fail_peer(self, peer: bytes, reason: str, request_id: str | None = None) -> None:
+        """The connection to a sender broke: fail its transfers now (and `request_id`'s,
+        if no other sender holds it) instead of waiting for their deadlines."""
+        with self.lock:
+            for t in list(self._table.values()):
+                if t.peer == peer or (t.request_id == request_id and t.peer is None):
+                    if t.writing:
+                        t.doomed = t.doomed or reason
+                    else:
+                        self._fail(t, reason)
+
+    # -- transport side ----------------------------------------------------------
+
+    def reject(self, reason: str) -> None:
+        with self.lock:
+            self.rejected[reason] += 1
+
+    @contextlib.contextmanager
+    def pages(self, h: PagesHeader, peer: bytes, host: bool = True) -> Iterator[list[Landing]]:
+        """Validate a pages header and yield where each run must land.
+
+        The caller fills every landing (raising WireError if the bytes do not match);
+        on a clean exit the pages count as received, on any exception none of this
+        message's pages do, and the exception propagates (the caller counts it). The
+        lock is not held while the bytes land: the transfer is marked `writing`, so a
+        cancel or deadline meanwhile is deferred until the write ends (one transport
+        thread writes, so at most one message per transfer is in flight).
+        """
+        with self.lock:
+            t = self._admit(h, peer)
+            layer_bytes = self._layer_bytes[h.layer] if self._layer_bytes is not None else None
+            landings = [Landing(self.kv, h.layer, t.block_ids[f : f + c], host, layer_bytes) for f, c in h.runs]
+            t.writing = True
+        ok = False
+        try:
+            yield landings
+            for landing in landings:
+                landing.commit()
+            ok = True
+        finally:
+            with self.lock:
+                t.writing = False
+                self._mark(t, h, 1 if ok else 0)
+                if ok:
+                    t.peer = peer  # the first accepted message binds the transfer to its sender
+                    t.next_seq += 1
+                    t.nbytes += h.total_bytes
+                    self.stats["bytes"] += h.total_bytes
+                    self.stats["messages"] += 1
+                if t.doomed is not None:
+                    self._fail(t, t.doomed)
+
+    def final(self, h: FinalHeader, peer: bytes) -> None:
+        """The last message: complete the transfer (or fail it if pages are missing)."""
+        with self.lock:
+            t = self._check_peer_and_seq(h.request_id, h.seq, peer)
+            if t is None:
+                return
+            t.peer = peer
+            if h.num_tokens != t.num_tokens or h.digest != t.digest:
+                self._fail(t, "final: prompt does not match the reservation")
+            elif t.missing:
+                self._fail(t, f"final: {t.missing} pages never arrived intact")
+            else:
+                del self._table[t.request_id]
+                self.stats["done"] += 1
+                self._events.append(TransferEvent(t.request_id, True, "", h.first_tokens, t.peer, t.nbytes))
+
+    def abort(self, h: AbortHeader, peer: bytes) -> None:
+        """The sender gave up: fail the transfer now instead of at its deadline."""
+        with self.lock:
+            t = self._table.get(h.request_id)
+            if t is None:
+                raise WireError("unknown_request", f"abort for {h.request_id!r}: no reservation")
+            if t.peer is not None and t.peer != peer:
+                raise WireError("wrong_peer", f"abort for {h.request_id!r} from another sender")
+            t.peer = peer
+            self._fail(t, f"sender aborted: {h.reason}")
+
+    # -- internals ---------------------------------------------------------------
+
+    def _check_peer_and_seq(self, request_id: str, seq: int, peer: bytes) -> _Expected | None:
+        """The transfer a message belongs to; None if a sequence gap just failed it."""
+        t = self._table.get(request_id)
+        if t is None:
+            raise WireError("unknown_request", f"no reservation for {request_id!r}")
+        if t.peer is not None and t.peer != peer:
+            raise WireError("wrong_peer", f"{request_id!r} is bound to another sender")
+        if seq < t.next_seq:
+            raise WireError("bad_sequence", f"seq {seq} replays (expected {t.next_seq})")
+        if seq > t.next_seq:
+            t.peer = peer  # so the sender hears why
+            self._fail(t, f"messages lost: seq {seq}, expected {t.next_seq}")
+            return None
+        return t
+
+    def _admit(self, h: PagesHeader, peer: bytes) -> _Expected:
+        lay = self.layout
+        if h.dtype != lay.dtype or h.page != lay.wire_page:
+            raise WireError("bad_layout", f"pages {h.dtype} {h.page}, receiver holds {lay.dtype} {lay.wire_page}")
+        if h.layer >= lay.num_layers:
+            raise WireError("out_of_range", f"layer {h.layer} >= {lay.num_layers}")
+        t = self._table.get(h.request_id)
+        if t is None:
+            raise WireError("unknown_request", f"no reservation for {h.request_id!r}")
+        end = -1
+        for (first, count), nbytes in zip(h.runs, h.nbytes):
+            if first < t.skip or first + count > len(t.block_ids) or first < end:
+                raise WireError("out_of_range", f"run [{first}, {first + count}) outside [{t.skip}, {len(t.block_ids)}) or overlapping")
+            if nbytes != count * lay.page_bytes:
+                raise WireError("bad_length", f"run of {count} pages declares {nbytes} bytes, expected {count * lay.page_bytes}")
+            end = first + count
+        t2 = self._check_peer_and_seq(h.request_id, h.seq, peer)
+        if t2 is None:
+            raise WireError("bad_sequence", f"seq gap failed {h.request_id!r}")
+        return t2
+
+    def _mark(self, t: _Expected, h: PagesHeader, value: int) -> None:
+        row = t.have[h.layer]
+        for first, count in h.runs:
+            had = row.count(1, first, first + count)
+            row[first : first + count] = bytes([value]) * count
+            t.missing += had - (count if value else 0)
+
+    def _fail(self, t: _Expected, reason: str) -> None:
+        del self._table[t.request_id]
+        self.stats["failed"] += 1
+        self._events.append(TransferEvent(t.request_id, False, reason, (), t.peer, t.nbytes))
+
+
+# -- reading one message -----------------------------------------------------------
+
+
+class FrameSource(Protocol):
+    """The frames of one incoming message after the sender's identity (ZeroMQ's RCVMORE
+    semantics: `recv_into` writes at most len(buf) bytes and returns the frame's size)."""
+
+    def more(self) -> bool: ...
+    def next_frame(self) -> bytes: ...
+    def recv_into(self, buf: memoryview) -> int: ...
+
+
+def fill_frames(src: FrameSource, landings: list[Landing]) -> None:
+    """Copy each run's frame into its landing; WireError unless there is exactly one
+    frame per run, each of exactly the run's size."""
+    for landing in landings:
+        if not src.more():
+            raise WireError("truncated", f"{len(landings)} runs announced, fewer frames sent")
+        n = src.recv_into(landing.buffer())
+        if n != landing.nbytes:
+            reason = "oversized" if n > landing.nbytes else "truncated"
+            raise WireError(reason, f"frame of {n} bytes for a run of {landing.nbytes}")
+    if src.more():
+        raise WireError("extra_frames", "more frames than runs")
+
+
+PagesHandler = Callable[[PagesHeader], None]
+
+
+def deliver(inbox: Inbox, peer: bytes, src: FrameSource, pages: PagesHandler | None = None) -> Header | None:
+    """Read one message: pages, final and abort go to the inbox; any other kind is
+    returned for the transport to handle. `pages` replaces the default (frames) way of
+    taking page data. Raises WireError on anything malformed; the caller counts it and
+    discards what is left of the message."""
+    if not src.more():
+        raise WireError("truncated", "message has no header frame")
+    header = decode(src.next_frame())
+    if isinstance(header, PagesHeader):
+        if pages is not None:
+            pages(header)
+            return None
+        if header.via != "frames":
+            raise WireError("bad_header", f"via {header.via!r}: this receiver takes pages as frames only")
+        with inbox.pages(header, peer, host=True) as landings:
+            fill_frames(src, landings)
+        return None
+    if src.more():
+        raise WireError("extra_frames", f"{header.kind} message carries data frames")
+    if isinstance(header, FinalHeader):
+        inbox.final(header, peer)
+    elif isinstance(header, AbortHeader):
+        inbox.abort(header, peer)
+    else:
+        return header
+    return None
+
+
+# -- the sender's view -----------------------------------------------------------------
+
+
+@dataclass
+class Outgoing:
+    """Sender-side state of one transfer: where it goes and the next sequence number."""
+
+    request_id: str
+    endpoint: str
+    server_key: bytes | None = None
+    seq: int = 0
+    nbytes: int = 0

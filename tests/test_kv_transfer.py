@@ -1,0 +1,643 @@
+"""KV transfer over real sockets and processes.
+
+A decode worker runs in a spawned process (engines, receivers and `DecodeConnector`s,
+driven by a small command pipe — control only: every KV byte crosses our transports).
+The prefill side runs in the test process. Checks: pages arrive bit-identical over
+ZeroMQ tcp and ipc and over torch.distributed (gloo), for several model shapes and
+dtypes, and decoding continues with the tokens the prefill engine would produce;
+only blocks the decoder lacks cross the wire; a sender dying mid-transfer, malformed
+frames, unauthenticated peers and silent receivers end in freed blocks, never hangs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgpack
+import pytest
+import torch
+import zmq
+import zmq.auth
+
+from engine import SamplingParams
+from engine.config import CacheConfig, SchedulerConfig
+from engine.engine import EngineConfig, LLMEngine
+from engine.hashing import hash_blocks
+from hf_models import build_model
+from kvtransfer.connector import DecodeConnector, PrefillConfig, PrefillConnector, TransferTarget, page_runs
+from kvtransfer.nccl import TorchDistReceiver, TorchDistSender
+from kvtransfer.wire import VERSION, PagesHeader, PageLayout, encode, prompt_digest
+from kvtransfer.zmq import CurveConfig, ZmqConfig, ZmqReceiver, ZmqSender
+
+SPAWN = mp.get_context("spawn")
+WAIT_S = 60.0  # upper bound on any single wait; tests finish far sooner
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    arch: str
+    dtype: str
+    block_size: int
+    overrides: tuple[tuple[str, int], ...] = ()
+
+
+MODELS = {
+    # 2 layers, 2 KV heads x 16
+    "llama-f32": ModelSpec("llama", "float32", 16),
+    # 3 layers, 1 KV head x 16, fp16, small blocks
+    "qwen2-f16": ModelSpec("qwen2", "float16", 8, (("num_hidden_layers", 3), ("num_key_value_heads", 1))),
+    # 1 layer, 4 KV heads x 32, bf16, large blocks
+    "mistral-bf16": ModelSpec("mistral", "bfloat16", 32, (("num_hidden_layers", 1), ("hidden_size", 128), ("num_key_value_heads", 4))),
+}
+TRANSPORTS = ("tcp", "ipc", "gloo")
+
+
+def engine_config(model_dir: str, spec: ModelSpec, num_blocks: int = 96, chunk: int = 2048) -> EngineConfig:
+    return EngineConfig(
+        model=model_dir, dtype=spec.dtype,
+        cache=CacheConfig(block_size=spec.block_size, num_blocks=num_blocks),
+        scheduler=SchedulerConfig(max_num_batched_tokens=chunk),
+    )
+
+
+def kv_digest(kv: torch.Tensor, block_ids: list[int], num_tokens: int) -> str:
+    """sha256 of the K/V of tokens [0, num_tokens) in these blocks, every layer."""
+    layers, _, _, bs, heads, dim = kv.shape
+    pages = kv[:, block_ids].transpose(1, 2).reshape(layers, 2, len(block_ids) * bs, heads, dim)
+    return hashlib.sha256(pages[:, :, :num_tokens].contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def greedy(max_tokens: int, n: int = 1) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, n=n)
+
+
+# -- the decode worker process ------------------------------------------------------
+
+
+class _DecodeNode:
+    def __init__(self, model_dir: str, spec: ModelSpec, transport: str, bind: str, results: dict) -> None:
+        self.engine = LLMEngine(engine_config(model_dir, spec))
+        kv = self.engine.runner.kv_cache
+        self.receiver = TorchDistReceiver(kv, bind) if transport == "gloo" else ZmqReceiver(kv, bind)
+        self.receiver.start()
+        self.results = results
+
+        def received(reservation) -> None:
+            self.results[reservation.request_id] = {"digest": kv_digest(kv, reservation.block_ids, self.tokens[reservation.request_id])}
+
+        self.tokens: dict[str, int] = {}
+        self.connector = DecodeConnector(self.engine, self.receiver, on_received=received)
+
+    def step(self) -> bool:
+        update = self.connector.step()
+        for output in update.outputs:
+            self.results.setdefault(output.request_id, {})["tokens"] = [c.token_ids for c in output.outputs]
+        for rid, reason in update.failed.items():
+            self.results.setdefault(rid, {})["failed"] = reason
+        return bool(update.outputs or update.committed or update.failed)
+
+
+def decode_worker(conn) -> None:
+    """Serve commands (open / reserve / result / stats / stop) while stepping every node."""
+    torch.set_num_threads(1)
+    nodes: dict[str, _DecodeNode] = {}
+    results: dict[str, dict] = {}
+
+    def open_node(name, model_dir, spec, transport, bind):
+        nodes[name] = _DecodeNode(model_dir, ModelSpec(*spec), transport, bind, results)
+        return nodes[name].receiver.endpoint
+
+    def reserve(name, rid, prompt, max_tokens, n=1, timeout_s=None):
+        node = nodes[name]
+        node.tokens[rid] = len(prompt)
+        return node.connector.reserve(rid, prompt, greedy(max_tokens, n), timeout_s).pack()
+
+    def result(rid):
+        r = results.get(rid, {})
+        return r if ("tokens" in r or "failed" in r) else None
+
+    def stats(name):
+        node = nodes[name]
+        node.engine.check_integrity()
+        return {**node.engine.stats(), **{f"rx_{k}": v for k, v in node.receiver.stats().items()},
+                "waiting": node.connector.waiting()}
+
+    handlers = {"open": open_node, "reserve": reserve, "result": result, "stats": stats}
+    try:
+        while True:
+            busy = any([node.step() for node in nodes.values()])
+            if not conn.poll(0 if busy else 0.002):
+                continue
+            cmd, args = conn.recv()
+            if cmd == "stop":
+                break
+            try:
+                conn.send(("ok", handlers[cmd](*args)))
+            except Exception as exc:  # reported to the test
+                conn.send(("err", f"{type(exc).__name__}: {exc}"))
+    finally:
+        for node in nodes.values():
+            node.receiver.close()
+
+
+class DecodePeer:
+    """The test's handle on the decode worker process."""
+
+    def __init__(self) -> None:
+        self.conn, child = SPAWN.Pipe()
+        self.proc = SPAWN.Process(target=decode_worker, args=(child,), daemon=True)
+        self.proc.start()
+
+    def call(self, cmd: str, *args):
+        self.conn.send((cmd, args))
+        if not self.conn.poll(WAIT_S):
+            raise TimeoutError(f"decode worker: no answer to {cmd}")
+        status, value = self.conn.recv()
+        if status != "ok":
+            raise RuntimeError(value)
+        return value
+
+    def wait_result(self, rid: str, while_waiting=lambda: None) -> dict:
+        deadline = time.monotonic() + WAIT_S
+        while time.monotonic() < deadline:
+            while_waiting()
+            r = self.call("result", rid)
+            if r is not None:
+                return r
+            time.sleep(0.002)
+        raise TimeoutError(f"no result for {rid}")
+
+    def stop(self) -> None:
+        try:
+            self.conn.send(("stop", ()))
+        finally:
+            self.proc.join(20)
+            if self.proc.is_alive():
+                self.proc.kill()
+
+
+# -- fixtures -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    dirs = {}
+    for name, spec in MODELS.items():
+        path = tmp_path_factory.mktemp(name)
+        build_model(path, spec.arch, seed=7, **dict(spec.overrides))
+        dirs[name] = str(path)
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def decoder():
+    peer = DecodePeer()
+    yield peer
+    peer.stop()
+
+
+@pytest.fixture(scope="module")
+def ipc_dir():
+    with tempfile.TemporaryDirectory(prefix="kv") as d:  # short: ipc paths are length-limited
+        yield d
+
+
+def open_node(decoder, model_dirs, ipc_dir, model: str, transport: str, tag: str = "") -> tuple[str, str]:
+    name = f"{model}-{transport}{tag}"
+    bind = f"ipc://{ipc_dir}/{name}.sock" if transport == "ipc" else "tcp://127.0.0.1:0"
+    spec = MODELS[model]
+    endpoint = decoder.call("open", name, model_dirs[model], tuple(spec.__dict__.values()), transport, bind)
+    return name, endpoint
+
+
+class PrefillSide:
+    """The prefill engine and connector in the test process, stepped by hand so the test
+    can fingerprint the KV of a finished request before its blocks are released."""
+
+    def __init__(self, model_dir: str, spec: ModelSpec, transport: str, chunk: int = 2048, **connector) -> None:
+        self.engine = LLMEngine(engine_config(model_dir, spec, chunk=chunk))
+        self.sender = TorchDistSender() if transport == "gloo" else ZmqSender()
+        self.connector = PrefillConnector(self.engine, self.sender, **connector)
+        self.digests: dict[str, str] = {}
+
+    def step(self) -> None:
+        outputs = self.engine.step() if self.engine.has_unfinished() else []
+        for o in outputs:
+            if o.request_id in self.engine.held:
+                blocks = self.engine.held_block_ids(o.request_id)
+                self.digests[o.request_id] = kv_digest(self.engine.runner.kv_cache, blocks, len(o.prompt_token_ids))
+        self.connector.on_outputs(outputs)
+        self.connector.poll()
+
+    def transfer(self, decoder: DecodePeer, node: str, rid: str, prompt: list[int], max_tokens: int, n: int = 1) -> dict:
+        target = TransferTarget.unpack(decoder.call("reserve", node, rid, prompt, max_tokens, n))
+        self.connector.submit(rid, prompt, greedy(1), target)
+        result = decoder.wait_result(rid, self.step)
+        self.settle()
+        return result
+
+    def settle(self) -> None:
+        """Step until every export is acked and released."""
+        deadline = time.monotonic() + WAIT_S
+        while self.connector.exporting() and time.monotonic() < deadline:
+            self.step()
+            time.sleep(0.001)
+        self.engine.check_integrity()
+        stats = self.engine.stats()
+        assert stats["num_free_blocks"] == stats["num_blocks"], "prefill side leaked blocks"
+
+    def close(self) -> None:
+        self.sender.close()
+
+
+def local_tokens(model_dir: str, spec: ModelSpec, prompt: list[int], max_tokens: int, chunk: int, n: int = 1) -> list[list[int]]:
+    """What the prefill engine itself would generate."""
+    engine = LLMEngine(engine_config(model_dir, spec, chunk=chunk))
+    engine.add_request("local", prompt, greedy(max_tokens, n))
+    while engine.has_unfinished():
+        for o in engine.step():
+            return [c.token_ids for c in o.outputs]
+    raise AssertionError("no output")
+
+
+def prompt_of(length: int, salt: int) -> list[int]:
+    return [3 + (salt * 31 + 7 * i) % 250 for i in range(length)]
+
+
+# -- round trips --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("model", list(MODELS))
+def test_pages_arrive_bit_identical_and_decoding_continues(decoder, model_dirs, ipc_dir, model, transport):
+    spec, model_dir = MODELS[model], model_dirs[model]
+    node, _ = open_node(decoder, model_dirs, ipc_dir, model, transport)
+    chunk = 3 * spec.block_size - 5  # chunked prefill: partial blocks are sent again
+    prefill = PrefillSide(model_dir, spec, transport, chunk=chunk)
+    try:
+        for i, length in enumerate((4 * spec.block_size + 3, 5)):
+            prompt = prompt_of(length, salt=i + len(model))
+            rid = f"{node}-{i}"
+            result = prefill.transfer(decoder, node, rid, prompt, max_tokens=6)
+            assert "failed" not in result, result
+            assert result["digest"] == prefill.digests[rid], "received KV differs from the exported KV"
+            assert result["tokens"] == local_tokens(model_dir, spec, prompt, 6, chunk)
+    finally:
+        prefill.close()
+    stats = decoder.call("stats", node)
+    assert stats["num_free_blocks"] == stats["num_blocks"] and stats["rx_rejected"] == 0
+
+
+def test_only_blocks_the_decoder_lacks_cross_the_wire(decoder, model_dirs, ipc_dir):
+    model, spec = "llama-f32", MODELS["llama-f32"]
+    node, _ = open_node(decoder, model_dirs, ipc_dir, model, "tcp", tag="-dedup")
+    fresh, _ = open_node(decoder, model_dirs, ipc_dir, model, "tcp", tag="-fresh")
+    prefill = PrefillSide(model_dirs[model], spec, "tcp")
+    layout = prefill.connector.layout
+    per_block = layout.num_layers * layout.page_bytes  # one block, every layer
+    a = prompt_of(70, salt=1)  # 4 full blocks + 6 tokens
+    b = a[:64] + prompt_of(6, salt=2)  # same first 4 blocks
+    c = a[:64] + prompt_of(9, salt=3)
+    try:
+        def sent(name: str) -> tuple[int, int]:
+            return decoder.call("stats", name).get("rx_bytes", 0), prefill.sender.counters["bytes"]
+
+        rx0, tx0 = sent(node)
+        assert "tokens" in prefill.transfer(decoder, node, "dd-a", a, 4)
+        rx1, tx1 = sent(node)
+        assert rx1 - rx0 == tx1 - tx0 == 5 * per_block
+        # The decoder holds blocks 0-3 of b: one block crosses the wire.
+        result = prefill.transfer(decoder, node, "dd-b", b, 4)
+        rx2, tx2 = sent(node)
+        assert rx2 - rx1 == tx2 - tx1 == 1 * per_block
+        assert result["digest"] == prefill.digests["dd-b"]
+        assert result["tokens"] == local_tokens(model_dirs[model], spec, b, 4, 2048)
+        # A decoder without them gets all five, including the ones the prefill engine
+        # itself took from its own prefix cache (never recomputed, still sent).
+        result = prefill.transfer(decoder, fresh, "dd-c", c, 4)
+        assert prefill.engine.stats()["prefix_cache_hits"] >= 128
+        assert decoder.call("stats", fresh)["rx_bytes"] == 5 * per_block
+        assert result["digest"] == prefill.digests["dd-c"]
+        assert result["tokens"] == local_tokens(model_dirs[model], spec, c, 4, 2048)
+    finally:
+        prefill.close()
+
+
+def test_parallel_samples_recompute_the_first_token_on_the_decoder(decoder, model_dirs, ipc_dir):
+    model, spec = "qwen2-f16", MODELS["qwen2-f16"]
+    node, _ = open_node(decoder, model_dirs, ipc_dir, model, "tcp", tag="-n")
+    prefill = PrefillSide(model_dirs[model], spec, "tcp")
+    try:
+        prompt = prompt_of(21, salt=5)
+        result = prefill.transfer(decoder, node, "n3", prompt, 5, n=3)
+        assert result["tokens"] == local_tokens(model_dirs[model], spec, prompt, 5, 2048, n=3)
+    finally:
+        prefill.close()
+
+
+# -- faults -------------------------------------------------------------------------
+
+
+def dying_prefill(conn, model_dir: str, spec: tuple, prompt: list[int], transport: str) -> None:
+    """Prefill that sends layer 0's pages, then dies without a word."""
+    torch.set_num_threads(1)
+    engine = LLMEngine(engine_config(model_dir, ModelSpec(*spec)))
+    connector = PrefillConnector(engine, TorchDistSender() if transport == "gloo" else ZmqSender())
+    conn.send("ready")
+    target = conn.recv()
+    hook = engine.layer_hook
+
+    def die_after_layer_0(layer, slices):
+        hook(layer, slices)
+        if layer == 0:
+            # zmq: let the pages reach the wire; gloo: die with the send in flight
+            time.sleep(0.3 if transport == "tcp" else 0.0)
+            os._exit(3)
+
+    engine.layer_hook = die_after_layer_0
+    target = TransferTarget.unpack(target)
+    connector.submit(target.request_id, prompt, greedy(1), target)
+    connector.step()
+
+
+@pytest.mark.parametrize("transport", ["tcp", "gloo"])
+def test_sender_dies_mid_transfer_reservation_fails_and_frees(decoder, model_dirs, ipc_dir, transport):
+    model, spec = "qwen2-f16", MODELS["qwen2-f16"]
+    node, _ = open_node(decoder, model_dirs, ipc_dir, model, transport, tag="-die")
+    prompt = prompt_of(50, salt=9)
+    conn, child = SPAWN.Pipe()
+    proc = SPAWN.Process(target=dying_prefill, args=(child, model_dirs[model], tuple(spec.__dict__.values()), prompt, transport))
+    proc.start()
+    assert conn.poll(WAIT_S) and conn.recv() == "ready"
+    rid = f"dying-{transport}"
+    conn.send(decoder.call("reserve", node, rid, prompt, 4, 1, 2.0))
+    stats = decoder.call("stats", node)
+    assert stats["num_free_blocks"] < stats["num_blocks"]
+    proc.join(WAIT_S)
+    assert proc.exitcode == 3
+    result = decoder.wait_result(rid)
+    # zmq: pages arrived, then silence until the deadline. gloo: either that, or the
+    # broken connection fails the transfer at once.
+    assert "deadline" in result["failed"] or (transport == "gloo" and "connection lost" in result["failed"])
+    stats = decoder.call("stats", node)
+    if transport == "tcp":
+        assert stats["rx_messages"] >= 1  # it did die mid-transfer
+    assert stats["num_free_blocks"] == stats["num_blocks"] and not stats["waiting"]
+    # The worker goes on serving.
+    prefill = PrefillSide(model_dirs[model], spec, transport)
+    try:
+        assert "tokens" in prefill.transfer(decoder, node, f"after-death-{transport}", prompt, 4)
+    finally:
+        prefill.close()
+
+
+def _raw_pages(rid: str, seq: int, runs, page_bytes: int, spec: ModelSpec, heads: int, dim: int, **fields) -> bytes:
+    header = PagesHeader(rid, seq, 0, tuple(runs), tuple(c * page_bytes for _, c in runs), spec.dtype, (spec.block_size, heads, dim))
+    return encode(PagesHeader(**{**header.__dict__, **fields}))
+
+
+def test_malformed_frames_are_counted_and_the_decoder_keeps_serving(decoder, model_dirs, ipc_dir):
+    model, spec = "llama-f32", MODELS["llama-f32"]
+    node, endpoint = open_node(decoder, model_dirs, ipc_dir, model, "tcp", tag="-junk")
+    prefill = PrefillSide(model_dirs[model], spec, "tcp")
+    page, heads, dim = prefill.connector.layout.page_bytes, prefill.connector.layout.num_kv_heads, prefill.connector.layout.head_dim
+    prompt = prompt_of(40, salt=11)  # 3 blocks
+    target = TransferTarget.unpack(decoder.call("reserve", node, "victim", prompt, 3))
+    ctx = zmq.Context()
+    rogue = ctx.socket(zmq.DEALER)
+    rogue.linger = 0
+    rogue.connect(endpoint)
+    ok_frame = b"\x01" * page
+    junk = {
+        "bad_version": [msgpack.packb({"v": VERSION + 1, "kind": "pages"})],
+        "bad_header": [b"\x93\x01\x02"],
+        "unknown_request": [_raw_pages("nobody", 0, [(0, 1)], page, spec, heads, dim), ok_frame],
+        "out_of_range": [_raw_pages("victim", 0, [(2, 5)], page, spec, heads, dim), ok_frame * 5],
+        "truncated": [_raw_pages("victim", 0, [(0, 2)], page, spec, heads, dim), ok_frame],
+        "oversized": [_raw_pages("victim", 0, [(0, 1)], page, spec, heads, dim), ok_frame + b"\x00"],
+        "bad_layout": [_raw_pages("victim", 0, [(0, 1)], page, spec, heads, dim, dtype="bfloat16"), ok_frame],
+        "extra_frames": [_raw_pages("victim", 0, [(0, 1)], page, spec, heads, dim), ok_frame, ok_frame],
+        "bad_kind": [msgpack.packb({"v": VERSION, "kind": "welcome", "pair": "x", "host": "h", "port": 1, "rank": 0})],
+    }
+    for frames in junk.values():
+        rogue.send_multipart(frames)
+    deadline = time.monotonic() + WAIT_S
+    while decoder.call("stats", node)["rx_rejected"] < len(junk) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    stats = decoder.call("stats", node)
+    assert {reason: stats.get(f"rx_rejected_{reason}") for reason in junk} == {reason: 1 for reason in junk}
+    rogue.close()
+    ctx.term()
+    # None of it touched the reservation: the real transfer completes.
+    try:
+        prefill.connector.submit("victim", prompt, greedy(1), target)
+        result = decoder.wait_result("victim", prefill.step)
+        prefill.settle()
+        assert result["digest"] == prefill.digests["victim"]
+        assert result["tokens"] == local_tokens(model_dirs[model], spec, prompt, 3, 2048)
+    finally:
+        prefill.close()
+    stats = decoder.call("stats", node)
+    assert stats["num_free_blocks"] == stats["num_blocks"]
+
+
+# -- CURVE ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("certs")
+    for who in ("server", "client", "stranger"):
+        (root / who).mkdir()
+        zmq.auth.create_certificates(root / who, who)
+    (root / "authorized").mkdir()
+    (root / "authorized" / "client.key").write_bytes((root / "client" / "client.key").read_bytes())
+    return root
+
+
+def _tiny_kv() -> torch.Tensor:
+    return torch.zeros((2, 8, 2, 4, 1, 8), dtype=torch.float16)
+
+
+def _send_whole(sender: ZmqSender, target_rid: str, endpoint: str, src: torch.Tensor, prompt: list[int],
+                server_key: bytes | None = None) -> None:
+    out = sender.open(target_rid, endpoint, server_key)
+    layout = PageLayout.of(src)
+    for layer in range(layout.num_layers):
+        sender.send_pages(out, layer, [(0, src[layer, 0:2])], layout)
+    sender.send_final(out, len(prompt), prompt_digest(prompt), [5])
+
+
+def test_curve_admits_only_authorized_senders(certs):
+    server = CurveConfig.from_files(certs / "server" / "server.key_secret", authorized=certs / "authorized")
+    receiver = ZmqReceiver(_tiny_kv(), "tcp://127.0.0.1:0", ZmqConfig(curve=server))
+    endpoint = receiver.start()
+    prompt = list(range(8))
+    src = torch.randn((2, 8, 2, 4, 1, 8)).half()
+    senders = {
+        "authorized": ZmqSender(ZmqConfig(curve=CurveConfig.from_files(certs / "client" / "client.key_secret", certs / "server" / "server.key"))),
+        "stranger": ZmqSender(ZmqConfig(curve=CurveConfig.from_files(certs / "stranger" / "stranger.key_secret", certs / "server" / "server.key"))),
+        "plaintext": ZmqSender(),
+    }
+    try:
+        deadline = time.monotonic() + 1.5
+        for i, (who, sender) in enumerate(senders.items()):
+            receiver.expect(who, [2 * i, 2 * i + 1], 0, len(prompt), prompt_digest(prompt), deadline)
+            _send_whole(sender, who, endpoint, src, prompt)
+        events = {}
+        while len(events) < 3 and time.monotonic() < deadline + WAIT_S:
+            events.update({e.request_id: e for e in receiver.events()})
+            time.sleep(0.01)
+        assert events["authorized"].ok and events["authorized"].first_tokens == (5,)
+        assert torch.equal(receiver.inbox.kv[:, 0:2].view(torch.int16), src[:, 0:2].view(torch.int16))
+        for who in ("stranger", "plaintext"):
+            assert not events[who].ok and "deadline" in events[who].reason
+        stats = receiver.stats()
+        assert stats["refused_peers"] >= 1  # the stranger's key, at the handshake
+        assert stats["messages"] == 2 and stats["rejected"] == 0  # nothing else got in
+        assert torch.count_nonzero(receiver.inbox.kv[:, 2:]) == 0
+        # The authorized sender also got its ack, over the encrypted channel.
+        acks = []
+        while not acks and time.monotonic() < deadline + WAIT_S:
+            acks = senders["authorized"].poll()
+        assert acks[0].ok and acks[0].request_id == "authorized"
+    finally:
+        receiver.close()
+        for sender in senders.values():
+            sender.close()
+
+
+def test_curve_keys_from_env_and_validation(certs):
+    server_pub, server_sec = zmq.auth.load_certificate(certs / "server" / "server.key_secret")
+    client_pub, _ = zmq.auth.load_certificate(certs / "client" / "client.key")
+    env = {"KV_SECRET_CERT": str(certs / "server" / "server.key_secret"), "KV_AUTHORIZED_KEYS": client_pub.decode()}
+    cfg = CurveConfig.from_env(env, prefix="KV_")
+    assert cfg.public_key == server_pub and cfg.authorized_keys == {client_pub}
+    env = {"KV_PUBLIC_KEY": server_pub.decode(), "KV_SECRET_KEY": server_sec.decode(), "KV_AUTHORIZED_DIR": str(certs / "authorized")}
+    assert CurveConfig.from_env(env, prefix="KV_").authorized_keys == {client_pub}
+    assert CurveConfig.from_env({}, prefix="KV_") is None
+    with pytest.raises(ValueError, match="secret_key"):
+        CurveConfig(server_pub, b"too short")
+    with pytest.raises(ValueError, match="authorized_keys"):
+        ZmqReceiver(_tiny_kv(), "tcp://127.0.0.1:0", ZmqConfig(curve=CurveConfig(server_pub, server_sec)))
+
+
+# -- deadlines and leases, in one process -------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_model(model_dirs):
+    return model_dirs["llama-f32"], MODELS["llama-f32"]
+
+
+def test_prefill_lease_frees_blocks_when_the_receiver_never_acks(tiny_model):
+    model_dir, spec = tiny_model
+    ctx = zmq.Context()
+    silent = ctx.socket(zmq.ROUTER)  # takes everything, answers nothing
+    silent.linger = 0
+    silent.bind("tcp://127.0.0.1:*")
+    endpoint = silent.getsockopt_string(zmq.LAST_ENDPOINT)
+    prefill = PrefillSide(model_dir, spec, "tcp", config=PrefillConfig(lease_s=0.5))
+    prompt = prompt_of(40, salt=3)
+    layout = PageLayout.of(prefill.engine.runner.kv_cache)
+    target = TransferTarget("lease", endpoint, "zmq", layout, len(prompt), 0, (), (), 5.0)
+    try:
+        prefill.connector.submit("lease", prompt, greedy(1), target)
+        start = time.monotonic()
+        prefill.step()
+        assert prefill.engine.stats()["num_requests_held"] == 1
+        prefill.settle()  # asserts every block is free again
+        assert 0.4 < time.monotonic() - start < WAIT_S
+        assert prefill.connector.stats["failed"] == 1
+        assert silent.poll(1000)  # the pages did go out
+    finally:
+        prefill.close()
+        silent.close()
+        ctx.term()
+
+
+def test_decoder_deadline_and_cancel_free_blocks_and_tell_the_sender(tiny_model):
+    model_dir, spec = tiny_model
+    decode = LLMEngine(engine_config(model_dir, spec, num_blocks=32))
+    receiver = ZmqReceiver(decode.runner.kv_cache, "tcp://127.0.0.1:0")
+    receiver.start()
+    connector = DecodeConnector(decode, receiver)
+    prefill = PrefillSide(model_dir, spec, "tcp", chunk=20)  # 3 steps for 50 tokens
+    try:
+        # Nobody sends: the reservation expires and its blocks come back.
+        connector.reserve("lonely", prompt_of(30, salt=1), greedy(2), timeout_s=0.3)
+        assert decode.stats()["num_free_blocks"] == 30
+        update, deadline = None, time.monotonic() + WAIT_S
+        while time.monotonic() < deadline and not (update and update.failed):
+            update = connector.poll()
+            time.sleep(0.01)
+        assert "deadline" in update.failed["lonely"]
+        # Cancelled mid-transfer: the sender hears it, stops, and releases its blocks.
+        prompt = prompt_of(50, salt=2)
+        target = connector.reserve("cancelled", prompt, greedy(2))
+        prefill.connector.submit("cancelled", prompt, greedy(1), target)
+        prefill.step()  # first chunk's pages go out
+        while receiver.stats().get("messages", 0) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        connector.cancel("cancelled")
+        assert connector.poll().failed == {}  # already aborted by cancel
+        prefill.settle()
+        assert prefill.connector.stats["failed"] == 1
+        decode.check_integrity()
+        assert decode.stats()["num_free_blocks"] == 32 and not decode.has_unfinished()
+    finally:
+        receiver.close()
+        prefill.close()
+
+
+def test_the_transport_module_does_not_shadow_pyzmq():
+    import kvtransfer.zmq as transport
+
+    assert transport.zmq is zmq and Path(zmq.__file__).parent.name == "zmq"
+    assert Path(transport.__file__).parent.name == "kvtransfer" and hasattr(zmq, "Context")
+
+
+# -- planning, in one process ----------------------------------------------------------
+
+
+def test_page_runs_follow_contiguity_on_both_ends():
+    kv = torch.arange(2 * 16 * 2 * 1 * 1 * 1, dtype=torch.float32).reshape(2, 16, 2, 1, 1, 1)
+    src = [0, 7, 8, 9, 3, 4]
+    dst = [5, 20, 21, 30, 31, 32]
+    runs = page_runs(kv, 1, 1, 6, src, dst)
+    assert [(first, pages.shape[0]) for first, pages in runs] == [(1, 2), (3, 1), (4, 2)]
+    assert torch.equal(runs[0][1], kv[1, 7:9]) and torch.equal(runs[2][1], kv[1, 3:5])
+    assert runs[0][1].data_ptr() == kv[1, 7].data_ptr()  # views, not copies
+    assert [(f, p.shape[0]) for f, p in page_runs(kv, 0, 1, 6, src)] == [(1, 3), (4, 2)]
+
+
+def test_transfer_target_round_trips_and_is_checked(tiny_model):
+    model_dir, spec = tiny_model
+    engine = LLMEngine(engine_config(model_dir, spec))
+    layout = PageLayout.of(engine.runner.kv_cache)
+    prompt = prompt_of(40, salt=4)
+    target = TransferTarget("t", "tcp://127.0.0.1:1", "zmq", layout, 40, 2, tuple(hash_blocks(prompt, 16)[:2]),
+                            (9, 10, 11), 3.0, None, True)
+    assert TransferTarget.unpack(target.pack()) == target
+    with pytest.raises(ValueError, match="malformed"):
+        TransferTarget.unpack(b"\x81\xa1x\x01")
+    with pytest.raises(ValueError, match="skip_blocks"):
+        TransferTarget("t", "e", "zmq", layout, 40, 3, (b"x",) * 3, (), 1.0).validate()  # would skip the last block
+    connector = PrefillConnector(engine, ZmqSender())
+    try:
+        with pytest.raises(ValueError, match="cached_block_hashes"):
+            connector.submit("t", prompt_of(40, salt=5), greedy(1), target)
+        with pytest.raises(ValueError, match="layout"):
+            other = PageLayout(layout.num_layers, 16, layout.num_kv_heads, layout.head_dim, "bfloat16")
+            connector.submit("t", prompt, greedy(1), TransferTarget(**{**target.__dict__, "layout": other}))
+        with pytest.raises(ValueError, match="transport"):
+            connector.submit("t", prompt, greedy(1), TransferTarget(**{**target.__dict__, "transport": "torch"}))
+        assert not engine.has_unfinished()  # nothing was queued
+    finally:
+        connector.sender.close()

@@ -1,0 +1,431 @@
+"""The KV wire format and the receiver's acceptance rules, without sockets: headers
+round-trip, malformed ones are refused with a counted reason, and no sequence of
+messages, however wrong, writes outside the reserved blocks of its request."""
+
+from __future__ import annotations
+
+import threading
+
+import msgpack
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvtransfer.wire import (
+    VERSION,
+    AbortHeader,
+    AckHeader,
+    FinalHeader,
+    HelloHeader,
+    Inbox,
+    PageLayout,
+    PagesHeader,
+    WelcomeHeader,
+    WireError,
+    decode,
+    deliver,
+    encode,
+    prompt_digest,
+)
+
+LAYOUT = PageLayout(num_layers=3, block_size=4, num_kv_heads=2, head_dim=8, dtype="float32")
+PAGE = LAYOUT.page_bytes  # 512
+NUM_BLOCKS = 16
+PEER = b"peer-1"
+# The reservation every test uses: prompt blocks 0..4 live in these (non-consecutive)
+# blocks; block index 0 is the decoder's own prefix-cache hit (skip = 1).
+RESERVED = (9, 3, 4, 5, 12)
+SKIP = 1
+PROMPT = list(range(3, 21))  # 18 tokens -> 5 blocks of 4
+DIGEST = prompt_digest(PROMPT)
+# Blocks no message may ever write: everything but the reserved, uncached ones.
+FORBIDDEN = torch.tensor([b for b in range(NUM_BLOCKS) if b not in RESERVED[SKIP:]])
+
+
+class ListFrames:
+    """A FrameSource over a list of frames, with ZeroMQ's recv_into semantics."""
+
+    def __init__(self, frames: list[bytes]) -> None:
+        self.frames = list(frames)
+
+    def more(self) -> bool:
+        return bool(self.frames)
+
+    def next_frame(self) -> bytes:
+        return self.frames.pop(0)
+
+    def recv_into(self, buf: memoryview) -> int:
+        frame = self.frames.pop(0)
+        n = min(len(frame), len(buf))
+        buf[:n] = frame[:n]
+        return len(frame)
+
+
+def make_kv() -> torch.Tensor:
+    shape = (LAYOUT.num_layers, NUM_BLOCKS, *LAYOUT.page_shape)
+    return torch.arange(torch.Size(shape).numel(), dtype=torch.float32).reshape(shape) * -1.0
+
+
+def make_inbox(clock=None) -> Inbox:
+    inbox = Inbox(make_kv(), clock=clock) if clock else Inbox(make_kv())
+    inbox.expect("r", RESERVED, SKIP, len(PROMPT), DIGEST, deadline=inbox.clock() + 3600)
+    return inbox
+
+
+def page_bytes(layer: int, index: int, count: int = 1) -> bytes:
+    """Recognisable content for pages [index, index + count) of `layer`."""
+    n = PAGE // 4
+    return b"".join(
+        (torch.arange(n, dtype=torch.float32) + 1000 * layer + 100 * i).numpy().tobytes()
+        for i in range(index, index + count)
+    )
+
+
+def pages(rid: str, seq: int, layer: int, runs, frames=None, **overrides) -> list[bytes]:
+    header = PagesHeader(rid, seq, layer, tuple(runs), tuple(c * PAGE for _, c in runs),
+                         LAYOUT.dtype, LAYOUT.wire_page)
+    fields = {**header.__dict__, **overrides}
+    header = PagesHeader(**fields)
+    if frames is None:
+        frames = [page_bytes(layer, f, c) for f, c in runs]
+    return [encode(header), *frames]
+
+
+def final(rid: str, seq: int, digest: bytes = DIGEST, num_tokens: int = len(PROMPT), first=(7,)) -> list[bytes]:
+    return [encode(FinalHeader(rid, seq, num_tokens, digest, tuple(first)))]
+
+
+def feed(inbox: Inbox, frames: list[bytes], peer: bytes = PEER) -> str | None:
+    """Deliver one message; the rejection reason, or None if accepted."""
+    try:
+        deliver(inbox, peer, ListFrames(frames))
+    except WireError as exc:
+        inbox.reject(exc.reason)
+        return exc.reason
+    return None
+
+
+def send_all(inbox: Inbox, seq0: int = 0) -> int:
+    """Every page the reservation lacks, one message per layer (runs split where the
+    reserved ids are not consecutive: [1, 4) and [4, 5))."""
+    seq = seq0
+    for layer in range(LAYOUT.num_layers):
+        assert feed(inbox, pages("r", seq, layer, [(1, 3), (4, 1)])) is None
+        seq += 1
+    return seq
+
+
+def untouched(kv: torch.Tensor, before: torch.Tensor) -> bool:
+    return torch.equal(kv.index_select(1, FORBIDDEN), before.index_select(1, FORBIDDEN))
+
+
+def block_content(kv: torch.Tensor, layer: int, block_id: int) -> bytes:
+    return kv[layer, block_id].numpy().tobytes()
+
+
+# -- headers -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("header", [
+    PagesHeader("r", 3, 1, ((1, 2), (5, 1)), (2 * PAGE, PAGE), "bfloat16", (4, 2, 8), "p2p"),
+    FinalHeader("r", 4, 18, DIGEST, (7,)),
+    FinalHeader("r", 0, 1, DIGEST, ()),
+    AbortHeader("r", "out of memory"),
+    AckHeader("r", False, "deadline exceeded"),
+    HelloHeader("abc"),
+    WelcomeHeader("abc", "127.0.0.1", 4242, 1),
+])
+def test_headers_round_trip(header):
+    assert decode(encode(header)) == header
+
+
+def _raw(**fields) -> bytes:
+    base = {"v": VERSION, "kind": "pages", "rid": "r", "seq": 0, "layer": 0, "runs": [[1, 1]],
+            "nbytes": [PAGE], "dtype": "float32", "page": [4, 2, 8], "via": "frames"}
+    base.update(fields)
+    return msgpack.packb({k: v for k, v in base.items() if v is not ...}, use_bin_type=True)
+
+
+@pytest.mark.parametrize("raw, reason", [
+    (b"", "bad_header"),
+    (b"\xc1garbage", "bad_header"),
+    (msgpack.packb([1, 2, 3]), "bad_header"),
+    (b"\x00" * (1 << 17), "oversized"),
+    (_raw(v=2), "bad_version"),
+    (_raw(v=0), "bad_version"),
+    (_raw(v="1"), "bad_version"),
+    (_raw(v=True), "bad_version"),
+    (_raw(v=...), "bad_version"),
+    (_raw(kind="pickle"), "bad_kind"),
+    (_raw(kind=7), "bad_kind"),
+    (_raw(rid=""), "bad_header"),
+    (_raw(rid="x" * 300), "bad_header"),
+    (_raw(rid=b"r"), "bad_header"),
+    (_raw(seq=-1), "bad_header"),
+    (_raw(seq=True), "bad_header"),
+    (_raw(seq=1.0), "bad_header"),
+    (_raw(layer=...), "bad_header"),
+    (_raw(runs=[]), "bad_header"),
+    (_raw(runs=[[1]]), "bad_header"),
+    (_raw(runs=[[1, 0]]), "bad_header"),
+    (_raw(runs=[[-1, 1]]), "bad_header"),
+    (_raw(runs="1,1"), "bad_header"),
+    (_raw(nbytes=[PAGE, PAGE]), "bad_header"),
+    (_raw(nbytes=[]), "bad_length"),
+    (_raw(page=[4, 2]), "bad_header"),
+    (_raw(via="pickle"), "bad_header"),
+    (msgpack.packb({"v": 1, "kind": "final", "rid": "r", "seq": 0, "num_tokens": 3, "digest": b"short", "first": []}), "bad_header"),
+    (msgpack.packb({"v": 1, "kind": "final", "rid": "r", "seq": 0, "num_tokens": 3, "digest": DIGEST, "first": list(range(17))}), "bad_header"),
+    (msgpack.packb({"v": 1, "kind": "ack", "rid": "r", "ok": 1, "reason": ""}), "bad_header"),
+    (msgpack.packb({1: 2}), "bad_header"),
+])
+def test_decode_refuses_malformed_headers(raw, reason):
+    with pytest.raises(WireError) as info:
+        decode(raw)
+    assert info.value.reason == reason
+
+
+# -- the inbox ---------------------------------------------------------------------
+
+
+def test_complete_transfer_lands_in_reserved_blocks_only():
+    inbox = make_inbox()
+    before = inbox.kv.clone()
+    seq = send_all(inbox)
+    assert feed(inbox, final("r", seq)) is None
+    [event] = inbox.take_events()
+    assert event.ok and event.first_tokens == (7,) and event.peer == PEER
+    assert event.nbytes == LAYOUT.num_layers * 4 * PAGE
+    kv = inbox.kv
+    for layer in range(LAYOUT.num_layers):
+        for index in range(SKIP, len(RESERVED)):
+            assert block_content(kv, layer, RESERVED[index]) == page_bytes(layer, index)
+    assert untouched(kv, before)  # incl. the cached block 9
+    assert inbox.pending() == [] and not inbox.rejected
+
+
+@pytest.mark.parametrize("message, reason", [
+    (pages("nope", 0, 0, [(1, 1)]), "unknown_request"),
+    (pages("r", 0, 0, [(0, 1)]), "out_of_range"),  # the decoder's cached block
+    (pages("r", 0, 0, [(4, 2)]), "out_of_range"),  # past the reservation
+    (pages("r", 0, 3, [(1, 1)]), "out_of_range"),  # no such layer
+    (pages("r", 0, 0, [(2, 2), (3, 1)]), "out_of_range"),  # overlapping runs
+    (pages("r", 0, 0, [(1, 1)], dtype="float16"), "bad_layout"),
+    (pages("r", 0, 0, [(1, 1)], page=(4, 2, 16)), "bad_layout"),
+    (pages("r", 0, 0, [(1, 2)], nbytes=(PAGE,)), "bad_length"),
+    (pages("r", 0, 0, [(1, 2)], frames=[b"\x01" * (2 * PAGE - 4)]), "truncated"),
+    (pages("r", 0, 0, [(1, 2)], frames=[b"\x01" * (2 * PAGE + 4)]), "oversized"),
+    (pages("r", 0, 0, [(1, 1), (2, 1)], frames=[b"\x01" * PAGE]), "truncated"),
+    (pages("r", 0, 0, [(1, 1)], frames=[b"\x01" * PAGE, b"\x01"]), "extra_frames"),
+    (pages("r", 0, 0, [(1, 1)], via="p2p"), "bad_header"),
+    ([encode(HelloHeader("x")), b"junk"], "extra_frames"),
+    ([], "truncated"),
+])
+def test_rejected_messages_are_counted_and_change_nothing(message, reason):
+    inbox = make_inbox()
+    outside = inbox.kv.clone()
+    assert feed(inbox, message) == reason
+    assert inbox.rejected == {reason: 1}
+    # A rejected message contributes no pages (a short frame may have scribbled on the
+    # reserved blocks, never elsewhere); the transfer is still live and can complete.
+    assert untouched(inbox.kv, outside)
+    assert inbox.pending() == ["r"]
+    seq = send_all(inbox)
+    assert feed(inbox, final("r", seq)) is None
+    assert inbox.take_events()[0].ok
+
+
+def test_a_truncated_message_leaves_its_pages_missing():
+    inbox = make_inbox()
+    seq = send_all(inbox)
+    # A later, broken resend of layer 0 un-counts those pages: the final must fail,
+    # never commit half-written KV.
+    assert feed(inbox, pages("r", seq, 0, [(1, 3)], frames=[b"\x00" * 10])) == "truncated"
+    assert feed(inbox, final("r", seq)) is None
+    [event] = inbox.take_events()
+    assert not event.ok and "3 pages never arrived" in event.reason
+
+
+def test_sequence_replay_is_rejected_and_a_gap_fails_the_transfer():
+    inbox = make_inbox()
+    assert feed(inbox, pages("r", 0, 0, [(1, 3)])) is None
+    assert feed(inbox, pages("r", 0, 0, [(1, 3)])) == "bad_sequence"
+    assert inbox.take_events() == []
+    assert feed(inbox, pages("r", 2, 1, [(1, 3)])) == "bad_sequence"  # seq 1 was lost
+    [event] = inbox.take_events()
+    assert not event.ok and "lost" in event.reason
+    assert inbox.pending() == []
+    assert feed(inbox, pages("r", 1, 1, [(1, 3)])) == "unknown_request"
+
+
+def test_a_transfer_is_bound_to_its_first_accepted_sender():
+    inbox = make_inbox()
+    # A rejected message binds nothing, so it cannot lock the real sender out.
+    assert feed(inbox, pages("r", 0, 0, [(1, 3)], frames=[b"x"]), peer=b"intruder") == "truncated"
+    assert feed(inbox, pages("r", 0, 0, [(1, 3)])) is None
+    assert feed(inbox, pages("r", 1, 0, [(1, 3)]), peer=b"intruder") == "wrong_peer"
+    assert feed(inbox, [encode(AbortHeader("r", "go away"))], peer=b"intruder") == "wrong_peer"
+    assert inbox.pending() == ["r"]
+
+
+@pytest.mark.parametrize("message, why", [
+    (final("r", 0, digest=prompt_digest([1, 2, 3])), "prompt does not match"),
+    (final("r", 0, num_tokens=17), "prompt does not match"),
+    (final("r", 0), "pages never arrived"),
+    ([encode(AbortHeader("r", "prefill failed"))], "sender aborted: prefill failed"),
+])
+def test_final_without_the_right_pages_fails_the_transfer(message, why):
+    inbox = make_inbox()
+    assert feed(inbox, message) is None
+    [event] = inbox.take_events()
+    assert not event.ok and why in event.reason
+    assert inbox.pending() == []
+
+
+def test_cancel_and_deadline_end_reservations():
+    now = [100.0]
+    inbox = make_inbox(clock=lambda: now[0])
+    inbox.expect("s", (0, 1), 0, 8, prompt_digest(list(range(8))), deadline=101.0)
+    assert inbox.cancel("r", "client went away")
+    assert inbox.cancel("r")  # already gone: safe to free
+    inbox.expire()
+    assert [e.request_id for e in inbox.take_events()] == ["r"]
+    now[0] = 101.0
+    inbox.expire()
+    [event] = inbox.take_events()
+    assert event.request_id == "s" and not event.ok and "deadline" in event.reason
+    assert feed(inbox, pages("s", 0, 0, [(0, 1)])) == "unknown_request"
+
+
+def test_a_cancel_during_a_write_waits_for_it_and_never_blocks():
+    inbox = make_inbox()
+    header = PagesHeader("r", 0, 0, ((1, 3),), (3 * PAGE,), LAYOUT.dtype, LAYOUT.wire_page)
+    with inbox.pages(header, PEER) as landings:
+        # Bytes are landing (p2p receives can take a while): the engine thread is not
+        # blocked, but it must not free the blocks yet.
+        other = threading.Thread(target=inbox.expect, args=("x", (0,), 0, 2, DIGEST, inbox.clock() + 60))
+        other.start()
+        other.join(5)
+        assert not other.is_alive()
+        assert inbox.cancel("r", "client went away") is False
+        assert inbox.take_events() == []
+        landings[0].buffer()[:] = page_bytes(0, 1, 3)
+    [event] = inbox.take_events()
+    assert not event.ok and event.reason == "client went away"
+    assert inbox.cancel("r") is True  # gone: nothing writes its blocks any more
+    assert inbox.pending() == ["x"]
+
+
+def test_expect_refuses_bad_reservations():
+    inbox = make_inbox()
+    with pytest.raises(ValueError, match="already expected"):
+        inbox.expect("r", RESERVED, SKIP, len(PROMPT), DIGEST, 0)
+    with pytest.raises(ValueError, match="block_ids"):
+        inbox.expect("x", (1, NUM_BLOCKS), 0, 8, DIGEST, 0)
+    with pytest.raises(ValueError, match="num_tokens"):
+        inbox.expect("x", (1, 2), 0, 9, DIGEST, 0)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_pages_keep_their_bits(dtype):
+    layout = PageLayout(2, 4, 1, 8, dtype)
+    kv = torch.zeros((2, 6, *layout.page_shape), dtype=layout.torch_dtype)
+    inbox = Inbox(kv)
+    inbox.expect("h", (4, 2), 0, 5, prompt_digest([1] * 5), inbox.clock() + 60)
+    src = torch.randn((2, 2, *layout.page_shape)).to(layout.torch_dtype)
+    for layer in range(2):
+        raw = [src[layer, i].view(torch.uint8).numpy().tobytes() for i in range(2)]
+        header = PagesHeader("h", layer, layer, ((0, 1), (1, 1)), (layout.page_bytes,) * 2, dtype, layout.wire_page)
+        deliver(inbox, PEER, ListFrames([encode(header), *raw]))
+    deliver(inbox, PEER, ListFrames([encode(FinalHeader("h", 2, 5, prompt_digest([1] * 5), ()))]))
+    assert inbox.take_events()[0].ok
+    assert torch.equal(kv[:, [4, 2]].view(torch.int16), src.view(torch.int16))
+
+
+def test_page_layout_of_an_engine_tensor():
+    kv = torch.zeros((3, 7, 2, 16, 2, 8), dtype=torch.bfloat16)
+    layout = PageLayout.of(kv)
+    assert layout == PageLayout(3, 16, 2, 8, "bfloat16") and layout.page_bytes == 2 * 16 * 2 * 8 * 2
+    assert PageLayout.from_wire(layout.to_wire()) == layout
+    with pytest.raises(ValueError, match="kv_cache"):
+        PageLayout.of(torch.zeros(3, 7, 3, 16, 2, 8))
+    with pytest.raises(ValueError, match="dtype"):
+        PageLayout(1, 1, 1, 1, "int8")
+
+
+# -- property: nothing a peer sends escapes its reservation ----------------------------
+
+_ints = st.one_of(st.integers(-2, 6), st.integers(-(2**63), 2**64 - 1), st.booleans(), st.floats(allow_nan=False), st.none())
+_leaf = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.text(max_size=5), st.binary(max_size=5))
+_objects = st.recursive(_leaf, lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=4), c, max_size=4), max_leaves=8)
+_good_runs = st.lists(st.integers(1, 4).flatmap(lambda f: st.tuples(st.just(f), st.integers(1, 5 - f))), min_size=1, max_size=2)
+AUTO = "<next seq>"  # replaced by the transfer's next sequence number when the test sends it
+_bad_runs = st.lists(st.lists(st.integers(-1, 6), max_size=3), max_size=4)
+_junk_frames = st.lists(st.sampled_from([0, 1, PAGE - 1, PAGE, PAGE + 1, 2 * PAGE, 4 * PAGE]).map(lambda n: b"\x07" * n), max_size=4)
+
+
+def _sometimes(draw, good, bad, p_bad: float = 0.05):
+    """`good`, or a draw from `bad` with probability about p_bad."""
+    return draw(bad) if draw(st.integers(0, 99)) < p_bad * 100 else good
+
+
+@st.composite
+def _message(draw) -> tuple[dict | bytes, list[bytes]]:
+    """Mostly plausible messages (so many get far into the inbox), some fields broken,
+    some pure garbage."""
+    shape = draw(st.sampled_from(["pages"] * 10 + ["final", "final", "abort", "other", "bytes", "object"]))
+    if shape == "bytes":
+        return draw(st.binary(max_size=64)), draw(_junk_frames)
+    if shape == "object":
+        return msgpack.packb(draw(_objects), use_bin_type=True), draw(_junk_frames)
+    d = {
+        "v": _sometimes(draw, VERSION, st.sampled_from([0, 2, "1", True, None])),
+        "kind": shape if shape != "other" else draw(st.sampled_from(["ack", "hello", "welcome", "x", 3])),
+        "rid": _sometimes(draw, "r", st.sampled_from(["other", "", 5])),
+        "seq": _sometimes(draw, AUTO, st.one_of(st.integers(0, 4), _ints), 0.2),
+    }
+    frames: list[bytes] = []
+    if shape == "pages":
+        runs = [list(r) for r in draw(_good_runs)]
+        byte = draw(st.integers(1, 255))
+        frames = [bytes([byte]) * (c * PAGE) for _, c in runs]
+        d.update(
+            layer=_sometimes(draw, draw(st.integers(0, 2)), _ints),
+            runs=_sometimes(draw, runs, _bad_runs),
+            nbytes=_sometimes(draw, [c * PAGE for _, c in runs], st.lists(st.integers(-1, 4 * PAGE + 1), max_size=4)),
+            dtype=_sometimes(draw, "float32", st.sampled_from(["float16", "int8", 1])),
+            page=_sometimes(draw, [4, 2, 8], st.sampled_from([[4, 2], [8, 2, 4], "x"])),
+            via=_sometimes(draw, "frames", st.sampled_from(["p2p", None])),
+        )
+        frames = _sometimes(draw, frames, _junk_frames, 0.2)
+    elif shape == "final":
+        d.update(num_tokens=_sometimes(draw, len(PROMPT), st.sampled_from([17, 0])),
+                 digest=_sometimes(draw, DIGEST, st.sampled_from([b"x" * 32, b"x"])),
+                 first=_sometimes(draw, [draw(st.integers(0, 300))], st.lists(st.integers(-1, 300), max_size=3)))
+    elif shape == "abort":
+        d["reason"] = draw(st.text(max_size=8))
+    if draw(st.integers(0, 9)) == 0:  # drop a field
+        d.pop(draw(st.sampled_from(sorted(d))))
+    return d, frames
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(_message(), st.sampled_from([PEER] * 5 + [b"other"])), min_size=1, max_size=16))
+def test_random_messages_never_escape_the_reservation(messages):
+    inbox = make_inbox()
+    before = inbox.kv.clone()
+    seq = 0  # AUTO headers get the next number the inbox would accept
+    for (header, frames), peer in messages:
+        auto = isinstance(header, dict) and header.get("seq") == AUTO
+        if isinstance(header, dict):
+            header = msgpack.packb({**header, "seq": seq} if auto else header, use_bin_type=True)
+        try:
+            deliver(inbox, peer, ListFrames([header, *frames]))
+            seq += auto
+        except WireError as exc:
+            inbox.reject(exc.reason)
+        assert untouched(inbox.kv, before)
+    events = inbox.take_events()
+    assert [e.request_id for e in events] in ([], ["r"])  # at most one terminal event
+    assert len(inbox.pending()) + len(events) == 1
