@@ -106,11 +106,12 @@ class LLMEngine:
                 f"max_position_embeddings {self.model_config.max_position_embeddings}"
             )
         block_size = config.cache.block_size
-        num_blocks = self._num_blocks(dtype, device)
         self.runner = ModelRunner(
-            config.model, self.model_config, dtype, device, block_size, num_blocks,
-            self.max_model_len, config.attention_backend,
+            config.model, self.model_config, dtype, device, block_size, self.max_model_len, config.attention_backend,
         )
+        # Sized after the weights are loaded, so a GPU budget counts what is left.
+        num_blocks = self._num_blocks(dtype, device)
+        self.runner.allocate_kv_cache(num_blocks)
         self.pool = BlockPool(num_blocks, config.cache.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, block_size)
         self.scheduler = Scheduler(sched, self.kv)

@@ -43,7 +43,6 @@ class ModelRunner:
         dtype: torch.dtype,
         device: torch.device,
         block_size: int,
-        num_blocks: int,
         max_model_len: int,
         attention_backend: str = "auto",
     ) -> None:
@@ -52,8 +51,13 @@ class ModelRunner:
         self.block_size = block_size
         self.model = load_model(model_dir, cfg, dtype, device, max_model_len)
         self.backend = get_backend(attention_backend, str(device))
-        shape = (cfg.num_layers, num_blocks, 2, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.dtype = dtype
+        self.kv_cache = torch.empty(0)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        cfg = self.cfg
+        shape = (cfg.num_layers, num_blocks, 2, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     @torch.inference_mode()
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
