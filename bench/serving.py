@@ -113,14 +113,15 @@ class LoadConfig:
 
 @dataclass(frozen=True)
 class ClusterConfig:
-    """The cluster started when no --addr is given (launch.local defaults otherwise)."""
+    """The cluster started when no --addr is given: `pdserve up`'s default topology,
+    one prefill and one decode worker with the KV transfer between them."""
 
-    prefill: int = 0
+    prefill: int = 1
     decode: int = 1
     mixed: int = 0
     num_blocks: int | None = None
     torch_threads: int = 1
-    kv_connector: str = ""
+    kv_connector: str | None = None  # None: the launcher's default (ZeroMQ tcp); "": none
     startup_timeout: float = 180.0
 
 
@@ -550,7 +551,7 @@ def build_parser() -> argparse.ArgumentParser:
     own.add_argument("--mixed", type=int, default=c.mixed)
     own.add_argument("--num-blocks", type=int, default=c.num_blocks, help="KV blocks per worker (default: sized by the worker)")
     own.add_argument("--torch-threads", type=int, default=c.torch_threads, help="per worker")
-    own.add_argument("--kv-connector", default=c.kv_connector, help="workers' KV transfer connector 'module:factory'")
+    own.add_argument("--kv-connector", default=c.kv_connector, help="workers' KV transfer connector 'module:factory' (default: ZeroMQ tcp; '' for none)")
     own.add_argument("--startup-timeout", type=float, default=c.startup_timeout)
     return parser
 

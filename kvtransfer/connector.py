@@ -202,6 +202,7 @@ class DecodeConnector:
         config: DecodeConfig = DecodeConfig(),
         on_received: Callable[[Reservation], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        commit: Callable[[str, int | None], list[RequestOutput] | None] | None = None,
     ) -> None:
         self.engine = engine
         self.receiver = receiver
@@ -209,6 +210,10 @@ class DecodeConnector:
         self.layout = PageLayout.of(engine.runner.kv_cache)
         self.on_received = on_received  # engine thread, after the pages landed, before commit
         self.clock = clock
+        # How a reservation whose KV arrived starts decoding: `engine.commit_remote` by
+        # default; a caller that owns the engine's loop (and its bookkeeping of
+        # reservations) passes its own, which must not raise.
+        self._commit_remote = commit or engine.commit_remote
         self.stats: Counter[str] = Counter()
         self._waiting: dict[str, _Waiting] = {}
         # Cancelled while a message was landing in their blocks: abort (free) them when
@@ -231,10 +236,15 @@ class DecodeConnector:
             raise
 
     def adopt(self, reservation: Reservation, prompt_token_ids: Sequence[int], params: SamplingParams,
-              timeout_s: float | None = None) -> TransferTarget:
+              timeout_s: float | None = None, sample_first_token: bool | None = None) -> TransferTarget:
         """Expect the KV of a reservation the caller made itself (`engine.reserve_remote`);
         from here on this connector commits or aborts it. On error nothing is adopted
-        and the reservation is still the caller's to abort."""
+        and the reservation is still the caller's to abort.
+
+        `sample_first_token`: whether the prefill worker's first token is used (True)
+        or this worker recomputes the last prompt token and samples (False). Default:
+        only for n == 1 without beams or logprobs (a caller that gets the first token's
+        logprobs from the prefill worker by other means may say True for logprobs)."""
         if params.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs: needs every prompt position computed here; prefill locally")
         prompt = list(prompt_token_ids)
@@ -248,6 +258,10 @@ class DecodeConnector:
         self.receiver.expect(request_id, reservation.block_ids, skip, len(prompt), prompt_digest(prompt), now + timeout)
         # n > 1, beams and logprobs need the decoder to sample the first token itself.
         sample_first = params.n == 1 and params.beam_width == 1 and params.logprobs is None
+        if sample_first_token is not None:
+            if sample_first_token and (params.n > 1 or params.beam_width > 1):
+                raise ValueError("sample_first_token: n > 1 and beam search sample the first token here")
+            sample_first = sample_first_token
         self._waiting[request_id] = _Waiting(reservation, now, now + timeout + self.config.grace_s, sample_first)
         self.stats["reserved"] += 1
         self.stats["cached_blocks"] += skip
@@ -257,18 +271,22 @@ class DecodeConnector:
             self.receiver.server_key, sample_first,
         )
 
-    def cancel(self, request_id: str, reason: str = "cancelled") -> None:
+    def cancel(self, request_id: str, reason: str = "cancelled") -> bool:
         """Abort a request wherever it is (waiting for KV or decoding); frees its blocks,
-        right away or, if pages are landing in them at this moment, on a later `poll`.
+        right away (True) or, if pages are landing in them at this moment, on a later
+        `poll` (False: until then nobody else may free them).
 
         Always cancel through here, never `engine.abort` directly, while KV may be
         arriving: the receiver must stop writing the blocks before they are freed.
         """
         self._waiting.pop(request_id, None)
+        if request_id in self._cancelling:
+            return False
         if self.receiver.cancel(request_id, reason):
             self.engine.abort(request_id)
-        else:
-            self._cancelling[request_id] = None
+            return True
+        self._cancelling[request_id] = None
+        return False
 
     def waiting(self) -> list[str]:
         """Reservations whose KV has not arrived yet (incl. those being cancelled)."""
@@ -322,7 +340,7 @@ class DecodeConnector:
             self.on_received(waiting.reservation)
         first = tokens[0] if tokens and waiting.sample_first_token else None
         try:
-            update.outputs.extend(self.engine.commit_remote(rid, first))
+            update.outputs.extend(self._commit_remote(rid, first) or ())
         except ValueError as exc:
             self._fail(rid, f"commit: {exc}", update)
             return
@@ -374,11 +392,15 @@ class PrefillConnector:
     layer is written, send the first token with the final message, release on ack."""
 
     def __init__(self, engine: LLMEngine, sender: Sender, config: PrefillConfig = PrefillConfig(),
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 release: Callable[[str], None] | None = None) -> None:
         self.engine = engine
         self.sender = sender
         self.config = config
         self.clock = clock
+        # How held blocks are freed once shipped (or given up): `engine.release` by
+        # default; a caller that owns the engine's loop (and its leases) passes its own.
+        self._release = release or engine.release
         self.kv = engine.runner.kv_cache
         self.layout = PageLayout.of(self.kv)
         self.stats: Counter[str] = Counter()
@@ -546,7 +568,7 @@ class PrefillConnector:
     def _drop(self, request_id: str, why: str, update: PrefillUpdate, release: bool = True) -> None:
         self._exports.pop(request_id, None)
         if release:
-            self.engine.release(request_id)
+            self._release(request_id)
         update.released[request_id] = why
         self.stats["done" if why == "done" else "failed"] += 1
 

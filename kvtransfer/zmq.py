@@ -25,7 +25,7 @@ import logging
 import os
 import threading
 from collections import Counter, deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -197,6 +197,9 @@ class ZmqReceiver:
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="kv-receiver", daemon=True)
+        # Told (on the receiver thread, without arguments) when `events()` has news, so
+        # an engine loop idling between polls can wake up at once. Must not block.
+        self.on_events: Callable[[], None] | None = None
 
     # -- engine thread -----------------------------------------------------------
 
@@ -254,7 +257,10 @@ class ZmqReceiver:
             self._thread.join(10)
         for request_id in self.inbox.pending():
             self.inbox.cancel(request_id, "receiver closed")
-        self._events.extend(self.inbox.take_events())
+        events = self.inbox.take_events()
+        self._events.extend(events)
+        if events:
+            self._notify()
 
     def __enter__(self) -> "ZmqReceiver":
         self.start()
@@ -355,7 +361,8 @@ class ZmqReceiver:
 
     def _publish(self, sock: zmq.Socket) -> None:
         """Ack senders of finished transfers and hand the events to the engine thread."""
-        for event in self.inbox.take_events():
+        events = self.inbox.take_events()
+        for event in events:
             if event.peer is not None:
                 ack = encode(AckHeader(event.request_id, event.ok, event.reason))
                 try:
@@ -363,6 +370,15 @@ class ZmqReceiver:
                 except zmq.ZMQError:
                     self._counters["acks_dropped"] += 1
             self._events.append(event)
+        if events:
+            self._notify()
+
+    def _notify(self) -> None:
+        if self.on_events is not None:
+            try:
+                self.on_events()
+            except Exception:  # the receiver thread must go on
+                log.exception("kv receiver: on_events failed")
 
 
 class SocketFrames:

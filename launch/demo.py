@@ -1,6 +1,8 @@
-"""`make demo`: a local cluster (router + a decode and a mixed worker, separate
+"""`make demo`: a local cluster (router + a prefill and a decode worker, separate
 processes), a few prompts through the gRPC API (one with n=3, one with beam
-search), completions printed with their TTFT and TPOT, then a clean shutdown."""
+search), each prefilled on the prefill worker, whose KV pages travel over ZeroMQ
+into the decode worker's blocks; completions printed with their TTFT and TPOT, the
+KV bytes each worker moved, then a clean shutdown."""
 
 from __future__ import annotations
 
@@ -9,7 +11,11 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
+
 from engine.llm import DEFAULT_MODEL
+from proto.pdserve.v1 import pdserve_pb2 as pb
+from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from launch.local import ClusterSpec, LaunchConfig, LocalCluster
 from services.router.client import Client, collect
 from services.router.config import RouterConfig
@@ -30,9 +36,11 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=40)
     args = parser.parse_args()
     spec = ClusterSpec(
-        RouterConfig(model=args.model, port=0, log_level="ERROR"),
-        WorkerConfig(model=args.model, num_blocks=1024, log_level="ERROR"),
-        LaunchConfig(decode=1, mixed=1),
+        # Threshold 0: even these short prompts prefill remotely (the default, 64
+        # tokens, would keep them on the decode worker).
+        RouterConfig(model=args.model, port=0, local_prefill_threshold=0, log_level="ERROR"),
+        WorkerConfig(model=args.model, num_blocks=1024, log_level="ERROR"),  # KV connector: launcher's default
+        LaunchConfig(prefill=1, decode=1),
     )
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="pdserve-demo-") as logs, LocalCluster(spec, log_dir=logs) as cluster:
@@ -53,6 +61,15 @@ def main() -> None:
                       f"{seq.finish_reason}")
                 print(prompt + seq.text)
         print("=" * 60)
+        for worker in cluster.live_workers():
+            with grpc.insecure_channel(worker.address) as channel:
+                stats = pb_grpc.WorkerStub(channel).Stats(pb.StatsRequest(), timeout=10)
+            kv = (f"{stats.kv_transfer_bytes / 1024:.0f} KiB of KV in {stats.kv_transfers} transfers "
+                  f"({stats.kv_transfer_failures} failed)")
+            if worker.role == pb.ROLE_PREFILL:
+                print(f"{worker.worker_id}: prefilled {stats.prefix_cache_queries} prompt tokens, sent {kv}")
+            else:
+                print(f"{worker.worker_id}: received {kv}")
     print("cluster stopped")
 
 

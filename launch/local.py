@@ -6,7 +6,10 @@
     cluster.stop()                      # SIGTERM, then SIGKILL after a grace period
 
 Each child's command line names its role (`python -m pdserve_cli decode --router
-... --worker-id decode-0 ...`) and carries every setting as an explicit flag. The
+... --worker-id decode-0 ...`) and carries every setting as an explicit flag. Unless
+the worker template names a KV connector (`--kv-connector`; '' for none), prefill and
+decode workers get the ZeroMQ tcp one (KV pages travel from prefill to decode
+workers) and mixed workers none (they prefill what they decode themselves). The
 router binds the port asked for (0: any) and writes its address to a file the
 launcher waits for; workers bind any free port and register with the router.
 Children watch their parent ($PDSERVE_LAUNCHER_PID) and shut down when the
@@ -34,7 +37,7 @@ from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from services.common.flags import check, flag, to_argv
 from services.common.server import LAUNCHER_PID_ENV
 from services.router.config import RouterConfig
-from services.worker.config import WorkerConfig
+from services.worker.config import DEFAULT_KV_CONNECTOR, WorkerConfig
 
 log = logging.getLogger(__name__)
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -45,7 +48,7 @@ POLL = 0.1
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    prefill: int = flag(0, "prefill workers")
+    prefill: int = flag(1, "prefill workers")
     decode: int = flag(1, "decode workers")
     mixed: int = flag(0, "mixed (prefill + decode) workers")
     startup_timeout: float = flag(180.0, "seconds for every process to be up and registered")
@@ -85,6 +88,8 @@ class LocalCluster:
         """Start the router, then every worker; returns the router's address once all
         workers are registered. Raises StartupError (after stopping what started)."""
         deadline = time.monotonic() + self.spec.launch.startup_timeout
+        if self.spec.launch.prefill and not self.kv_connector("prefill"):
+            log.warning("prefill workers without a KV connector get no requests (--kv-connector, or --prefill 0)")
         try:
             self.address = self._start_router(deadline, stop)
             ids = [self._spawn_worker(role) for role in ("prefill", "mixed", "decode")
@@ -148,6 +153,13 @@ class LocalCluster:
             if waiting:
                 time.sleep(POLL)
 
+    def kv_connector(self, role: str) -> str:
+        """The KV connector a worker of this role runs ('' for none)."""
+        spec = self.spec.worker.kv_connector
+        if spec is not None:
+            return spec
+        return DEFAULT_KV_CONNECTOR if role in ("prefill", "decode") else ""
+
     # -- children ---------------------------------------------------------------------
 
     def _start_router(self, deadline: float, stop: threading.Event | None) -> str:
@@ -163,7 +175,8 @@ class LocalCluster:
         index = self._next_index.get(role, 0)
         self._next_index[role] = index + 1
         worker_id = f"{role}-{index}"
-        config = replace(self.spec.worker, role=role, port=0, router=self.address, worker_id=worker_id)
+        config = replace(self.spec.worker, role=role, port=0, router=self.address, worker_id=worker_id,
+                         kv_connector=self.kv_connector(role))
         self._spawn(worker_id, [role, *to_argv(config, skip=("role",))])
         return worker_id
 

@@ -1,9 +1,11 @@
 """The gRPC cluster end to end: real processes started by `pdserve up`, on the
 embedded default model, checked against the engine run in this process.
 
-Two clusters, each started once: `single` (router + 1 decode worker) for results,
-validation, cancellation and reflection; `pair` (router + 2 decode workers that run
-one sequence at a time) for killing a worker mid-stream and joining a new one.
+Two clusters, each started once, without prefill workers (every request prefills on
+its decode worker; the prefill/decode path is tests/test_cluster_pd.py): `single`
+(router + 1 decode worker) for results, validation, cancellation and reflection;
+`pair` (router + 2 decode workers that run one sequence at a time) for killing a
+worker mid-stream and joining a new one.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ def llm():
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
     up = UpProcess(
-        ["--decode", "1", "--num-blocks", "512", "--max-n", str(MAX_N)],
+        ["--prefill", "0", "--decode", "1", "--num-blocks", "512", "--max-n", str(MAX_N)],
         tmp_path_factory.mktemp("single") / "up.log",
     )
     yield up
@@ -289,7 +291,7 @@ def test_up_prints_one_line_and_leaves_no_process_behind(single):
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     up = UpProcess(
-        ["--decode", "2", "--num-blocks", "256", "--max-num-seqs", "1", "--worker-timeout", "3"],
+        ["--prefill", "0", "--decode", "2", "--num-blocks", "256", "--max-num-seqs", "1", "--worker-timeout", "3"],
         tmp_path_factory.mktemp("pair") / "up.log",
     )
     yield up

@@ -185,3 +185,43 @@ def test_snapshot_answers_without_the_engine_thread(loop):
     while loop.snapshot()["num_free_blocks"] != NUM_BLOCKS:
         assert time.monotonic() < give_up
         time.sleep(0.05)
+
+
+def test_an_abort_hook_may_keep_blocks_a_write_is_still_landing_in():
+    """A KV receiver that cannot stop a write at once says so (False): the stream ends
+    now, the blocks stay until the receiver frees them; commits and failures told from
+    the engine thread take effect at once, and `wake` runs the pollers."""
+    engine = LLMEngine(EngineConfig(model=DEFAULT_MODEL, cache=CacheConfig(num_blocks=NUM_BLOCKS)))
+    loop = EngineLoop(engine, idle_wait=5.0)
+    landing: set[str] = {"busy"}
+    polled: list[float] = []
+    loop.add_abort_hook(lambda rid: rid not in landing)
+    loop.add_poller(lambda: polled.append(time.monotonic()))
+    loop.start()
+    try:
+        loop.reserve("busy", PROMPT, GREEDY, lease=30.0, timeout=5)
+        stream = loop.attach("busy", timeout=5)
+        loop.abort("busy")
+        end = drain(stream, timeout=5)[-1]
+        assert isinstance(end, FailedEvent) and end.failure is Failure.ABORTED
+        stats = loop.stats(5)
+        assert stats["num_requests_reserved"] == 0 and stats["num_free_blocks"] == NUM_BLOCKS - 3  # kept
+        loop.call(lambda e: e.abort("busy"), 5)  # the write is over: the receiver frees them
+        assert loop.stats(5)["num_free_blocks"] == NUM_BLOCKS
+
+        # On the engine thread, commit_remote happens before the poller returns.
+        loop.reserve("now", PROMPT, GREEDY, lease=30.0, timeout=5)
+        stream = loop.attach("now", timeout=5)
+        seen: list[int] = []
+        loop.call(lambda e: (loop.commit_remote("now", 7), seen.append(len(e.scheduler.running))), 5)
+        assert seen == [1]
+        assert isinstance(drain(stream)[-1], FinishedEvent)
+        polled.clear()
+        started = time.monotonic()
+        loop.wake()  # idle_wait is 5 s: only the wake-up runs the poller this soon
+        give_up = started + 2.0
+        while not polled and time.monotonic() < give_up:
+            time.sleep(0.01)
+        assert polled and polled[0] - started < 1.0
+    finally:
+        loop.close()

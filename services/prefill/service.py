@@ -5,6 +5,8 @@
       engine: prefill (export_kv)   pages leave layer by layer via engine.layer_hook
       first token sampled        -> PrefillResponse right away (TTFT)
       sender.finish(first_token)    final frame; the sender releases the blocks
+                                    (a transfer that already failed: UNAVAILABLE,
+                                    so the router tries another prefill worker)
 
 Only the first token is sampled here (max_tokens=1); the decode worker checks it
 against stop conditions when the KV is committed, and samples everything after it.
@@ -13,6 +15,7 @@ against stop conditions when the KV is committed, and samples everything after i
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import grpc
 
@@ -54,14 +57,15 @@ class PrefillService:
         with rpc_errors(context):
             params = first_token_params(params_from_options(request.sampling))
             target = self._target(request, deadline)
-            self.sender.start(target)
+            self._transfer(context, rid, "start", lambda: self.sender.start(target))
             try:
                 stream = self.loop.submit(rid, list(request.token_ids), params, CALL_TIMEOUT, export_kv=True)
             except BaseException:
                 self.sender.cancel(rid)
                 raise
         first, output = self._wait(stream, context, deadline)
-        self.sender.finish(rid, first.token_id if request.sample_first_token else None)
+        self._transfer(context, rid, "finish",
+                       lambda: self.sender.finish(rid, first.token_id if request.sample_first_token else None))
         response = pb.PrefillResponse(num_cached_tokens=output.num_cached_tokens)
         if request.sample_first_token:
             logprob = delta_logprob(first)
@@ -75,8 +79,21 @@ class PrefillService:
             raise ValueError("target.kv_endpoint: must not be empty")
         return TransferTarget(
             request.request_id, t.worker_id, t.kv_endpoint, tuple(t.block_ids), t.num_cached_tokens, deadline.at,
-            t.transfer_target,
+            t.transfer_target, tuple(request.token_ids),
         )
+
+    def _transfer(self, context: grpc.ServicerContext, rid: str, what: str, step: Callable[[], None]) -> None:
+        """Run a sender step. A bad target is INVALID_ARGUMENT; a transfer that cannot go
+        on (receiver unreachable, refused, failed) is UNAVAILABLE: another prefill
+        worker, with a fresh reservation, may do better."""
+        try:
+            step()
+        except ValueError as e:
+            self.sender.cancel(rid)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except Exception as e:
+            self.sender.cancel(rid)
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"request {rid!r}: KV transfer ({what}): {e}")
 
     def _wait(
         self, stream: RequestStream, context: grpc.ServicerContext, deadline: Deadline

@@ -7,7 +7,8 @@
             D.Reserve -> blocks + KV endpoint
             D.Decode(local_prefill=false) -> D's token stream (buffered on D)
             P = best prefill worker (cached prefix vs queue); P.Prefill(D's endpoint)
-              -> first token, forwarded at once (TTFT); P dead: next P
+              -> first token, forwarded at once (TTFT)
+              P failed: abort that reservation, next P with a fresh one
             stream D's tokens after the first
             no P left: abort the reservation, prefill on D instead
         else:
@@ -126,26 +127,43 @@ class Dispatcher:
         context: grpc.ServicerContext, note_cached: Callable[[int], None],
     ) -> Generator[pb.DecodeResponse, None, bool]:
         """Reserve on D, prefill on P into D's blocks, stream D. Returns False (nothing
-        sent) when the request should be prefilled on D after all."""
-        rid = attempt.worker_request_id
-        reservation = self._reserve(decode, job, rid, deadline, context)
-        if reservation is None:
-            return False
-        call = decode.stub.Decode(pb.DecodeRequest(request_id=rid), timeout=deadline.remaining())
-        _cancel_with_client(context, call)
-        prefilled = self._prefill(decode, job, rid, reservation, deadline, context)
-        if prefilled is None:  # no prefill worker could do it: free D's reservation
-            call.cancel()
-            _abort_quietly(decode, rid)
-            return False
-        note_cached(max(prefilled.num_cached_tokens, reservation.num_cached_tokens))
-        first = prefilled.first_token if prefilled.HasField("first_token") else None
-        if first is not None:
-            logprobs = [first] if job.params.logprobs is not None else []
-            attempt.produced = True
-            yield pb.DecodeResponse(deltas=[pb.SequenceDelta(index=0, token_ids=[first.token_id], logprobs=logprobs)])
-        yield from self._stream(decode, call, attempt, context, skip_first=first is not None)
-        return True
+        sent) when the request should be prefilled on D after all.
+
+        A prefill worker that fails gets no second chance with the same reservation:
+        it may have shipped part of the KV, and pages of a dead transfer must never mix
+        with the next one's. So each prefill attempt has a reservation (and worker
+        request id) of its own, and the failed one is aborted on D."""
+        base = attempt.worker_request_id
+        tried = {decode.worker_id}
+        for number in range(self.config.max_attempts):
+            prefill = self.registry.acquire_prefill(job.block_hashes, tried)
+            if prefill is None:  # none (left): prefill on D
+                return False
+            tried.add(prefill.worker_id)
+            rid = attempt.worker_request_id = base if number == 0 else f"{base}-p{number}"
+            try:
+                reservation = self._reserve(decode, job, rid, deadline, context)
+                if reservation is None:
+                    return False
+                call = decode.stub.Decode(pb.DecodeRequest(request_id=rid), timeout=deadline.remaining())
+                _cancel_with_client(context, call)
+                prefilled = self._prefill(prefill, decode, job, rid, reservation, deadline, context)
+            finally:
+                self.registry.release(prefill)
+            if prefilled is None:  # that prefill worker failed: free D's reservation, next one
+                call.cancel()
+                _abort_quietly(decode, rid)
+                continue
+            note_cached(max(prefilled.num_cached_tokens, reservation.num_cached_tokens))
+            first = prefilled.first_token if prefilled.HasField("first_token") else None
+            if first is not None:
+                logprobs = [first] if job.params.logprobs is not None else []
+                attempt.produced = True
+                yield pb.DecodeResponse(deltas=[pb.SequenceDelta(index=0, token_ids=[first.token_id], logprobs=logprobs)])
+            yield from self._stream(decode, call, attempt, context, skip_first=first is not None,
+                                    first_logprob=first.logprob if first is not None else 0.0)
+            return True
+        return False
 
     def _reserve(
         self, decode: WorkerHandle, job: Job, rid: str, deadline: Deadline, context: grpc.ServicerContext
@@ -162,10 +180,11 @@ class Dispatcher:
             raise self._classify(decode, e, context, rid) from None
 
     def _prefill(
-        self, decode: WorkerHandle, job: Job, rid: str, reservation: pb.ReserveResponse, deadline: Deadline,
-        context: grpc.ServicerContext,
+        self, prefill: WorkerHandle, decode: WorkerHandle, job: Job, rid: str, reservation: pb.ReserveResponse,
+        deadline: Deadline, context: grpc.ServicerContext,
     ) -> pb.PrefillResponse | None:
-        """Prefill on the best prefill worker, the next one if it fails; None if none could."""
+        """Prefill on `prefill` into D's reservation; None when it failed as a worker may
+        (another one may do better)."""
         request = pb.PrefillRequest(
             request_id=rid, token_ids=job.prompt, sampling=job.options,
             target=pb.KVTarget(
@@ -175,38 +194,38 @@ class Dispatcher:
             ),
             sample_first_token=job.params.n == 1 and not job.params.use_beam_search,
         )
-        tried = {decode.worker_id}
-        for _ in range(self.config.max_attempts):
-            prefill = self.registry.acquire_prefill(job.block_hashes, tried)
-            if prefill is None:
-                return None
-            tried.add(prefill.worker_id)
-            try:
-                future = prefill.stub.Prefill.future(request, timeout=deadline.remaining())
-                _cancel_with_client(context, future)
-                return future.result()
-            except grpc.RpcError as e:
-                error = self._classify(prefill, e, context, rid)
-                if not isinstance(error, WorkerFailed):
-                    _abort_quietly(decode, rid)
-                    raise error from None
-                log.warning("request %s: prefill on %s failed (%s); next prefill worker",
-                            job.request_id, prefill.worker_id, error)
-                self.registry.probe_soon()
-            finally:
-                self.registry.release(prefill)
-        return None
+        try:
+            future = prefill.stub.Prefill.future(request, timeout=deadline.remaining())
+            _cancel_with_client(context, future)
+            return future.result()
+        except grpc.RpcError as e:
+            error = self._classify(prefill, e, context, rid)
+            if not isinstance(error, WorkerFailed):
+                _abort_quietly(decode, rid)
+                raise error from None
+            log.warning("request %s: prefill on %s failed (%s); next prefill worker",
+                        job.request_id, prefill.worker_id, error)
+            self.registry.probe_soon()
+            return None
 
     # -- streams and errors -----------------------------------------------------------------
 
     def _stream(
-        self, worker: WorkerHandle, call: grpc.Call, attempt: _Attempt, context: grpc.ServicerContext, skip_first: bool
+        self, worker: WorkerHandle, call: grpc.Call, attempt: _Attempt, context: grpc.ServicerContext, skip_first: bool,
+        first_logprob: float = 0.0,
     ) -> Iterator[pb.DecodeResponse]:
+        """Forward D's messages. With `skip_first`, sequence 0's first token came from
+        the prefill worker: D's copy of it is dropped, and its logprob (which D did not
+        compute) is added to the sequence's cumulative logprob."""
         _cancel_with_client(context, call)
         try:
             for message in call:
                 if skip_first:
                     skip_first = not _drop_first_token(message)
+                if first_logprob and message.finished:
+                    for result in message.results:
+                        if result.index == 0:
+                            result.cumulative_logprob += first_logprob
                 if any(d.token_ids for d in message.deltas) or any(r.token_ids for r in message.results):
                     attempt.produced = True
                 yield message

@@ -13,6 +13,9 @@ from engine.llm import DEFAULT_MODEL
 from services.common.flags import check, flag
 
 ROLES = ("prefill", "decode", "mixed")
+# KV pages over ZeroMQ tcp (services/worker/kv_connectors.py): what `pdserve up` gives
+# prefill and decode workers unless --kv-connector says otherwise.
+DEFAULT_KV_CONNECTOR = "services.worker.kv_connectors:zmq_connector"
 
 
 @dataclass(frozen=True)
@@ -41,7 +44,8 @@ class WorkerConfig:
     seed: int = flag(0, "seed of the sampler's shared generator")
     torch_threads: int = flag(1, "torch intra-op threads (0: torch's default)")
     # serving
-    kv_connector: str = flag("", "KV transfer connector 'module:factory' (empty: none)")
+    kv_connector: str | None = flag(None, "KV transfer connector 'module:factory', '' for none (unset: `pdserve up` "
+                                          f"gives prefill and decode workers {DEFAULT_KV_CONNECTOR}, others get none)")
     reservation_timeout: float = flag(30.0, "decode: longest wait for a reservation's KV")
     held_lease: float = flag(30.0, "prefill: longest time exported blocks wait to be shipped")
     request_timeout: float = flag(600.0, "longest a request may run when its caller set no deadline")

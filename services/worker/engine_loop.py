@@ -79,12 +79,25 @@ class EngineLoop:
         before `start()`. An exception is logged and does not stop the loop."""
         self._pollers.append(poll)
 
-    def add_abort_hook(self, hook: Callable[[str], None]) -> None:
+    def add_abort_hook(self, hook: Callable[[str], bool | None]) -> None:
         """Run `hook(request_id)` on the engine thread before an aborted, expired or
         failed request's blocks are freed (a KV receiver must stop writing into them
         first). Called for every request that ends that way, so it must ignore ids it
-        does not know. Call before `start()`."""
+        does not know. A hook that cannot stop a write into the blocks at once returns
+        False: the loop then leaves them allocated, and the hook's owner frees them
+        (`engine.abort`, on the engine thread, e.g. from a poller) once the write is
+        over. Call before `start()`."""
         self._abort_hooks.append(hook)
+
+    @property
+    def on_engine_thread(self) -> bool:
+        """Whether the caller is the engine thread (a poller, hook or command)."""
+        return threading.current_thread() is self._thread
+
+    def wake(self) -> None:
+        """Make an idle loop run its pollers now rather than within `idle_wait`
+        (thread-safe, never blocks: e.g. a KV receiver thread with news)."""
+        self._commands.put(_nothing)
 
     # -- thread-safe API --------------------------------------------------------------
 
@@ -148,13 +161,16 @@ class EngineLoop:
 
         return self.call(attach, timeout)
 
+    # commit_remote, fail and release take effect at once when called on the engine
+    # thread (a poller, a hook); from any other thread they are queued.
+
     def commit_remote(self, request_id: str, first_token: int | None) -> None:
         """The reserved blocks hold the prompt's KV (the receiver says so): decode."""
-        self._commands.put(lambda: self._commit(request_id, first_token))
+        self._now_or_later(lambda: self._commit(request_id, first_token))
 
     def fail(self, request_id: str, failure: Failure, message: str) -> None:
         """End a request with an error (e.g. its transfer failed) and free its blocks."""
-        self._commands.put(lambda: self._end(request_id, failure, message))
+        self._now_or_later(lambda: self._end(request_id, failure, message))
 
     def abort(self, request_id: str) -> None:
         """Stop a request wherever it is and free its blocks (idempotent, asynchronous)."""
@@ -162,7 +178,13 @@ class EngineLoop:
 
     def release(self, request_id: str) -> None:
         """Prefill side: the exported KV has been shipped; free the held blocks."""
-        self._commands.put(lambda: self._release(request_id))
+        self._now_or_later(lambda: self._release(request_id))
+
+    def _now_or_later(self, command: Command) -> None:
+        if self.on_engine_thread:
+            command()
+        else:
+            self._commands.put(command)
 
     def snapshot(self) -> dict[str, float]:
         """Load as of the engine thread's last iteration (`at`: when), without waiting
@@ -276,12 +298,14 @@ class EngineLoop:
 
     def _end(self, request_id: str, failure: Failure, message: str) -> None:
         self._flush()  # tokens already told go before the failure
+        deferred = False
         for hook in self._abort_hooks:
             try:
-                hook(request_id)
+                deferred |= hook(request_id) is False
             except Exception:
                 log.exception("abort hook failed for %r", request_id)
-        self.engine.abort(request_id)  # frees running, waiting, reserved and held blocks
+        if not deferred:  # else a write into them is ending: the hook's owner frees them
+            self.engine.abort(request_id)  # frees running, waiting, reserved and held blocks
         self._held.pop(request_id, None)
         self._reservations.pop(request_id, None)
         self._unattached.discard(request_id)
@@ -306,3 +330,7 @@ class EngineLoop:
     def _fail_all_aborted(self) -> None:
         for request_id in list(self._streams) + list(self._held):
             self._end(request_id, Failure.ABORTED, "worker is shutting down")
+
+
+def _nothing() -> None:
+    """A command that only wakes the loop."""

@@ -22,7 +22,11 @@ Decode side (`KVReceiver`), per request:
     loop.fail(request_id, Failure.TRANSFER, why)  malformed / late / lost
     cancel(request_id)                  aborted or expired: stop writing its blocks
                                         (runs on the engine thread before they are
-                                        freed; idempotent, unknown ids ignored)
+                                        freed; idempotent, unknown ids ignored).
+                                        Returns False if a write into them cannot be
+                                        stopped at once: the receiver then frees them
+                                        itself (engine.abort from its poller) when
+                                        the write is over; the loop leaves them be.
 
 Both sides get the `EngineLoop` through `bind` and must touch the engine only via
 `loop.call(...)`, `loop.add_poller(fn)` (fn runs on the engine thread every loop
@@ -30,9 +34,14 @@ iteration, e.g. to turn arrived transfers into commit_remote) or `engine.layer_h
 (which runs on the engine thread). The EngineLoop owns `engine.step()`.
 `start`, `finish` and `expect` are called from gRPC handler threads, `cancel` from
 the engine thread (or a handler thread): implementations are thread-safe.
+`finish` raises when the transfer has already failed (the prefill worker then fails
+the Prefill RPC, and the router tries another prefill worker).
 
 A connector is named on the command line as `--kv-connector module:factory`;
-`factory(role, worker_id)` returns `(sender or None, receiver or None)`.
+`factory(role, worker_id)` returns `(sender or None, receiver or None)`. A side may
+also have `stats() -> dict[str, int]` (`kv_transfer_bytes`, `kv_transfers`,
+`kv_transfer_failures`), which the worker's Stats RPC reports. The ZeroMQ and
+torch.distributed connectors are in services/worker/kv_connectors.py.
 """
 
 from __future__ import annotations
@@ -58,6 +67,7 @@ class TransferTarget:
     num_cached_tokens: int  # D already holds these (whole blocks): do not send them
     deadline: float  # time.monotonic(); give up (and release) after it
     plan: bytes = b""  # what the receiver's `expect` returned (the connector's format)
+    prompt_token_ids: tuple[int, ...] = ()  # the prompt whose KV is shipped
 
 
 class KVSender(Protocol):
@@ -83,9 +93,12 @@ class KVReceiver(Protocol):
         self, reservation: Reservation, prompt: Sequence[int], params: SamplingParams, deadline: float
     ) -> bytes: ...
 
-    def cancel(self, request_id: str) -> None: ...
+    def cancel(self, request_id: str) -> bool | None: ...
 
     def close(self) -> None: ...
+
+
+STAT_NAMES = ("kv_transfer_bytes", "kv_transfers", "kv_transfer_failures")
 
 
 @dataclass(frozen=True)
@@ -108,6 +121,17 @@ class Connector:
             if side is not None:
                 side.bind(loop)
                 loop.add_abort_hook(side.cancel)
+
+    def stats(self) -> dict[str, int]:
+        """Transfer counters of both sides, summed (zeros without a connector)."""
+        out = dict.fromkeys(STAT_NAMES, 0)
+        for side in (self.sender, self.receiver):
+            stats = getattr(side, "stats", None)
+            if callable(stats):
+                for name, value in stats().items():
+                    if name in out:
+                        out[name] += int(value)
+        return out
 
     def close(self) -> None:
         for side in (self.sender, self.receiver):

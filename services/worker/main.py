@@ -35,12 +35,13 @@ class Worker:
         self.config = config
         self.engine = LLMEngine(config.engine_config())
         self.loop = EngineLoop(self.engine, held_lease=config.held_lease)
-        self.connector = connector if connector is not None else load_connector(config.kv_connector, config.role, config.id)
+        self.connector = connector if connector is not None else load_connector(config.kv_connector or "", config.role, config.id)
         prefill = PrefillService(self.loop, self.connector.sender, config) if config.role != "decode" else None
         decode = DecodeService(self.loop, self.connector.receiver, config) if config.role != "prefill" else None
         threads = config.grpc_threads or config.max_num_seqs + 16  # each stream holds one
         self.server = GrpcServer(threads=threads, max_concurrent_rpcs=threads)
-        pb_grpc.add_WorkerServicer_to_server(WorkerServicer(config, self.loop, prefill, decode), self.server.grpc)
+        servicer = WorkerServicer(config, self.loop, prefill, decode, self.connector.stats)
+        pb_grpc.add_WorkerServicer_to_server(servicer, self.server.grpc)
         self.registrar: Registrar | None = None
         self.address = ""
 

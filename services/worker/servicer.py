@@ -10,7 +10,7 @@ An RPC the role does not serve answers UNIMPLEMENTED, naming the role.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 
@@ -28,12 +28,14 @@ STATS_TIMEOUT = 5.0
 
 class WorkerServicer(pb_grpc.WorkerServicer):
     def __init__(
-        self, config: WorkerConfig, loop: EngineLoop, prefill: PrefillService | None, decode: DecodeService | None
+        self, config: WorkerConfig, loop: EngineLoop, prefill: PrefillService | None, decode: DecodeService | None,
+        kv_stats: Callable[[], dict[str, int]] = dict,
     ) -> None:
         self.config = config
         self.loop = loop
         self.prefill_service = prefill
         self.decode_service = decode
+        self.kv_stats = kv_stats  # the KV connector's counters (kv_seam.Connector.stats)
 
     def Reserve(self, request: pb.ReserveRequest, context: grpc.ServicerContext) -> pb.ReserveResponse:
         if self.decode_service is None:
@@ -61,7 +63,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"Stats: {e}")
         except RuntimeError as e:  # the engine thread has stopped
             context.abort(grpc.StatusCode.UNAVAILABLE, f"Stats: {e}")
-        return stats_message(self.config, stats)
+        return stats_message(self.config, {**stats, **self.kv_stats()})
 
 
 def stats_message(config: WorkerConfig, stats: dict) -> pb.StatsResponse:
@@ -74,4 +76,6 @@ def stats_message(config: WorkerConfig, stats: dict) -> pb.StatsResponse:
         num_held=stats["num_requests_held"], num_reserved=stats["num_requests_reserved"],
         num_preemptions=stats["num_preemptions"],
         cached_block_hashes=stats.get("cached_block_hashes", []),
+        kv_transfer_bytes=stats.get("kv_transfer_bytes", 0), kv_transfers=stats.get("kv_transfers", 0),
+        kv_transfer_failures=stats.get("kv_transfer_failures", 0),
     )

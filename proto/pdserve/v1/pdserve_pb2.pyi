@@ -303,7 +303,7 @@ class StatsRequest(_message.Message):
     def __init__(self, include_block_hashes: _Optional[bool] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("worker_id", "role", "block_size", "num_blocks", "num_free_blocks", "num_cached_blocks", "prefix_cache_queries", "prefix_cache_hits", "num_running", "num_waiting", "num_held", "num_reserved", "num_preemptions", "cached_block_hashes")
+    __slots__ = ("worker_id", "role", "block_size", "num_blocks", "num_free_blocks", "num_cached_blocks", "prefix_cache_queries", "prefix_cache_hits", "num_running", "num_waiting", "num_held", "num_reserved", "num_preemptions", "cached_block_hashes", "kv_transfer_bytes", "kv_transfers", "kv_transfer_failures")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -318,6 +318,9 @@ class StatsResponse(_message.Message):
     NUM_RESERVED_FIELD_NUMBER: _ClassVar[int]
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     CACHED_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_FAILURES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: Role
     block_size: int
@@ -332,7 +335,10 @@ class StatsResponse(_message.Message):
     num_reserved: int
     num_preemptions: int
     cached_block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_held: _Optional[int] = ..., num_reserved: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., cached_block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    kv_transfer_bytes: int
+    kv_transfers: int
+    kv_transfer_failures: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_held: _Optional[int] = ..., num_reserved: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., cached_block_hashes: _Optional[_Iterable[bytes]] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfers: _Optional[int] = ..., kv_transfer_failures: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
     __slots__ = ("worker_id", "role", "address", "model", "kv_endpoint", "block_size", "max_model_len", "num_blocks", "pid")

@@ -1,0 +1,362 @@
+"""The disaggregated path end to end: real processes started by `pdserve up`, KV pages
+from prefill workers to decode workers over ZeroMQ tcp, tokens checked against the
+engine run in this process (embedded default model).
+
+Two clusters, each started once:
+  `pd1`  `pdserve up` as it comes (1 prefill + 1 decode worker, ZeroMQ tcp, local
+         prefill threshold 64): prompts below the threshold prefill on the decode
+         worker, the others on the prefill worker (worker Stats tell which); logprobs,
+         stop strings, a cancelled stream;
+  `pd2`  2 prefill + 2 decode workers, threshold 0 (every prompt crosses): batches,
+         n=3 and beam search, prefix-aware routing, then faults (a prefill worker
+         killed, a decode worker killed mid-stream), then no block left in use.
+The ipc and torch.distributed (gloo) connectors run with in-process workers.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from cluster_helpers import UpProcess, all_blocks_free, list_workers, stats, wait_for
+from engine import LLM, SamplingParams
+from proto.pdserve.v1 import pdserve_pb2 as pb
+from services.router.client import Client, collect
+from services.router.config import RouterConfig
+from services.router.main import Router
+from services.worker.config import WorkerConfig
+from services.worker.main import Worker
+
+MAX_N = 4
+THRESHOLD = 64  # the router's default --local-prefill-threshold
+
+
+def code(name: str, lines: int) -> str:
+    """A distinct code-like prompt (its first block differs from every other's)."""
+    body = "".join(f"    {name}_{k} = compute({k}, '{name}')  # step {k}\n" for k in range(lines))
+    return f"def {name}(data):\n{body}"
+
+
+SHORT = ["for i in range(", "def fib(n):\n", "    def __repr__(self):\n        return "]
+LONG = [code("alpha", 12), code("beta", 30), code("gamma", 4)]
+PREFIX = code("shared_prefix", 25)  # ~ 400 tokens, shared by several prompts
+SHARED = [PREFIX + tail for tail in ("    return alpha\n", "    return beta_1 + beta_2\n", "    yield from data\n")]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield LLM(num_blocks=512)
+    torch.set_num_threads(before)
+
+
+def greedy(llm: LLM, prompts: list[str], max_tokens: int) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0))]
+
+
+def run_all(client: Client, prompts: list[str], **sampling) -> list[dict]:
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda p: collect(client.generate(p, **sampling)), prompts))
+
+
+def workers(router: str, role: str) -> list[pb.WorkerInfo]:
+    return sorted((w for w in list_workers(router) if w.role == role), key=lambda w: w.worker_id)
+
+
+def counters(infos: list[pb.WorkerInfo]) -> dict[str, pb.StatsResponse]:
+    return {w.worker_id: stats(w.address) for w in infos}
+
+
+def total(snapshot: dict[str, pb.StatsResponse], field: str) -> int:
+    return sum(getattr(s, field) for s in snapshot.values())
+
+
+def every_block_free(infos: list[pb.WorkerInfo]) -> None:
+    """Running, waiting, reserved and held (prefill: awaiting an ack) all zero."""
+    for w in infos:
+        wait_for(lambda: all_blocks_free(w.address), 20, f"{w.worker_id}'s blocks to be free")
+
+
+class Stream:
+    """A generate call consumed on its own thread."""
+
+    def __init__(self, client: Client, prompt: str, **sampling) -> None:
+        self.tokens: list[int] = []
+        self.error: grpc.RpcError | None = None
+        self.ended_at = 0.0
+        self._call = client.generate(prompt, **sampling)
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            for message in self._call:
+                self.tokens.extend(message.token_ids)
+        except grpc.RpcError as e:
+            self.error = e
+        self.ended_at = time.monotonic()
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+        assert not self._thread.is_alive(), "a stream hung"
+
+
+# -- pd1: `pdserve up` as it comes -------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pd1(tmp_path_factory):
+    up = UpProcess(["--num-blocks", "512", "--max-n", str(MAX_N), "--held-lease", "10"],
+                   tmp_path_factory.mktemp("pd1") / "up.log")
+    yield up
+    up.stop()
+
+
+def test_default_topology_is_one_prefill_and_one_decode_worker_moving_kv(pd1):
+    (prefill,), (decode,) = workers(pd1.address, pb.ROLE_PREFILL), workers(pd1.address, pb.ROLE_DECODE)
+    assert len(list_workers(pd1.address)) == 2
+    assert prefill.kv_endpoint and decode.kv_endpoint.startswith("tcp://127.0.0.1:")
+
+
+def test_conditional_disaggregation_matches_the_engine(pd1, llm):
+    """Short prompts prefill on the decode worker, long ones on the prefill worker,
+    whose KV crosses to the decode worker; every result is the engine's."""
+    prompts = SHORT + LONG
+    lengths = {p: len(llm.engine.tokenizer.encode(p)) for p in prompts}
+    remote = [p for p in prompts if lengths[p] >= THRESHOLD]
+    assert 0 < len(remote) < len(prompts), lengths
+    (prefill,), (decode,) = workers(pd1.address, pb.ROLE_PREFILL), workers(pd1.address, pb.ROLE_DECODE)
+    before = counters([prefill, decode])
+    want = [o.outputs[0] for o in llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0))]
+    with Client(pd1.address, timeout=120) as client:
+        got = run_all(client, prompts, max_tokens=16, temperature=0.0)
+    for prompt, w, g in zip(prompts, want, got):
+        (seq,) = g.values()
+        assert list(seq.token_ids) == w.token_ids and seq.text == w.text, prompt
+        assert seq.cumulative_logprob == pytest.approx(w.cumulative_logprob, abs=1e-4)
+        assert seq.usage.prompt_tokens == lengths[prompt] and seq.timing.ttft_seconds > 0
+
+    def settled():  # the prefill worker counts a transfer once the decode worker acked it
+        return stats(prefill.address).kv_transfers - before[prefill.worker_id].kv_transfers == len(remote)
+
+    wait_for(settled, 10, "the prefill worker to see every transfer acknowledged")
+    after = counters([prefill, decode])
+    p, d = after[prefill.worker_id], after[decode.worker_id]
+    p0, d0 = before[prefill.worker_id], before[decode.worker_id]
+    assert p.prefix_cache_queries - p0.prefix_cache_queries == sum(lengths[x] for x in remote)  # it computed those
+    assert d.kv_transfers - d0.kv_transfers == len(remote) and d.kv_transfer_failures == p.kv_transfer_failures == 0
+    sent, received = p.kv_transfer_bytes - p0.kv_transfer_bytes, d.kv_transfer_bytes - d0.kv_transfer_bytes
+    assert sent == received > 0
+
+
+def test_logprobs_and_stop_strings_through_the_prefill_worker(pd1, llm):
+    prompt = LONG[1]
+    want = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, logprobs=2))[0].outputs[0]
+    stop = want.text[3:5]
+    stopped = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, stop=[stop]))[0].outputs[0]
+    with Client(pd1.address, timeout=60) as client:
+        (got,) = collect(client.generate(prompt, max_tokens=8, temperature=0.0, logprobs=2)).values()
+        (cut,) = collect(client.generate(prompt, max_tokens=8, temperature=0.0, stop=[stop])).values()
+    assert [lp.token_id for lp in got.logprobs] == want.token_ids
+    for lp, entry in zip(got.logprobs, want.logprobs):  # the first from the prefill worker
+        assert lp.logprob == pytest.approx(entry[lp.token_id], abs=1e-4)
+    assert got.cumulative_logprob == pytest.approx(want.cumulative_logprob, abs=1e-4)
+    assert cut.text == stopped.text and cut.finish_reason == "stop" and list(cut.token_ids) == stopped.token_ids
+
+
+def test_cancel_mid_stream_frees_both_workers(pd1):
+    (prefill,), (decode,) = workers(pd1.address, pb.ROLE_PREFILL), workers(pd1.address, pb.ROLE_DECODE)
+    transfers = stats(decode.address).kv_transfers
+    with Client(pd1.address, timeout=60) as client:
+        # A fresh prompt: one the decode worker has cached would prefill there.
+        call = client.generate(code("cancelled", 6), max_tokens=600, temperature=0.0, ignore_eos=True)
+        for _, _ in zip(range(3), call):
+            pass
+        assert stats(decode.address).num_running == 1
+        call.cancel()
+    assert stats(decode.address).kv_transfers == transfers + 1  # it did cross
+    every_block_free([prefill, decode])
+
+
+def test_pd1_leaves_every_block_free(pd1):
+    every_block_free(list_workers(pd1.address))
+
+
+# -- pd2: 2 prefill + 2 decode workers, every prompt crosses ------------------------------
+
+
+@pytest.fixture(scope="module")
+def pd2(tmp_path_factory):
+    up = UpProcess(
+        ["--prefill", "2", "--decode", "2", "--local-prefill-threshold", "0", "--num-blocks", "512",
+         "--max-n", str(MAX_N), "--held-lease", "10", "--stats-interval", "0.5", "--worker-timeout", "10"],
+        tmp_path_factory.mktemp("pd2") / "up.log",
+    )
+    yield up
+    up.stop()
+
+
+@pytest.fixture(scope="module")
+def client2(pd2):
+    with Client(pd2.address, timeout=120) as c:
+        yield c
+
+
+def test_batch_across_two_pairs_matches_the_engine(pd2, client2, llm):
+    prompts = SHORT + LONG + SHARED
+    prefills = workers(pd2.address, pb.ROLE_PREFILL)
+    before = counters(prefills)
+    want = greedy(llm, prompts, 16)
+    got = run_all(client2, prompts, max_tokens=16, temperature=0.0)
+    for prompt, w, g in zip(prompts, want, got):
+        (seq,) = g.values()
+        assert list(seq.token_ids) == w, prompt
+    wait_for(lambda: total(counters(prefills), "kv_transfers") - total(before, "kv_transfers") == len(prompts), 10,
+             "every prompt's KV to have crossed")
+    decodes = counters(workers(pd2.address, pb.ROLE_DECODE))
+    assert total(decodes, "kv_transfers") >= len(prompts) and total(decodes, "kv_transfer_failures") == 0
+
+
+def test_parallel_sampling_and_beam_search_prefill_once(pd2, client2, llm):
+    """n > 1 and beams: the prefill worker ships the KV once, the decode worker
+    recomputes the last prompt token and forks the sequences."""
+    prefills = workers(pd2.address, pb.ROLE_PREFILL)
+    before = total(counters(prefills), "kv_transfers")
+    sampled = dict(max_tokens=10, temperature=0.8, top_p=0.9, seed=11, n=3)
+    beams = dict(max_tokens=8, temperature=0.0, beam_width=3, n=2)
+    want_n = llm.generate([LONG[0]], SamplingParams(**sampled))[0]
+    want_b = llm.generate([LONG[2]], SamplingParams(**beams))[0]
+    got_n = collect(client2.generate(LONG[0], **sampled))
+    got_b = collect(client2.generate(LONG[2], **beams))
+    assert sorted(got_n) == [0, 1, 2] and sorted(got_b) == [0, 1]
+    for want, got in ((want_n, got_n), (want_b, got_b)):
+        for c in want.outputs:
+            assert list(got[c.index].token_ids) == c.token_ids
+            assert got[c.index].cumulative_logprob == pytest.approx(c.cumulative_logprob, abs=1e-4)
+    wait_for(lambda: total(counters(prefills), "kv_transfers") - before == 2, 10, "one transfer per request")
+
+
+def warm_up(client: Client, router: str, prompt: str, want: list[int]) -> tuple[pb.WorkerInfo, pb.WorkerInfo]:
+    """Send `prompt`; (the prefill worker that computed it, the other one), once the
+    router has polled what the first one caches."""
+    prefills = workers(router, pb.ROLE_PREFILL)
+    before = counters(prefills)
+    (seq,) = collect(client.generate(prompt, max_tokens=len(want), temperature=0.0)).values()
+    assert list(seq.token_ids) == want
+    now = counters(prefills)
+    (holder,) = [w for w in prefills if now[w.worker_id].prefix_cache_queries > before[w.worker_id].prefix_cache_queries]
+    (other,) = [w for w in prefills if w.worker_id != holder.worker_id]
+    time.sleep(1.5)  # the router polls Stats every 0.5 s
+    return holder, other
+
+
+def test_prefix_aware_routing_and_balance_when_the_holder_is_busy(pd2, client2, llm):
+    prefix = code("routing_prefix", 25)
+    prompts = [prefix + f"    return {k}\n" for k in range(7)]
+    want = greedy(llm, prompts, 6)
+    holder, other = warm_up(client2, pd2.address, prompts[0], want[0])
+    # Requests sharing the prefix go where it is cached, and hit there.
+    held, free = counters([holder, other]).values()
+    for k in (1, 2):
+        (seq,) = collect(client2.generate(prompts[k], max_tokens=6, temperature=0.0)).values()
+        assert list(seq.token_ids) == want[k]
+    hits = stats(holder.address).prefix_cache_hits - held.prefix_cache_hits
+    assert hits >= 2 * (len(llm.engine.tokenizer.encode(prefix)) // 16 - 1) * 16
+    assert stats(other.address).prefix_cache_queries == free.prefix_cache_queries  # never asked
+    # The holder busy (stopped): the requests queued on it weigh against its prefix,
+    # and the rest go to the other prefill worker.
+    os.kill(holder.pid, signal.SIGSTOP)
+    try:
+        streams = [Stream(client2, p, max_tokens=6, temperature=0.0) for p in prompts[3:]]
+        wait_for(lambda: stats(other.address).kv_transfers > free.kv_transfers, 30,
+                 "the other prefill worker to take some of the load")
+    finally:
+        os.kill(holder.pid, signal.SIGCONT)
+    for s, w in zip(streams, want[3:]):
+        s.join(60)
+        assert s.error is None and s.tokens == w
+    assert stats(holder.address).prefix_cache_hits > held.prefix_cache_hits + hits  # it served its queue too
+
+
+def test_a_killed_prefill_worker_is_replaced_by_the_other(pd2, client2, llm):
+    """Requests stuck on a prefill worker that dies are prefilled again by the other,
+    each with a fresh reservation on its decode worker; none hangs."""
+    prefix = code("orphans", 25)
+    prompts = [prefix + f"    return orphan_{k}\n" for k in range(5)]
+    want = greedy(llm, prompts, 8)
+    victim, _ = warm_up(client2, pd2.address, prompts[0], want[0])  # it holds the prefix: it gets some
+    os.kill(victim.pid, signal.SIGSTOP)  # its requests queue up, unanswered
+    streams = [Stream(client2, p, max_tokens=8, temperature=0.0) for p in prompts[1:]]
+    want = want[1:]
+    time.sleep(1.5)  # all routed
+    killed_at = time.monotonic()
+    os.kill(victim.pid, signal.SIGKILL)
+    for s, w in zip(streams, want):
+        s.join(60)
+        assert s.error is None, s.error
+        assert s.tokens == w
+    assert max(s.ended_at for s in streams) - killed_at < 30
+    wait_for(lambda: victim.worker_id not in {w.worker_id for w in list_workers(pd2.address)}, 15,
+             "the router to drop the killed prefill worker")
+    assert f"prefill on {victim.worker_id} failed" in Path(pd2.log.name).read_text()
+
+
+def test_a_killed_decode_worker_fails_its_stream_quickly(pd2, client2):
+    stream = Stream(client2, LONG[2], max_tokens=600, temperature=0.0, ignore_eos=True)
+    wait_for(lambda: len(stream.tokens) > 3 or stream.error, 60, "the stream to start")
+    assert stream.error is None, stream.error
+    (victim,) = [w for w in workers(pd2.address, pb.ROLE_DECODE) if stats(w.address).num_running == 1]
+    killed_at = time.monotonic()
+    os.kill(victim.pid, signal.SIGKILL)
+    stream.join(30)
+    assert stream.error is not None and stream.error.code() == grpc.StatusCode.UNAVAILABLE
+    assert stream.ended_at - killed_at < 10
+    assert 0 < len(stream.tokens) < 600
+    wait_for(lambda: victim.worker_id not in {w.worker_id for w in list_workers(pd2.address)}, 15,
+             "the router to drop the killed decode worker")
+
+
+def test_pd2_survivors_serve_and_leave_every_block_free(pd2, client2, llm):
+    survivors = list_workers(pd2.address)
+    assert sorted(w.role for w in survivors) == sorted([pb.ROLE_PREFILL, pb.ROLE_DECODE])
+    (seq,) = collect(client2.generate(LONG[0], max_tokens=8, temperature=0.0)).values()
+    assert list(seq.token_ids) == greedy(llm, [LONG[0]], 8)[0]
+    every_block_free(survivors)
+
+
+# -- the other transports, with in-process workers ------------------------------------------
+
+
+@pytest.mark.parametrize("factory", ["zmq_ipc_connector", "gloo_connector"])
+def test_ipc_and_gloo_connectors(factory, llm):
+    router = Router(RouterConfig(port=0, local_prefill_threshold=0))
+    address = router.start()
+    spec = f"services.worker.kv_connectors:{factory}"
+    started = []
+    try:
+        for role in ("decode", "prefill"):
+            worker = Worker(WorkerConfig(role=role, router=address, worker_id=f"{role}-{factory}", num_blocks=128,
+                                         kv_connector=spec))
+            worker.start()
+            started.append(worker)
+        decode, prefill = started
+        prompts = [LONG[0], SHORT[1]]
+        with Client(address, timeout=60) as client:
+            got = run_all(client, prompts, max_tokens=8, temperature=0.0)
+        assert [list(g[0].token_ids) for g in got] == greedy(llm, prompts, 8)
+        wait_for(lambda: stats(prefill.address).kv_transfers == 2, 10, "both transfers to be acknowledged")
+        assert stats(decode.address).kv_transfers == 2
+        every_block_free([pb.WorkerInfo(worker_id=w.config.id, address=w.address) for w in started])
+    finally:
+        for worker in reversed(started):
+            worker.stop()
+        router.stop()
