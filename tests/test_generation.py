@@ -194,3 +194,14 @@ def test_logprobs_and_prompt_logprobs_match_transformers(model_dir):
     total = sum(float(ref[len(prompt) - 1 + j, t]) for j, t in enumerate(out.outputs[0].token_ids))
     assert out.outputs[0].cumulative_logprob == pytest.approx(total, abs=1e-3)
     llm.check_integrity()
+
+
+def test_beams_share_the_prompt_blocks(model_dir):
+    """k=4 beams over a 256-token prompt hold its 16 blocks once, plus their own tails."""
+    prompt = [3 + (i * 5) % 250 for i in range(256)]
+    engine = LLMEngine(EngineConfig(model=model_dir, cache=CacheConfig(num_blocks=256)))
+    engine.add_request("beams", prompt, SamplingParams(max_tokens=12, beam_width=4, temperature=0.0))
+    peak = _peak_blocks(engine)
+    engine.check_integrity()
+    assert engine.stats()["num_free_blocks"] == 256
+    assert peak <= 16 + 4 * 1  # 12 new tokens fit in one block per beam
