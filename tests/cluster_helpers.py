@@ -17,6 +17,7 @@ import grpc
 
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from services.router.client import Client
 
 REPO = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
@@ -113,3 +114,27 @@ def pid_alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
     except FileNotFoundError:
         return False
+
+
+class Stream:
+    """A generate call consumed on its own thread, recording when things happened."""
+
+    def __init__(self, client: Client, prompt: str, **sampling) -> None:
+        self.tokens: list[int] = []
+        self.error: grpc.RpcError | None = None
+        self.ended_at = 0.0
+        self._call = client.generate(prompt, **sampling)
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            for message in self._call:
+                self.tokens.extend(message.token_ids)
+        except grpc.RpcError as e:
+            self.error = e
+        self.ended_at = time.monotonic()
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+        assert not self._thread.is_alive(), "a stream hung"

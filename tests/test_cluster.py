@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from cluster_helpers import (
-    REPO, UpProcess, all_blocks_free, child_env, list_workers, pid_alive, stats, wait_for,
+    REPO, Stream, UpProcess, all_blocks_free, child_env, list_workers, pid_alive, stats, wait_for,
 )
 from engine import LLM, SamplingParams
 from services.router.client import Client, collect
@@ -296,30 +296,6 @@ def pair(tmp_path_factory):
     )
     yield up
     up.stop()
-
-
-class Stream:
-    """A generate call consumed on its own thread, recording when things happened."""
-
-    def __init__(self, client: Client, prompt: str, **sampling) -> None:
-        self.tokens: list[int] = []
-        self.error: grpc.RpcError | None = None
-        self.ended_at = 0.0
-        self._call = client.generate(prompt, **sampling)
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            for message in self._call:
-                self.tokens.extend(message.token_ids)
-        except grpc.RpcError as e:
-            self.error = e
-        self.ended_at = time.monotonic()
-
-    def join(self, timeout: float) -> None:
-        self._thread.join(timeout)
-        assert not self._thread.is_alive(), "a stream hung"
 
 
 def test_killed_worker_fails_its_stream_and_retries_the_queued(pair, llm):

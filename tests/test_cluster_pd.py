@@ -26,7 +26,7 @@ import grpc
 import pytest
 import torch
 
-from cluster_helpers import UpProcess, all_blocks_free, list_workers, stats, wait_for
+from cluster_helpers import Stream, UpProcess, all_blocks_free, list_workers, stats, wait_for
 from engine import LLM, SamplingParams
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from services.router.client import Client, collect
@@ -84,30 +84,6 @@ def every_block_free(infos: list[pb.WorkerInfo]) -> None:
     """Running, waiting, reserved and held (prefill: awaiting an ack) all zero."""
     for w in infos:
         wait_for(lambda: all_blocks_free(w.address), 20, f"{w.worker_id}'s blocks to be free")
-
-
-class Stream:
-    """A generate call consumed on its own thread."""
-
-    def __init__(self, client: Client, prompt: str, **sampling) -> None:
-        self.tokens: list[int] = []
-        self.error: grpc.RpcError | None = None
-        self.ended_at = 0.0
-        self._call = client.generate(prompt, **sampling)
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            for message in self._call:
-                self.tokens.extend(message.token_ids)
-        except grpc.RpcError as e:
-            self.error = e
-        self.ended_at = time.monotonic()
-
-    def join(self, timeout: float) -> None:
-        self._thread.join(timeout)
-        assert not self._thread.is_alive(), "a stream hung"
 
 
 # -- pd1: `pdserve up` as it comes -------------------------------------------------------
