@@ -262,7 +262,7 @@ class LLMEngine:
         """Schedule, run the model once, sample; returns outputs of finished requests."""
         plan = self.scheduler.schedule()
         if not plan.scheduled:
-            return self._fail_unschedulable()
+            return self._fail_unschedulable(plan.preempted)
         batch = [BatchItem(r, n, self.kv.block_ids(r.request_id)) for r, n in plan.scheduled]
         logits, spans = self.runner.execute(batch, self._layer_callback(plan.scheduled))
         seqs, logit_rows, beams = [], [], []
@@ -453,9 +453,16 @@ class LLMEngine:
         if group.done and self.groups.pop(group.request_id, None) is not None:
             finished.append(self._output(group))
 
-    def _fail_unschedulable(self) -> list[RequestOutput]:
-        """Nothing fits even in an idle pool: fail the head request instead of spinning."""
-        if self.scheduler.running or not self.scheduler.waiting:
+    def _fail_unschedulable(self, just_preempted: list[Request]) -> list[RequestOutput]:
+        """Nothing could run this step. If nothing will free blocks by itself either (no
+        running sequence has work: at most beams waiting on a sibling; no KV held for
+        shipping or reserved for a remote prefill, which deadlines free), the head of the
+        queue can never fit: fail its request instead of spinning forever."""
+        if just_preempted or not self.scheduler.waiting or self.held:
+            return []
+        if any(r.num_computed_tokens < r.num_tokens for r in self.scheduler.running):
+            return []
+        if any(g.live and g.live[0].status == RequestStatus.WAITING_FOR_REMOTE_KV for g in self.groups.values()):
             return []
         seq = self.scheduler.waiting[0]
         group = self._seq_group[seq.request_id]

@@ -205,3 +205,22 @@ def test_beams_share_the_prompt_blocks(model_dir):
     engine.check_integrity()
     assert engine.stats()["num_free_blocks"] == 256
     assert peak <= 16 + 4 * 1  # 12 new tokens fit in one block per beam
+
+
+@pytest.mark.parametrize("num_blocks", [3, 5, 8, 11])
+def test_groups_never_deadlock_in_a_small_pool(model_dir, num_blocks):
+    """Beams wait for their siblings while holding blocks; when a preempted sibling can
+    never fit again the request fails (abort) instead of the engine spinning forever."""
+    engine = LLMEngine(EngineConfig(model=model_dir, cache=CacheConfig(num_blocks=num_blocks)))
+    engine.add_request("beams", [5] * 40, SamplingParams(max_tokens=30, beam_width=4, temperature=0.0))
+    engine.add_request("samples", [6] * 20, SamplingParams(max_tokens=30, n=3, temperature=1.0, seed=1))
+    finished = {}
+    for _ in range(1000):
+        if not engine.has_unfinished():
+            break
+        for out in engine.step():
+            finished[out.request_id] = out
+    assert not engine.has_unfinished(), "the engine is spinning"
+    assert set(finished) == {"beams", "samples"}
+    engine.check_integrity()
+    assert engine.stats()["num_free_blocks"] == num_blocks
