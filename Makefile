@@ -20,13 +20,13 @@ install: $(STAMP)
 
 # A local cluster (router + workers as processes), prompts over gRPC, then shutdown.
 demo: $(STAMP)
-	$(PY) -m launch.demo --model $(MODEL)
+	$(PY) -m pdserve.launch.demo --model $(MODEL)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
 bench: $(STAMP)
-	$(PY) -m bench.offline
+	$(PY) -m pdserve.bench.offline
 
 clean:
 	rm -rf $(VENV) build *.egg-info

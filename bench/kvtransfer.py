@@ -1,7 +1,7 @@
 """KV transfer benchmark: our transports against raw ZeroMQ, and layer-wise overlap.
 
-Run it with `python -m bench.kvtransfer` (about 30 s on 2 CPU cores) or
-`python -m bench.kvtransfer --quick` (a shorter prompt and fewer repetitions).
+Run it with `python -m pdserve.bench.kvtransfer` (about 30 s on 2 CPU cores) or
+`python -m pdserve.bench.kvtransfer --quick` (a shorter prompt and fewer repetitions).
 
 Everything happens in one run, between two processes on this machine (one torch
 thread each):
@@ -58,13 +58,13 @@ from pathlib import Path
 import torch
 import zmq
 
-from engine import SamplingParams
-from engine.config import CacheConfig, SchedulerConfig
-from engine.engine import EngineConfig, LLMEngine
-from kvtransfer.connector import DecodeConnector, PrefillConnector, TransferTarget, page_runs
-from kvtransfer.nccl import TorchDistReceiver, TorchDistSender
-from kvtransfer.wire import PageLayout, prompt_digest
-from kvtransfer.zmq import ZmqConfig, ZmqReceiver, ZmqSender
+from pdserve.engine import SamplingParams
+from pdserve.engine.config import CacheConfig, SchedulerConfig
+from pdserve.engine.engine import EngineConfig, LLMEngine
+from pdserve.kvtransfer.connector import DecodeConnector, PrefillConnector, TransferTarget, page_runs
+from pdserve.kvtransfer.nccl import TorchDistReceiver, TorchDistSender
+from pdserve.kvtransfer.wire import PageLayout, prompt_digest
+from pdserve.kvtransfer.zmq import ZmqConfig, ZmqReceiver, ZmqSender
 
 SPAWN = mp.get_context("spawn")
 FIRST_REGULAR_TOKEN = 3

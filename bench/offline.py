@@ -1,7 +1,7 @@
 """Offline throughput benchmark: pdserve's `engine.LLM` against two transformers baselines.
 
-Run it with `python -m bench.offline` (about 5-10 minutes on 2 CPU cores) or
-`python -m bench.offline --quick` (a tiny model and 8 requests, well under a minute).
+Run it with `python -m pdserve.bench.offline` (about 5-10 minutes on 2 CPU cores) or
+`python -m pdserve.bench.offline --quick` (a tiny model and 8 requests, well under a minute).
 
 Everything happens in one process and one run:
 
@@ -340,7 +340,7 @@ def kv_blocks_needed(requests: Sequence[Request], block_size: int) -> int:
 
 
 def run_ours(model_dir: Path, requests: Sequence[Request], warmup: Sequence[Request], cfg: BenchConfig) -> RunResult:
-    from engine import LLM, SamplingParams
+    from pdserve.engine import LLM, SamplingParams
 
     llm = LLM(
         model=str(model_dir),
@@ -522,7 +522,7 @@ def fmt_ratio(x: float) -> str:
 
 
 def parse_args(argv: Sequence[str] | None) -> BenchConfig:
-    parser = argparse.ArgumentParser(prog="python -m bench.offline", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m pdserve.bench.offline", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny model and 8 requests (smoke test)")
     parser.add_argument(
         "--workload", choices=("mixed", "parallel"), default="mixed",
@@ -687,7 +687,7 @@ def run(cfg: BenchConfig) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     cfg = parse_args(argv)
     if cfg.workload_kind == "parallel":
-        from bench import parallel
+        from pdserve.bench import parallel
 
         print(parallel.run(parallel.QUICK if cfg.quick else parallel.ParallelSpec()), flush=True)
         return 0

@@ -1,6 +1,6 @@
 """Parallel sampling (n=8): what sharing the prompt's blocks saves.
 
-Run as `python -m bench.offline --workload parallel [--quick]`. In one process, on one
+Run as `python -m pdserve.bench.offline --workload parallel [--quick]`. In one process, on one
 random-initialised Llama, the same work is done twice:
 
 * shared: each prompt is one request with `n=8` -- prefilled once, the eight samples
@@ -21,10 +21,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.offline import ModelSpec, save_random_model, temporary_dir
-from engine import SamplingParams
-from engine.config import CacheConfig, SchedulerConfig
-from engine.engine import EngineConfig, LLMEngine
+from pdserve.bench.offline import ModelSpec, save_random_model, temporary_dir
+from pdserve.engine import SamplingParams
+from pdserve.engine.config import CacheConfig, SchedulerConfig
+from pdserve.engine.engine import EngineConfig, LLMEngine
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """Online serving benchmark: latency and throughput of a pdserve cluster over gRPC.
 
-    python -m bench.serving --quick                     # starts its own cluster, < 1 minute
-    python -m bench.serving                             # 64 requests, 128 tokens each
-    python -m bench.serving --addr 127.0.0.1:50051 --request-rate 4 --concurrency 16
+    python -m pdserve.bench.serving --quick                     # starts its own cluster, < 1 minute
+    python -m pdserve.bench.serving                             # 64 requests, 128 tokens each
+    python -m pdserve.bench.serving --addr 127.0.0.1:50051 --request-rate 4 --concurrency 16
 
 Without `--addr` a local cluster (`launch.local.LocalCluster`: router + workers as
 processes, logs in a temporary directory) is started first and stopped at the end,
@@ -61,8 +61,8 @@ from pathlib import Path
 
 import grpc
 
-from proto.pdserve.v1 import pdserve_pb2 as pb
-from services.router.client import Client
+from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
+from pdserve.services.router.client import Client
 
 FIRST_REGULAR_TOKEN = 3  # random prompts avoid the low ids, where small vocabularies keep bos/eos/pad
 WARMUP_PROMPT = "import os\n\n\ndef main():\n    "
@@ -460,9 +460,9 @@ def _prompt_range(w: WorkloadConfig) -> str:
 def local_cluster(cfg: ClusterConfig) -> Iterator[str]:
     """A LocalCluster for the duration of the block; its address. The children's logs
     go to a temporary directory; their tails are printed if the cluster fails to start."""
-    from launch.local import ClusterSpec, LaunchConfig, LocalCluster, StartupError  # torch: only here
-    from services.router.config import RouterConfig
-    from services.worker.config import WorkerConfig
+    from pdserve.launch.local import ClusterSpec, LaunchConfig, LocalCluster, StartupError  # torch: only here
+    from pdserve.services.router.config import RouterConfig
+    from pdserve.services.worker.config import WorkerConfig
 
     spec = ClusterSpec(
         RouterConfig(port=0, log_level="WARNING"),
@@ -526,7 +526,7 @@ def benchmark(cfg: BenchConfig) -> tuple[Summary, str]:
 def build_parser() -> argparse.ArgumentParser:
     w, load, c = WorkloadConfig(), LoadConfig(), ClusterConfig()
     parser = argparse.ArgumentParser(
-        prog="python -m bench.serving", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="python -m pdserve.bench.serving", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--addr", help="router of a running cluster (default: start a local one)")
     parser.add_argument("--quick", action="store_true",

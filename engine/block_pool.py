@@ -17,7 +17,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from engine.hashing import BlockHash
+from pdserve.engine.hashing import BlockHash
 
 
 @dataclass(eq=False)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from engine import LLM, SamplingParams
-from engine.llm import DEFAULT_MODEL
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.llm import DEFAULT_MODEL
 
 PROMPTS = [
     "import os\n\n\ndef ",

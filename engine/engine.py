@@ -16,19 +16,19 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.beam import BeamSearch
-from engine.block_pool import BlockPool
-from engine.config import CacheConfig, ModelConfig, SchedulerConfig, parse_dtype
-from engine.detokenizer import IncrementalDetokenizer
-from engine.group import SequenceGroup
-from engine.kv_cache import KVCacheManager
-from engine.model_runner import BatchItem, ModelRunner, kv_bytes_per_block
-from engine.outputs import CompletionOutput, RequestOutput
-from engine.request import Request, RequestStatus
-from engine.sampler import Sampler
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.tokenizer import Tokenizer, has_tokenizer
+from pdserve.engine.beam import BeamSearch
+from pdserve.engine.block_pool import BlockPool
+from pdserve.engine.config import CacheConfig, ModelConfig, SchedulerConfig, parse_dtype
+from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.group import SequenceGroup
+from pdserve.engine.kv_cache import KVCacheManager
+from pdserve.engine.model_runner import BatchItem, ModelRunner, kv_bytes_per_block
+from pdserve.engine.outputs import CompletionOutput, RequestOutput
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.sampler import Sampler
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.tokenizer import Tokenizer, has_tokenizer
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
 

@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.beam import BeamSearch
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from pdserve.engine.beam import BeamSearch
+from pdserve.engine.request import Request
+from pdserve.engine.sampling_params import SamplingParams
 
 
 @dataclass(eq=False)

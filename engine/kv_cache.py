@@ -12,8 +12,8 @@ those blocks and allocates the rest, or returns False and changes nothing;
 
 from __future__ import annotations
 
-from engine.block_pool import Block, BlockPool
-from engine.request import Request
+from pdserve.engine.block_pool import Block, BlockPool
+from pdserve.engine.request import Request
 
 
 class KVCacheManager:

@@ -6,11 +6,11 @@ import itertools
 from collections.abc import Sequence
 from pathlib import Path
 
-from engine.config import CacheConfig, SchedulerConfig
-from engine.engine import EngineConfig, LLMEngine
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
+from pdserve.engine.config import CacheConfig, SchedulerConfig
+from pdserve.engine.engine import EngineConfig, LLMEngine
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.tokenizer import Tokenizer
 
 DEFAULT_MODEL = str(Path(__file__).resolve().parent.parent / "models" / "pdserve-tiny-code")
 

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import torch
 
-from engine.attention import AttentionMetadata, get_backend
-from engine.attention.base import kv_rows
-from engine.config import ModelConfig
-from engine.model.loader import load_model
-from engine.request import Request
+from pdserve.engine.attention import AttentionMetadata, get_backend
+from pdserve.engine.attention.base import kv_rows
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.model.loader import load_model
+from pdserve.engine.request import Request
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from engine.hashing import ROOT_HASH, BlockHash, hash_block
-from engine.sampling_params import SamplingParams
+from pdserve.engine.hashing import ROOT_HASH, BlockHash, hash_block
+from pdserve.engine.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.request import Request
+from pdserve.engine.request import Request
 
 _MASK = float("-inf")
 

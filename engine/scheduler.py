@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.config import SchedulerConfig
-from engine.kv_cache import KVCacheManager
-from engine.request import Request, RequestStatus
+from pdserve.engine.config import SchedulerConfig
+from pdserve.engine.kv_cache import KVCacheManager
+from pdserve.engine.request import Request, RequestStatus
 
 
 @dataclass

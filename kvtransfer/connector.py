@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING, Protocol
 import msgpack
 import torch
 
-from engine.hashing import hash_blocks  # the one block hash every worker agrees on
-from kvtransfer.wire import (
+from pdserve.engine.hashing import hash_blocks  # the one block hash every worker agrees on
+from pdserve.kvtransfer.wire import (
     AckHeader,
     Outgoing,
     PageLayout,
@@ -44,9 +44,9 @@ from kvtransfer.wire import (
 )
 
 if TYPE_CHECKING:  # the engine is driven through its public API, imported for types only
-    from engine.engine import ExportSlice, LLMEngine, Reservation
-    from engine.outputs import RequestOutput
-    from engine.sampling_params import SamplingParams
+    from pdserve.engine.engine import ExportSlice, LLMEngine, Reservation
+    from pdserve.engine.outputs import RequestOutput
+    from pdserve.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 

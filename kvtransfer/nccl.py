@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from kvtransfer.wire import (
+from pdserve.kvtransfer.wire import (
     AckHeader,
     Header,
     HelloHeader,
@@ -52,7 +52,7 @@ from kvtransfer.wire import (
     encode,
     fill_frames,
 )
-from kvtransfer.zmq import ZmqConfig, ZmqReceiver, ZmqSender, SocketFrames
+from pdserve.kvtransfer.zmq import ZmqConfig, ZmqReceiver, ZmqSender, SocketFrames
 
 log = logging.getLogger(__name__)
 STORE_PREFIX = "pdserve-kv"

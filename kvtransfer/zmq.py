@@ -35,7 +35,7 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
-from kvtransfer.wire import (
+from pdserve.kvtransfer.wire import (
     AbortHeader,
     AckHeader,
     FinalHeader,

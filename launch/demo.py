@@ -13,13 +13,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from engine.llm import DEFAULT_MODEL
-from proto.pdserve.v1 import pdserve_pb2 as pb
-from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
-from launch.local import ClusterSpec, LaunchConfig, LocalCluster
-from services.router.client import Client, collect
-from services.router.config import RouterConfig
-from services.worker.config import WorkerConfig
+from pdserve.engine.llm import DEFAULT_MODEL
+from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
+from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from pdserve.launch.local import ClusterSpec, LaunchConfig, LocalCluster
+from pdserve.services.router.client import Client, collect
+from pdserve.services.router.config import RouterConfig
+from pdserve.services.worker.config import WorkerConfig
 
 REQUESTS = [
     ("import os\n\n\ndef ", {}),

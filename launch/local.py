@@ -5,7 +5,7 @@
     ...
     cluster.stop()                      # SIGTERM, then SIGKILL after a grace period
 
-Each child's command line names its role (`python -m pdserve_cli decode --router
+Each child's command line names its role (`python -m pdserve decode --router
 ... --worker-id decode-0 ...`) and carries every setting as an explicit flag. Unless
 the worker template names a KV connector (`--kv-connector`; '' for none), prefill and
 decode workers get the ZeroMQ tcp one (KV pages travel from prefill to decode
@@ -32,12 +32,12 @@ from typing import IO
 
 import grpc
 
-from proto.pdserve.v1 import pdserve_pb2 as pb
-from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
-from services.common.flags import check, flag, to_argv
-from services.common.server import LAUNCHER_PID_ENV
-from services.router.config import RouterConfig
-from services.worker.config import DEFAULT_KV_CONNECTOR, WorkerConfig
+from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
+from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from pdserve.services.common.flags import check, flag, to_argv
+from pdserve.services.common.server import LAUNCHER_PID_ENV
+from pdserve.services.router.config import RouterConfig
+from pdserve.services.worker.config import DEFAULT_KV_CONNECTOR, WorkerConfig
 
 log = logging.getLogger(__name__)
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -181,7 +181,7 @@ class LocalCluster:
         return worker_id
 
     def _spawn(self, name: str, args: list[str]) -> None:
-        command = [self.python, "-m", "pdserve_cli", *args]
+        command = [self.python, "-m", "pdserve", *args]
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
         env[LAUNCHER_PID_ENV] = str(os.getpid())
@@ -207,8 +207,8 @@ class LocalCluster:
 
 def up(spec: ClusterSpec) -> int:
     """`pdserve up`: start, print `ready <address>`, serve until SIGINT/SIGTERM."""
-    from services.common import log as service_log
-    from services.common.server import shutdown_event
+    from pdserve.services.common import log as service_log
+    from pdserve.services.common.server import shutdown_event
 
     service_log.configure(spec.router.log_level, "launcher")
     stop = shutdown_event()

@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_check_triton: --device cpu needs TRITON_INTERPRET=1 in the environment.", file=sys.stderr)
         return 2
 
-    from engine.attention.triton_kernels import paged_decode_attention, paged_prefill_attention
+    from pdserve.engine.attention.triton_kernels import paged_decode_attention, paged_prefill_attention
 
     torch.backends.cuda.matmul.allow_tf32 = False
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu (Triton interpreter)"

@@ -15,9 +15,9 @@ from typing import TypeVar
 
 import grpc
 
-from proto.pdserve.v1 import pdserve_pb2 as pb
-from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
-from services.router.client import Client
+from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
+from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from pdserve.services.router.client import Client
 
 REPO = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
@@ -35,7 +35,7 @@ class UpProcess:
     def __init__(self, args: list[str], log_path: Path, timeout: float = 240.0) -> None:
         self.log = open(log_path, "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pdserve_cli", "up", "--port", "0", *args],
+            [sys.executable, "-m", "pdserve", "up", "--port", "0", *args],
             cwd=REPO, env=child_env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=self.log, text=True,
         )
         self.lines: queue.Queue[str] = queue.Queue()

@@ -1,4 +1,4 @@
-"""Smoke test of the offline benchmark: `python -m bench.offline --quick` end to end."""
+"""Smoke test of the offline benchmark: `python -m pdserve.bench.offline --quick` end to end."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Smoke test of the online serving benchmark: `python -m bench.serving --quick` end to
+"""Smoke test of the online serving benchmark: `python -m pdserve.bench.serving --quick` end to
 end (it starts and stops its own small local cluster)."""
 
 from __future__ import annotations

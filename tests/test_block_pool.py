@@ -6,11 +6,11 @@ import random
 
 import pytest
 
-from engine.block_pool import BlockPool
-from engine.hashing import hash_blocks
-from engine.kv_cache import KVCacheManager
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from pdserve.engine.block_pool import BlockPool
+from pdserve.engine.hashing import hash_blocks
+from pdserve.engine.kv_cache import KVCacheManager
+from pdserve.engine.request import Request
+from pdserve.engine.sampling_params import SamplingParams
 
 BS = 4
 

@@ -24,8 +24,8 @@ import torch
 from cluster_helpers import (
     REPO, Stream, UpProcess, all_blocks_free, child_env, list_workers, pid_alive, stats, wait_for,
 )
-from engine import LLM, SamplingParams
-from services.router.client import Client, collect
+from pdserve.engine import LLM, SamplingParams
+from pdserve.services.router.client import Client, collect
 
 PROMPTS = [
     "import os\n\n\ndef ",
@@ -191,8 +191,8 @@ def test_bad_input_is_invalid_argument_naming_the_field(client, case, kwargs, fi
 
 
 def test_missing_prompt(single):
-    from proto.pdserve.v1 import pdserve_pb2 as pb
-    from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+    from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
+    from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 
     with grpc.insecure_channel(single.address) as channel:
         with pytest.raises(grpc.RpcError) as info:
@@ -256,7 +256,7 @@ def test_generate_cli_streams_json(single):
     import json
 
     run = subprocess.run(
-        [sys.executable, "-m", "pdserve_cli", "generate", "--addr", single.address, "--max-tokens", "5",
+        [sys.executable, "-m", "pdserve", "generate", "--addr", single.address, "--max-tokens", "5",
          "--n", "2", "--json", "def f(x):"],
         cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=120,
     )
@@ -266,7 +266,7 @@ def test_generate_cli_streams_json(single):
     finals = [r for r in records if r["finish_reason"]]
     assert len(finals) == 2 and all(r["usage"]["completion_tokens"] == 5 for r in finals)
     bad = subprocess.run(
-        [sys.executable, "-m", "pdserve_cli", "generate", "--addr", single.address, "--max-tokens", "0", "x"],
+        [sys.executable, "-m", "pdserve", "generate", "--addr", single.address, "--max-tokens", "0", "x"],
         cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=120,
     )
     assert bad.returncode == 1 and "INVALID_ARGUMENT: max_tokens:" in bad.stderr
@@ -328,7 +328,7 @@ def test_killed_worker_fails_its_stream_and_retries_the_queued(pair, llm):
 def test_a_worker_joins_while_serving(pair, tmp_path):
     log = open(tmp_path / "late.log", "wb")
     late = subprocess.Popen(
-        [sys.executable, "-m", "pdserve_cli", "decode", "--router", pair.address, "--worker-id", "late-0",
+        [sys.executable, "-m", "pdserve", "decode", "--router", pair.address, "--worker-id", "late-0",
          "--num-blocks", "256", "--max-num-seqs", "1"],
         cwd=REPO, env=child_env(), stdout=log, stderr=log,
     )

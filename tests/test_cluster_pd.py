@@ -27,13 +27,13 @@ import pytest
 import torch
 
 from cluster_helpers import Stream, UpProcess, all_blocks_free, list_workers, stats, wait_for
-from engine import LLM, SamplingParams
-from proto.pdserve.v1 import pdserve_pb2 as pb
-from services.router.client import Client, collect
-from services.router.config import RouterConfig
-from services.router.main import Router
-from services.worker.config import WorkerConfig
-from services.worker.main import Worker
+from pdserve.engine import LLM, SamplingParams
+from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
+from pdserve.services.router.client import Client, collect
+from pdserve.services.router.config import RouterConfig
+from pdserve.services.router.main import Router
+from pdserve.services.worker.config import WorkerConfig
+from pdserve.services.worker.main import Worker
 
 MAX_N = 4
 THRESHOLD = 64  # the router's default --local-prefill-threshold
@@ -316,7 +316,7 @@ def test_pd2_survivors_serve_and_leave_every_block_free(pd2, client2, llm):
 def test_ipc_and_gloo_connectors(factory, llm):
     router = Router(RouterConfig(port=0, local_prefill_threshold=0))
     address = router.start()
-    spec = f"services.worker.kv_connectors:{factory}"
+    spec = f"pdserve.services.worker.kv_connectors:{factory}"
     started = []
     try:
         for role in ("decode", "prefill"):

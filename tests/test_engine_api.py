@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.engine import EngineConfig, LLMEngine
-from engine.config import CacheConfig
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.engine import EngineConfig, LLMEngine
+from pdserve.engine.config import CacheConfig
 from hf_models import build_model
 
 

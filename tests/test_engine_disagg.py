@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine import SamplingParams
-from engine.config import CacheConfig, SchedulerConfig
-from engine.engine import EngineConfig, LLMEngine, NoCapacityError
+from pdserve.engine import SamplingParams
+from pdserve.engine.config import CacheConfig, SchedulerConfig
+from pdserve.engine.engine import EngineConfig, LLMEngine, NoCapacityError
 from hf_models import build_model
 
 

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
 from hf_models import build_model, hf_greedy
 
 MAX_NEW = 24

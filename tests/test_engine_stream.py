@@ -8,10 +8,10 @@ from collections import defaultdict
 import pytest
 import torch
 
-from engine import SamplingParams
-from engine.config import CacheConfig, SchedulerConfig
-from engine.engine import EngineConfig, LLMEngine, TokenDelta
-from engine.llm import DEFAULT_MODEL
+from pdserve.engine import SamplingParams
+from pdserve.engine.config import CacheConfig, SchedulerConfig
+from pdserve.engine.engine import EngineConfig, LLMEngine, TokenDelta
+from pdserve.engine.llm import DEFAULT_MODEL
 
 
 @pytest.fixture(autouse=True, scope="module")

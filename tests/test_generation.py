@@ -8,9 +8,9 @@ import random
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.config import CacheConfig
-from engine.engine import EngineConfig, LLMEngine
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.config import CacheConfig
+from pdserve.engine.engine import EngineConfig, LLMEngine
 from hf_models import build_model
 
 VOCAB = 64

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from engine.hashing import ROOT_HASH, hash_block, hash_blocks
+from pdserve.engine.hashing import ROOT_HASH, hash_block, hash_blocks
 
 
 def test_only_full_blocks_are_hashed():

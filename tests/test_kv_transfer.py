@@ -25,15 +25,15 @@ import torch
 import zmq
 import zmq.auth
 
-from engine import SamplingParams
-from engine.config import CacheConfig, SchedulerConfig
-from engine.engine import EngineConfig, LLMEngine
-from engine.hashing import hash_blocks
+from pdserve.engine import SamplingParams
+from pdserve.engine.config import CacheConfig, SchedulerConfig
+from pdserve.engine.engine import EngineConfig, LLMEngine
+from pdserve.engine.hashing import hash_blocks
 from hf_models import build_model
-from kvtransfer.connector import DecodeConnector, PrefillConfig, PrefillConnector, TransferTarget, page_runs
-from kvtransfer.nccl import TorchDistReceiver, TorchDistSender
-from kvtransfer.wire import VERSION, PagesHeader, PageLayout, encode, prompt_digest
-from kvtransfer.zmq import CurveConfig, ZmqConfig, ZmqReceiver, ZmqSender
+from pdserve.kvtransfer.connector import DecodeConnector, PrefillConfig, PrefillConnector, TransferTarget, page_runs
+from pdserve.kvtransfer.nccl import TorchDistReceiver, TorchDistSender
+from pdserve.kvtransfer.wire import VERSION, PagesHeader, PageLayout, encode, prompt_digest
+from pdserve.kvtransfer.zmq import CurveConfig, ZmqConfig, ZmqReceiver, ZmqSender
 
 SPAWN = mp.get_context("spawn")
 WAIT_S = 60.0  # upper bound on any single wait; tests finish far sooner
@@ -597,7 +597,7 @@ def test_decoder_deadline_and_cancel_free_blocks_and_tell_the_sender(tiny_model)
 
 
 def test_the_transport_module_does_not_shadow_pyzmq():
-    import kvtransfer.zmq as transport
+    import pdserve.kvtransfer.zmq as transport
 
     assert transport.zmq is zmq and Path(zmq.__file__).parent.name == "zmq"
     assert Path(transport.__file__).parent.name == "kvtransfer" and hasattr(zmq, "Context")

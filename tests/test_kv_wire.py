@@ -12,7 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvtransfer.wire import (
+from pdserve.kvtransfer.wire import (
     VERSION,
     AbortHeader,
     AckHeader,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from proto import generate as gen
+from pdserve.proto import generate as gen
 
 
 def test_committed_stubs_are_fresh(tmp_path: Path):
@@ -19,7 +19,7 @@ def test_committed_stubs_are_fresh(tmp_path: Path):
 
 
 def test_stubs_import_from_the_repository_root():
-    from proto.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
+    from pdserve.proto.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
 
     assert pdserve_pb2.DESCRIPTOR.package == "pdserve.v1"
     assert {s for s in pdserve_pb2.DESCRIPTOR.services_by_name} == {"Generation", "Worker", "Registry"}

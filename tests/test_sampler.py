@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from engine.request import Request
-from engine.sampler import Sampler, apply_min_p, apply_penalties, apply_top_k_top_p, mask_early_stop
-from engine.sampling_params import SamplingParams
+from pdserve.engine.request import Request
+from pdserve.engine.sampler import Sampler, apply_min_p, apply_penalties, apply_top_k_top_p, mask_early_stop
+from pdserve.engine.sampling_params import SamplingParams
 
 NEG = float("-inf")
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from engine.block_pool import BlockPool
-from engine.config import SchedulerConfig
-from engine.kv_cache import KVCacheManager
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from pdserve.engine.block_pool import BlockPool
+from pdserve.engine.config import SchedulerConfig
+from pdserve.engine.kv_cache import KVCacheManager
+from pdserve.engine.request import Request
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Scheduler
 
 BS = 4
 

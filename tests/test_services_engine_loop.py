@@ -8,12 +8,12 @@ import time
 import pytest
 import torch
 
-from engine import SamplingParams
-from engine.config import CacheConfig
-from engine.engine import EngineConfig, LLMEngine, NoCapacityError
-from engine.llm import DEFAULT_MODEL
-from services.worker.engine_loop import EngineLoop
-from services.worker.events import FailedEvent, Failure, FinishedEvent, RequestStream, TokenEvent
+from pdserve.engine import SamplingParams
+from pdserve.engine.config import CacheConfig
+from pdserve.engine.engine import EngineConfig, LLMEngine, NoCapacityError
+from pdserve.engine.llm import DEFAULT_MODEL
+from pdserve.services.worker.engine_loop import EngineLoop
+from pdserve.services.worker.events import FailedEvent, Failure, FinishedEvent, RequestStream, TokenEvent
 
 NUM_BLOCKS = 48
 PROMPT = list(range(3, 40))

@@ -14,15 +14,15 @@ import pytest
 import torch
 
 from cluster_helpers import all_blocks_free, stats, wait_for
-from engine import LLM, SamplingParams
-from engine.engine import Reservation
-from services.router.client import Client, collect
-from services.router.config import RouterConfig
-from services.router.main import Router
-from services.worker.config import WorkerConfig
-from services.worker.engine_loop import EngineLoop
-from services.worker.kv_seam import Connector, TransferTarget
-from services.worker.main import Worker
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.engine import Reservation
+from pdserve.services.router.client import Client, collect
+from pdserve.services.router.config import RouterConfig
+from pdserve.services.router.main import Router
+from pdserve.services.worker.config import WorkerConfig
+from pdserve.services.worker.engine_loop import EngineLoop
+from pdserve.services.worker.kv_seam import Connector, TransferTarget
+from pdserve.services.worker.main import Worker
 
 PROMPTS = ["import os\n\n\ndef " * 6, "class Stack:\n    def __init__(self):\n        " * 3, "for i in range("]
 # Fresh long prompts: one the decode worker has already received is cached there,

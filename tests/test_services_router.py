@@ -8,19 +8,19 @@ from dataclasses import dataclass
 
 import pytest
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.hashing import hash_blocks
-from engine.llm import DEFAULT_MODEL
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
-from proto.pdserve.v1 import pdserve_pb2 as pb
-from services.common import flags
-from services.common.convert import params_from_options
-from services.router import policy
-from services.router.client import options_from_kwargs
-from services.router.config import RouterConfig
-from services.router.responses import ResponseBuilder
-from services.router.validate import Limits, Validator
+from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.hashing import hash_blocks
+from pdserve.engine.llm import DEFAULT_MODEL
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
+from pdserve.services.common import flags
+from pdserve.services.common.convert import params_from_options
+from pdserve.services.router import policy
+from pdserve.services.router.client import options_from_kwargs
+from pdserve.services.router.config import RouterConfig
+from pdserve.services.router.responses import ResponseBuilder
+from pdserve.services.router.validate import Limits, Validator
 
 LIMITS = Limits("tiny", vocab_size=4096, max_model_len=128, max_n=4, block_size=16)
 
@@ -233,8 +233,8 @@ def test_a_router_without_workers_answers_unavailable_and_lists_its_model():
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from services.router.client import Client
-    from services.router.main import Router
+    from pdserve.services.router.client import Client
+    from pdserve.services.router.main import Router
 
     router = Router(RouterConfig(port=0))
     address = router.start()

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from cluster_helpers import wait_for
-from engine.hashing import hash_blocks
-from proto.pdserve.v1 import pdserve_pb2 as pb
-from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
-from services.worker.config import WorkerConfig
-from services.worker.main import Worker
+from pdserve.engine.hashing import hash_blocks
+from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
+from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from pdserve.services.worker.config import WorkerConfig
+from pdserve.services.worker.main import Worker
 
 PROMPT = list(range(3, 40))
 OPTIONS = pb.SamplingOptions(max_tokens=4, temperature=0.0)

@@ -25,7 +25,7 @@ import pytest  # noqa: E402
 
 triton = pytest.importorskip("triton")
 
-from engine.attention import triton_kernels as tk  # noqa: E402
+from pdserve.engine.attention import triton_kernels as tk  # noqa: E402
 
 if not _HAS_CUDA:
     from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
@@ -33,7 +33,7 @@ if not _HAS_CUDA:
     if not isinstance(tk._paged_decode_kernel, InterpretedFunction):
         pytest.skip(
             "no CUDA and the Triton kernels were compiled without the interpreter: "
-            "engine.attention.triton_kernels was imported before TRITON_INTERPRET=1 was set "
+            "pdserve.engine.attention.triton_kernels was imported before TRITON_INTERPRET=1 was set "
             "(or TRITON_INTERPRET is set to a false value); run with TRITON_INTERPRET=1",
             allow_module_level=True,
         )

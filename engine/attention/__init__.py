@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.attention.base import AttentionBackend, AttentionMetadata
+from pdserve.engine.attention.base import AttentionBackend, AttentionMetadata
 
 BACKENDS = ("torch", "triton")
 
@@ -12,11 +12,11 @@ def get_backend(name: str, device: str | None = None) -> AttentionBackend:
     if name == "auto":
         name = "triton" if device is not None and device.startswith("cuda") else "torch"
     if name == "torch":
-        from engine.attention.torch_ref import TorchAttention
+        from pdserve.engine.attention.torch_ref import TorchAttention
 
         return TorchAttention()
     if name == "triton":
-        from engine.attention.triton_backend import TritonAttention
+        from pdserve.engine.attention.triton_backend import TritonAttention
 
         return TritonAttention()
     raise ValueError(f"attention_backend: unknown {name!r}; choose one of {BACKENDS} or 'auto'")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.attention.base import AttentionBackend, AttentionMetadata, write_kv
+from pdserve.engine.attention.base import AttentionBackend, AttentionMetadata, write_kv
 
 
 class TorchAttention(AttentionBackend):

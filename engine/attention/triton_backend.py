@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from engine.attention.base import AttentionBackend, AttentionMetadata, write_kv
+from pdserve.engine.attention.base import AttentionBackend, AttentionMetadata, write_kv
 
 
 class TritonAttention(AttentionBackend):
     name = "triton"
 
     def forward(self, q, k, v, kv, meta: AttentionMetadata, scale: float, sliding_window: int | None):
-        from engine.attention import triton_kernels as kernels
+        from pdserve.engine.attention import triton_kernels as kernels
 
         write_kv(k, v, kv, meta)
         k_cache, v_cache = kv[:, 0], kv[:, 1]

@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention.base import AttentionBackend, AttentionMetadata
-from engine.config import ModelConfig
-from engine.model.rope import RotaryEmbedding, apply_rotary
+from pdserve.engine.attention.base import AttentionBackend, AttentionMetadata
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.model.rope import RotaryEmbedding, apply_rotary
 
 
 class RMSNorm(nn.Module):

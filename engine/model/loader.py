@@ -9,9 +9,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.config import ModelConfig
-from engine.model.llama import LlamaForCausalLM
-from engine.model.rope import RotaryEmbedding
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.model.llama import LlamaForCausalLM
+from pdserve.engine.model.rope import RotaryEmbedding
 
 # HF name suffix -> (our parameter suffix, index of the shard inside a fused weight)
 _FUSED = {

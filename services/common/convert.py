@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from engine.engine import TokenDelta
-from engine.sampling_params import SamplingParams
-from proto.pdserve.v1 import pdserve_pb2 as pb
+from pdserve.engine.engine import TokenDelta
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 
 _SCALARS = (
     "max_tokens", "min_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",

@@ -7,14 +7,14 @@ from collections.abc import Iterator
 
 import grpc
 
-from proto.pdserve.v1 import pdserve_pb2 as pb
-from services.common.convert import params_from_options
-from services.common.deadline import Deadline
-from services.common.errors import rpc_errors
-from services.decode.stream import DecodeStream
-from services.worker.config import WorkerConfig
-from services.worker.engine_loop import EngineLoop
-from services.worker.kv_seam import KVReceiver
+from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
+from pdserve.services.common.convert import params_from_options
+from pdserve.services.common.deadline import Deadline
+from pdserve.services.common.errors import rpc_errors
+from pdserve.services.decode.stream import DecodeStream
+from pdserve.services.worker.config import WorkerConfig
+from pdserve.services.worker.engine_loop import EngineLoop
+from pdserve.services.worker.kv_seam import KVReceiver
 
 log = logging.getLogger(__name__)
 CALL_TIMEOUT = 10.0  # longest wait for the engine thread to take a command

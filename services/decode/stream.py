@@ -13,12 +13,12 @@ from collections.abc import Iterator
 
 import grpc
 
-from engine.outputs import RequestOutput
-from proto.pdserve.v1 import pdserve_pb2 as pb
-from services.common.convert import delta_logprob, prompt_logprobs
-from services.common.deadline import Deadline
-from services.worker.engine_loop import EngineLoop
-from services.worker.events import FailedEvent, Failure, FinishedEvent, RequestStream, TokenEvent
+from pdserve.engine.outputs import RequestOutput
+from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
+from pdserve.services.common.convert import delta_logprob, prompt_logprobs
+from pdserve.services.common.deadline import Deadline
+from pdserve.services.worker.engine_loop import EngineLoop
+from pdserve.services.worker.events import FailedEvent, Failure, FinishedEvent, RequestStream, TokenEvent
 
 POLL = 0.5  # seconds between checks that the caller is still there
 

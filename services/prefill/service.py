@@ -19,18 +19,18 @@ from collections.abc import Callable
 
 import grpc
 
-from engine.engine import TokenDelta
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
-from proto.pdserve.v1 import pdserve_pb2 as pb
-from services.common.convert import delta_logprob, params_from_options
-from services.common.deadline import Deadline
-from services.common.errors import rpc_errors
-from services.decode.stream import POLL, failure_status
-from services.worker.config import WorkerConfig
-from services.worker.engine_loop import EngineLoop
-from services.worker.events import FailedEvent, FinishedEvent, RequestStream, TokenEvent
-from services.worker.kv_seam import KVSender, TransferTarget
+from pdserve.engine.engine import TokenDelta
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
+from pdserve.services.common.convert import delta_logprob, params_from_options
+from pdserve.services.common.deadline import Deadline
+from pdserve.services.common.errors import rpc_errors
+from pdserve.services.decode.stream import POLL, failure_status
+from pdserve.services.worker.config import WorkerConfig
+from pdserve.services.worker.engine_loop import EngineLoop
+from pdserve.services.worker.events import FailedEvent, FinishedEvent, RequestStream, TokenEvent
+from pdserve.services.worker.kv_seam import KVSender, TransferTarget
 
 CALL_TIMEOUT = 10.0
 

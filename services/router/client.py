@@ -15,8 +15,8 @@ from collections.abc import Sequence
 
 import grpc
 
-from proto.pdserve.v1 import pdserve_pb2 as pb
-from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
+from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 
 _OPTIONS = pb.SamplingOptions.DESCRIPTOR.fields_by_name
 

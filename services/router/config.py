@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.llm import DEFAULT_MODEL
-from services.common.flags import check, flag
+from pdserve.engine.llm import DEFAULT_MODEL
+from pdserve.services.common.flags import check, flag
 
 
 @dataclass(frozen=True)

@@ -28,12 +28,12 @@ from dataclasses import dataclass
 
 import grpc
 
-from proto.pdserve.v1 import pdserve_pb2 as pb
-from services.common.deadline import Deadline
-from services.router import policy
-from services.router.config import RouterConfig
-from services.router.registry import WorkerHandle, WorkerRegistry
-from services.router.validate import Job
+from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
+from pdserve.services.common.deadline import Deadline
+from pdserve.services.router import policy
+from pdserve.services.router.config import RouterConfig
+from pdserve.services.router.registry import WorkerHandle, WorkerRegistry
+from pdserve.services.router.validate import Job
 
 log = logging.getLogger(__name__)
 ABORT_TIMEOUT = 1.0

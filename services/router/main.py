@@ -8,17 +8,17 @@ from __future__ import annotations
 
 import logging
 
-from engine.config import ModelConfig
-from engine.tokenizer import Tokenizer, has_tokenizer
-from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
-from services.common import log as service_log
-from services.common.server import GrpcServer, announce, shutdown_event
-from services.router.config import RouterConfig
-from services.router.dispatch import Dispatcher
-from services.router.registry import WorkerRegistry
-from services.router.registry_service import RegistryServicer
-from services.router.service import GenerationServicer
-from services.router.validate import Limits
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.tokenizer import Tokenizer, has_tokenizer
+from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from pdserve.services.common import log as service_log
+from pdserve.services.common.server import GrpcServer, announce, shutdown_event
+from pdserve.services.router.config import RouterConfig
+from pdserve.services.router.dispatch import Dispatcher
+from pdserve.services.router.registry import WorkerRegistry
+from pdserve.services.router.registry_service import RegistryServicer
+from pdserve.services.router.service import GenerationServicer
+from pdserve.services.router.validate import Limits
 
 log = logging.getLogger(__name__)
 SPARE_THREADS = 16  # beyond Generate streams: registry, health, reflection, ListModels

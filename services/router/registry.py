@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from proto.pdserve.v1 import pdserve_pb2 as pb
-from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
-from services.common.convert import ROLE_NAMES
-from services.common.server import CHANNEL_OPTIONS
-from services.router import policy
-from services.router.config import RouterConfig
+from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
+from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from pdserve.services.common.convert import ROLE_NAMES
+from pdserve.services.common.server import CHANNEL_OPTIONS
+from pdserve.services.router import policy
+from pdserve.services.router.config import RouterConfig
 
 log = logging.getLogger(__name__)
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import grpc
 
-from proto.pdserve.v1 import pdserve_pb2 as pb
-from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
-from services.router.config import RouterConfig
-from services.router.registry import WorkerRegistry
+from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
+from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from pdserve.services.router.config import RouterConfig
+from pdserve.services.router.registry import WorkerRegistry
 
 
 class RegistryServicer(pb_grpc.RegistryServicer):

@@ -17,9 +17,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from engine.detokenizer import Decoder, IncrementalDetokenizer
-from proto.pdserve.v1 import pdserve_pb2 as pb
-from services.router.validate import Job
+from pdserve.engine.detokenizer import Decoder, IncrementalDetokenizer
+from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
+from pdserve.services.router.validate import Job
 
 
 @dataclass

@@ -9,15 +9,15 @@ from collections.abc import Iterator
 
 import grpc
 
-from engine.tokenizer import Tokenizer
-from proto.pdserve.v1 import pdserve_pb2 as pb
-from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
-from services.common.deadline import Deadline
-from services.common.errors import rpc_errors
-from services.router.config import RouterConfig
-from services.router.dispatch import ClientGone, Dispatcher, RouterError
-from services.router.responses import ResponseBuilder
-from services.router.validate import Limits, Validator
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
+from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from pdserve.services.common.deadline import Deadline
+from pdserve.services.common.errors import rpc_errors
+from pdserve.services.router.config import RouterConfig
+from pdserve.services.router.dispatch import ClientGone, Dispatcher, RouterError
+from pdserve.services.router.responses import ResponseBuilder
+from pdserve.services.router.validate import Limits, Validator
 
 log = logging.getLogger(__name__)
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
-from engine.hashing import hash_blocks
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
-from proto.pdserve.v1 import pdserve_pb2 as pb
-from services.common.convert import params_from_options
+from pdserve.engine.hashing import hash_blocks
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
+from pdserve.services.common.convert import params_from_options
 
 MAX_REQUEST_ID = 256
 

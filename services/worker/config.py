@@ -7,15 +7,15 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.config import CacheConfig, SchedulerConfig
-from engine.engine import EngineConfig
-from engine.llm import DEFAULT_MODEL
-from services.common.flags import check, flag
+from pdserve.engine.config import CacheConfig, SchedulerConfig
+from pdserve.engine.engine import EngineConfig
+from pdserve.engine.llm import DEFAULT_MODEL
+from pdserve.services.common.flags import check, flag
 
 ROLES = ("prefill", "decode", "mixed")
 # KV pages over ZeroMQ tcp (services/worker/kv_connectors.py): what `pdserve up` gives
 # prefill and decode workers unless --kv-connector says otherwise.
-DEFAULT_KV_CONNECTOR = "services.worker.kv_connectors:zmq_connector"
+DEFAULT_KV_CONNECTOR = "pdserve.services.worker.kv_connectors:zmq_connector"
 
 
 @dataclass(frozen=True)

@@ -25,10 +25,10 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TypeVar
 
-from engine.engine import LLMEngine, Reservation, TokenDelta
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
-from services.worker.events import Event, FailedEvent, Failure, FinishedEvent, RequestStream, TokenEvent
+from pdserve.engine.engine import LLMEngine, Reservation, TokenDelta
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.services.worker.events import Event, FailedEvent, Failure, FinishedEvent, RequestStream, TokenEvent
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -12,8 +12,8 @@ import enum
 import queue
 from dataclasses import dataclass
 
-from engine.engine import TokenDelta
-from engine.outputs import RequestOutput
+from pdserve.engine.engine import TokenDelta
+from pdserve.engine.outputs import RequestOutput
 
 
 @dataclass(frozen=True)

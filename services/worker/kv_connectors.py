@@ -1,9 +1,9 @@
 """KV connectors for workers: kvtransfer's connectors behind the seam (kv_seam.py).
 
-    --kv-connector services.worker.kv_connectors:zmq_connector      ZeroMQ, tcp (`pdserve up`'s default)
-    --kv-connector services.worker.kv_connectors:zmq_ipc_connector  ZeroMQ, ipc (workers on one host)
-    --kv-connector services.worker.kv_connectors:gloo_connector     torch.distributed, gloo (KV on CPU)
-    --kv-connector services.worker.kv_connectors:nccl_connector     torch.distributed, NCCL (KV on GPU)
+    --kv-connector pdserve.services.worker.kv_connectors:zmq_connector      ZeroMQ, tcp (`pdserve up`'s default)
+    --kv-connector pdserve.services.worker.kv_connectors:zmq_ipc_connector  ZeroMQ, ipc (workers on one host)
+    --kv-connector pdserve.services.worker.kv_connectors:gloo_connector     torch.distributed, gloo (KV on CPU)
+    --kv-connector pdserve.services.worker.kv_connectors:nccl_connector     torch.distributed, NCCL (KV on GPU)
 
 A prefill worker gets a sender, a decode worker a receiver, a mixed worker both.
 Settings from the environment (every worker of a cluster sees the same):
@@ -43,22 +43,22 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from engine.engine import Reservation
-from engine.sampling_params import SamplingParams
-from kvtransfer.connector import (
+from pdserve.engine.engine import Reservation
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kvtransfer.connector import (
     DecodeConfig,
     DecodeConnector,
     PrefillConfig,
     PrefillConnector,
     PrefillUpdate,
 )
-from kvtransfer.connector import TransferTarget as Plan
-from kvtransfer.nccl import TorchDistConfig, TorchDistReceiver, TorchDistSender
-from kvtransfer.wire import TransferError
-from kvtransfer.zmq import CurveConfig, ZmqConfig, ZmqReceiver, ZmqSender
-from services.worker.engine_loop import EngineLoop
-from services.worker.events import Failure
-from services.worker.kv_seam import TransferTarget
+from pdserve.kvtransfer.connector import TransferTarget as Plan
+from pdserve.kvtransfer.nccl import TorchDistConfig, TorchDistReceiver, TorchDistSender
+from pdserve.kvtransfer.wire import TransferError
+from pdserve.kvtransfer.zmq import CurveConfig, ZmqConfig, ZmqReceiver, ZmqSender
+from pdserve.services.worker.engine_loop import EngineLoop
+from pdserve.services.worker.events import Failure
+from pdserve.services.worker.kv_seam import TransferTarget
 
 CALL_TIMEOUT = 10.0  # longest wait for the engine thread to take a command
 HOST_ENV = "PDSERVE_KV_HOST"

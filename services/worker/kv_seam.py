@@ -51,9 +51,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from engine.engine import Reservation
-from engine.sampling_params import SamplingParams
-from services.worker.engine_loop import EngineLoop
+from pdserve.engine.engine import Reservation
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.services.worker.engine_loop import EngineLoop
 
 
 @dataclass(frozen=True)

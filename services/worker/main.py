@@ -13,19 +13,19 @@ import threading
 
 import torch
 
-from engine.engine import LLMEngine
-from proto.pdserve.v1 import pdserve_pb2 as pb
-from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
-from services.common import log as service_log
-from services.common.convert import ROLES
-from services.common.server import GrpcServer, announce, shutdown_event
-from services.decode.service import DecodeService
-from services.prefill.service import PrefillService
-from services.worker.config import WorkerConfig
-from services.worker.engine_loop import EngineLoop
-from services.worker.kv_seam import Connector, load_connector
-from services.worker.registration import Registrar
-from services.worker.servicer import WorkerServicer
+from pdserve.engine.engine import LLMEngine
+from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
+from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from pdserve.services.common import log as service_log
+from pdserve.services.common.convert import ROLES
+from pdserve.services.common.server import GrpcServer, announce, shutdown_event
+from pdserve.services.decode.service import DecodeService
+from pdserve.services.prefill.service import PrefillService
+from pdserve.services.worker.config import WorkerConfig
+from pdserve.services.worker.engine_loop import EngineLoop
+from pdserve.services.worker.kv_seam import Connector, load_connector
+from pdserve.services.worker.registration import Registrar
+from pdserve.services.worker.servicer import WorkerServicer
 
 log = logging.getLogger(__name__)
 

@@ -14,9 +14,9 @@ from collections.abc import Callable
 
 import grpc
 
-from proto.pdserve.v1 import pdserve_pb2 as pb
-from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
-from services.common.server import CHANNEL_OPTIONS
+from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
+from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from pdserve.services.common.server import CHANNEL_OPTIONS
 
 log = logging.getLogger(__name__)
 RPC_TIMEOUT = 5.0

@@ -14,14 +14,14 @@ from collections.abc import Callable, Iterator
 
 import grpc
 
-from proto.pdserve.v1 import pdserve_pb2 as pb
-from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
-from services.common.convert import ROLES
-from services.common.errors import abort_unimplemented
-from services.decode.service import DecodeService
-from services.prefill.service import PrefillService
-from services.worker.config import WorkerConfig
-from services.worker.engine_loop import EngineLoop
+from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
+from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from pdserve.services.common.convert import ROLES
+from pdserve.services.common.errors import abort_unimplemented
+from pdserve.services.decode.service import DecodeService
+from pdserve.services.prefill.service import PrefillService
+from pdserve.services.worker.config import WorkerConfig
+from pdserve.services.worker.engine_loop import EngineLoop
 
 STATS_TIMEOUT = 5.0
 

@@ -17,7 +17,7 @@ import sys
 
 
 def _offline(args: argparse.Namespace) -> int:
-    from engine import LLM, SamplingParams
+    from pdserve.engine import LLM, SamplingParams
 
     llm = LLM(model=args.model, dtype=args.dtype, device=args.device)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
@@ -28,26 +28,26 @@ def _offline(args: argparse.Namespace) -> int:
 
 
 def _router(args: argparse.Namespace) -> int:
-    from services.common.flags import from_namespace
-    from services.router.config import RouterConfig
-    from services.router.main import run
+    from pdserve.services.common.flags import from_namespace
+    from pdserve.services.router.config import RouterConfig
+    from pdserve.services.router.main import run
 
     return run(from_namespace(RouterConfig, args))
 
 
 def _worker(args: argparse.Namespace) -> int:
-    from services.common.flags import from_namespace
-    from services.worker.config import WorkerConfig
-    from services.worker.main import run
+    from pdserve.services.common.flags import from_namespace
+    from pdserve.services.worker.config import WorkerConfig
+    from pdserve.services.worker.main import run
 
     return run(from_namespace(WorkerConfig, args, role=args.command))
 
 
 def _up(args: argparse.Namespace) -> int:
-    from launch.local import ClusterSpec, LaunchConfig, up
-    from services.common.flags import from_namespace
-    from services.router.config import RouterConfig
-    from services.worker.config import WorkerConfig
+    from pdserve.launch.local import ClusterSpec, LaunchConfig, up
+    from pdserve.services.common.flags import from_namespace
+    from pdserve.services.router.config import RouterConfig
+    from pdserve.services.worker.config import WorkerConfig
 
     spec = ClusterSpec(
         router=from_namespace(RouterConfig, args),
@@ -61,7 +61,7 @@ def _generate(args: argparse.Namespace) -> int:
     import grpc
     from google.protobuf import json_format
 
-    from services.router.client import Client
+    from pdserve.services.router.client import Client
 
     sampling = {"max_tokens": args.max_tokens, "temperature": args.temperature, "n": args.n,
                 "beam_width": args.beam_width, "seed": args.seed}
@@ -90,11 +90,11 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from engine.llm import DEFAULT_MODEL
-    from launch.local import PER_WORKER, LaunchConfig
-    from services.common.flags import add_flags
-    from services.router.config import RouterConfig
-    from services.worker.config import WorkerConfig
+    from pdserve.engine.llm import DEFAULT_MODEL
+    from pdserve.launch.local import PER_WORKER, LaunchConfig
+    from pdserve.services.common.flags import add_flags
+    from pdserve.services.router.config import RouterConfig
+    from pdserve.services.worker.config import WorkerConfig
 
     parser = argparse.ArgumentParser(
         prog="pdserve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -1,0 +1,7 @@
+"""`python -m pdserve ...` is the `pdserve` command (what the launchers run as children)."""
+
+import sys
+
+from pdserve.cli import main
+
+sys.exit(main())
