@@ -13,7 +13,6 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-import sysconfig
 import zipfile
 from pathlib import Path
 
@@ -59,7 +58,8 @@ def test_installed_wheel_runs_in_a_fresh_venv(wheel: Path, tmp_path: Path) -> No
     py = venv / "bin" / "python"
     site = Path(_run(py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])").strip())
     # Third-party dependencies from this environment, as a plain path entry.
-    (site / "_pdserve_test_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    deps = [p for p in sys.path if p.rstrip("/").endswith("site-packages")]
+    (site / "_pdserve_test_deps.pth").write_text("".join(p + "\n" for p in deps))
     before = {p.name for p in site.iterdir()}
     _run(sys.executable, "-m", "pip", "--python", py, "install", "--no-deps", "--no-index", "-q", wheel)
     added = {p.name for p in site.iterdir()} - before
