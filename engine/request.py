@@ -6,7 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from pdserve.engine.hashing import ROOT_HASH, BlockHash, hash_block
+from pdserve.engine.hashing import ROOT_HASH, BlockHash, block_extra_keys, hash_block
 from pdserve.engine.sampling_params import SamplingParams
 
 
@@ -115,4 +115,5 @@ class Request:
         while (len(self.block_hashes) + 1) * bs <= len(self.token_ids):
             i = len(self.block_hashes)
             parent = self.block_hashes[-1] if self.block_hashes else ROOT_HASH
-            self.block_hashes.append(hash_block(parent, self.token_ids[i * bs : (i + 1) * bs]))
+            salt = block_extra_keys(i, self.sampling_params.cache_salt)
+            self.block_hashes.append(hash_block(parent, self.token_ids[i * bs : (i + 1) * bs], salt))

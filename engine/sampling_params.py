@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 EarlyStopping = bool | Literal["never"]
+MAX_CACHE_SALT = 512
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,9 @@ class SamplingParams:
     beam_width: int = 1  # > 1: beam search
     length_penalty: float = 1.0
     early_stopping: EarlyStopping = False
+    # Tenant isolation of the prefix cache (engine/hashing.py): requests with different
+    # salts never share cached blocks. Not a sampling setting, but per request.
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -59,6 +63,10 @@ class SamplingParams:
             _check(value is None or value >= 0, name, "must be >= 0", value)
         _check(all(s for s in self.stop), "stop", "must not contain empty strings", self.stop)
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be >= 0", self.stop_token_ids)
+        if self.cache_salt == "":
+            object.__setattr__(self, "cache_salt", None)
+        _check(self.cache_salt is None or (isinstance(self.cache_salt, str) and len(self.cache_salt) <= MAX_CACHE_SALT),
+               "cache_salt", f"must be a string of at most {MAX_CACHE_SALT} characters", self.cache_salt)
         _check(self.early_stopping in (True, False, "never"), "early_stopping", "must be true, false or 'never'", self.early_stopping)
 
     @property

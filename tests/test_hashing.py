@@ -32,3 +32,33 @@ def test_hash_is_identical_in_another_process():
         )
         env_seeds.append(out.stdout.strip())
     assert env_seeds[0] == env_seeds[1] == hash_blocks(list(range(100)), 16)[-1].hex()
+
+
+def test_a_cache_salt_changes_every_block_hash_and_the_engine_agrees():
+    from pdserve.engine.request import Request
+    from pdserve.engine.sampling_params import SamplingParams
+
+    tokens = list(range(40))
+    plain, a, b = (hash_blocks(tokens, 16, cache_salt=s) for s in (None, "tenant-a", "tenant-b"))
+    assert len(plain) == len(a) == len(b) == 2
+    assert not set(plain) & set(a) and not set(a) & set(b)  # the salt reaches every block through the chain
+    assert hash_blocks(tokens, 16, cache_salt="") == plain  # empty: no salt
+    assert a == hash_blocks(tokens, 16, cache_salt="tenant-a")  # and it is deterministic
+    # What the engine computes for a request is what the router and kvtransfer compute.
+    request = Request("r", tokens[:20], SamplingParams(cache_salt="tenant-a"), 16)
+    for t in tokens[20:]:
+        request.append_token(t)
+    assert request.block_hashes == a
+    assert Request("r", tokens, SamplingParams(), 16).block_hashes == plain
+
+
+def test_salts_are_checked():
+    import pytest
+
+    from pdserve.engine.sampling_params import SamplingParams
+
+    assert SamplingParams(cache_salt="").cache_salt is None
+    with pytest.raises(ValueError, match="^cache_salt:"):
+        SamplingParams(cache_salt="x" * 10_000)
+    with pytest.raises(ValueError, match="^cache_salt:"):
+        hash_blocks(list(range(32)), 16, parent=b"p" * 32, cache_salt="x")
