@@ -252,7 +252,7 @@ def time_ours(sender: ZmqSender, kv: torch.Tensor, held: HeldPrompt, target: Tra
     layout = PageLayout.of(kv)
     digest = prompt_digest(held.prompt)
     start = time.perf_counter()
-    out = sender.open(target.request_id, target.endpoint, target.server_key)
+    out = sender.open(target.request_id, target.endpoint, target.server_key, secret=target.secret)
     for layer in range(layout.num_layers):
         runs = page_runs(kv, layer, target.skip_blocks, target.num_blocks, held.block_ids, target.block_ids)
         sender.send_pages(out, layer, runs, layout)

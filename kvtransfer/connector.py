@@ -40,6 +40,8 @@ from pdserve.kvtransfer.wire import (
     PageLayout,
     TransferError,
     TransferEvent,
+    check_secret,
+    new_secret,
     prompt_digest,
 )
 
@@ -64,6 +66,11 @@ class TransferTarget:
     checks against its own); only blocks from there on cross the wire. `block_ids`
     are the decode worker's reserved blocks, a hint that lets the sender make runs
     contiguous on both ends (the receiver never trusts them).
+
+    `secret` is the reservation's one-time secret (wire.py): whoever holds the target
+    can fill the reservation, so it travels only over the cluster's authenticated
+    channels, from the decode worker through the router to the one prefill worker the
+    router chose.
     """
 
     request_id: str
@@ -77,6 +84,7 @@ class TransferTarget:
     deadline_s: float  # how long the receiver waits, from reservation
     server_key: bytes | None = None  # the receiver's CURVE public key
     sample_first_token: bool = True  # False: the decode worker recomputes the last token
+    secret: bytes = b""  # proves the sender to the receiver; required (see validate)
 
     @property
     def num_blocks(self) -> int:
@@ -88,6 +96,7 @@ class TransferTarget:
             "layout": self.layout.to_wire(), "num_tokens": self.num_tokens, "skip": self.skip_blocks,
             "hashes": list(self.cached_block_hashes), "block_ids": list(self.block_ids),
             "deadline_s": self.deadline_s, "server_key": self.server_key, "sample_first": self.sample_first_token,
+            "secret": self.secret,
         }, use_bin_type=True)
 
     @classmethod
@@ -97,7 +106,7 @@ class TransferTarget:
             target = cls(
                 d["rid"], d["endpoint"], d["transport"], PageLayout.from_wire(d["layout"]), d["num_tokens"],
                 d["skip"], tuple(d["hashes"]), tuple(d["block_ids"]), float(d["deadline_s"]),
-                d["server_key"], d["sample_first"],
+                d["server_key"], d["sample_first"], d["secret"],
             )
         except Exception as exc:
             raise ValueError(f"transfer target: malformed ({exc})") from None
@@ -114,6 +123,7 @@ class TransferTarget:
             raise ValueError(f"skip_blocks: {self.skip_blocks} with {len(self.cached_block_hashes)} hashes for {self.num_blocks} blocks")
         if self.block_ids and len(self.block_ids) != self.num_blocks:
             raise ValueError(f"block_ids: {len(self.block_ids)} ids for {self.num_blocks} blocks")
+        check_secret(self.secret, "transfer target: secret")
 
 
 class Receiver(Protocol):
@@ -124,7 +134,7 @@ class Receiver(Protocol):
     transport: str
 
     def expect(self, request_id: str, block_ids: Sequence[int], skip: int, num_tokens: int,
-               digest: bytes, deadline: float) -> None: ...
+               digest: bytes, deadline: float, secret: bytes) -> None: ...
     def cancel(self, request_id: str, reason: str = ...) -> bool: ...
     def events(self) -> list[TransferEvent]: ...
 
@@ -134,7 +144,7 @@ class Sender(Protocol):
 
     transport: str
 
-    def open(self, request_id: str, endpoint: str, server_key: bytes | None = None) -> Outgoing: ...
+    def open(self, request_id: str, endpoint: str, server_key: bytes | None = None, *, secret: bytes) -> Outgoing: ...
     def send_pages(self, out: Outgoing, layer: int, runs: Sequence[tuple[int, torch.Tensor]], layout: PageLayout) -> int: ...
     def send_final(self, out: Outgoing, num_tokens: int, digest: bytes, first_tokens: Sequence[int]) -> None: ...
     def send_abort(self, out: Outgoing, reason: str) -> None: ...
@@ -255,7 +265,9 @@ class DecodeConnector:
         bs = self.layout.block_size
         skip = reservation.num_cached_tokens // bs
         now = self.clock()
-        self.receiver.expect(request_id, reservation.block_ids, skip, len(prompt), prompt_digest(prompt), now + timeout)
+        secret = new_secret()  # one per reservation: nothing from an earlier one proves it
+        self.receiver.expect(request_id, reservation.block_ids, skip, len(prompt), prompt_digest(prompt), now + timeout,
+                             secret)
         # n > 1, beams and logprobs need the decoder to sample the first token itself.
         sample_first = params.n == 1 and params.beam_width == 1 and params.logprobs is None
         if sample_first_token is not None:
@@ -267,8 +279,8 @@ class DecodeConnector:
         self.stats["cached_blocks"] += skip
         return TransferTarget(
             request_id, self.receiver.endpoint, self.receiver.transport, self.layout, len(prompt), skip,
-            tuple(hash_blocks(prompt, bs)[:skip]), tuple(reservation.block_ids), timeout,
-            self.receiver.server_key, sample_first,
+            tuple(hash_blocks(prompt, bs, cache_salt=params.cache_salt)[:skip]), tuple(reservation.block_ids), timeout,
+            self.receiver.server_key, sample_first, secret,
         )
 
     def cancel(self, request_id: str, reason: str = "cancelled") -> bool:
@@ -414,30 +426,32 @@ class PrefillConnector:
         Raises ValueError when the target does not fit this prompt or engine, and
         TransferError when the receiver cannot be reached.
         """
-        self.track(request_id, prompt_token_ids, target)
+        self.track(request_id, prompt_token_ids, target, params.cache_salt)
         try:
             self.engine.add_request(request_id, list(prompt_token_ids), params, export_kv=True)
         except Exception:
             self._exports.pop(request_id, None)
             raise
 
-    def track(self, request_id: str, prompt_token_ids: Sequence[int], target: TransferTarget) -> None:
+    def track(self, request_id: str, prompt_token_ids: Sequence[int], target: TransferTarget,
+              cache_salt: str | None = None) -> None:
         """Stream the KV of a request the caller adds to the engine itself, right after,
-        with `export_kv=True`; `step`/`on_outputs` (or `finish`) send its final message."""
+        with `export_kv=True` (and this `cache_salt`); `step`/`on_outputs` (or `finish`)
+        send its final message."""
         prompt = list(prompt_token_ids)
-        self._check_target(request_id, prompt, target)
-        out = self.sender.open(request_id, target.endpoint, target.server_key)
+        self._check_target(request_id, prompt, target, cache_salt)
+        out = self.sender.open(request_id, target.endpoint, target.server_key, secret=target.secret)
         self._exports[request_id] = self._new_export(target, out, prompt)
 
     def export_held(self, request_id: str, prompt_token_ids: Sequence[int], target: TransferTarget,
-                    first_tokens: Sequence[int] = ()) -> None:
+                    first_tokens: Sequence[int] = (), cache_salt: str | None = None) -> None:
         """Ship the KV of a finished, held request to a target in one go (every layer,
         then the final message); the blocks stay held until acked or the lease ends.
         On TransferError the receiver is told to give up and the blocks stay held."""
         prompt = list(prompt_token_ids)
-        self._check_target(request_id, prompt, target)
+        self._check_target(request_id, prompt, target, cache_salt)
         block_ids = self.engine.held_block_ids(request_id)
-        out = self.sender.open(request_id, target.endpoint, target.server_key)
+        out = self.sender.open(request_id, target.endpoint, target.server_key, secret=target.secret)
         export = self._new_export(target, out, prompt)
         try:
             for layer in range(self.layout.num_layers):
@@ -512,7 +526,7 @@ class PrefillConnector:
 
     # -- internals ---------------------------------------------------------------
 
-    def _check_target(self, request_id: str, prompt: list[int], target: TransferTarget) -> None:
+    def _check_target(self, request_id: str, prompt: list[int], target: TransferTarget, cache_salt: str | None) -> None:
         target.validate()
         if target.request_id != request_id:
             raise ValueError(f"target: for {target.request_id!r}, not {request_id!r}")
@@ -522,7 +536,7 @@ class PrefillConnector:
             raise ValueError(f"target.layout: receiver holds {target.layout}, this engine {self.layout}")
         if target.num_tokens != len(prompt):
             raise ValueError(f"target.num_tokens: {target.num_tokens} for a prompt of {len(prompt)}")
-        ours = hash_blocks(prompt, self.layout.block_size)[: target.skip_blocks]
+        ours = hash_blocks(prompt, self.layout.block_size, cache_salt=cache_salt)[: target.skip_blocks]
         if list(target.cached_block_hashes) != ours:
             raise ValueError("target.cached_block_hashes: do not match this prompt's blocks")
 

@@ -17,6 +17,14 @@ Every pair is its own process group made on demand (no global group, no
 time, and a broken pair is dropped and made again on the next transfer. Page tensors
 travel as uint8 views, so both ends agree on counts whatever the KV dtype.
 
+The rendezvous store listens only on the receiver's KV host (never on every
+interface), and with a cluster token (`TorchDistConfig.token`) both ends sign every
+value they put in it and refuse every value they read that the token did not sign
+(`SignedStore`): a stranger who reaches the store can stall a pairing, never steer
+one to an address of its choosing. (The store itself, torch's TCPStore, has no
+authentication of its own; gloo's and NCCL's data connections have none either, so
+across untrusted networks the ZeroMQ transport with CURVE is the one to use.)
+
 The receiver consumes exactly the runs a p2p header announces, even for a header it
 rejects (into scratch memory), so the per-pair tag sequence stays in step.
 """
@@ -24,7 +32,10 @@ rejects (into scratch memory), so the per-pair tag sequence stays in step.
 from __future__ import annotations
 
 import datetime
+import hashlib
+import hmac
 import logging
+import socket
 import threading
 import time
 import uuid
@@ -71,12 +82,17 @@ class TorchDistConfig:
     timeout_s: float = 30.0  # pairing, and each point-to-point operation
     max_discard_bytes: int = 1 << 30  # most a rejected header may make the receiver drain
     zmq: ZmqConfig = field(default_factory=ZmqConfig)
+    # The cluster token: every rendezvous value is signed with it (None: unsigned, for
+    # hand-started development only).
+    token: bytes | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in ("gloo", "nccl"):
             raise ValueError(f"backend: {self.backend!r} is not 'gloo' or 'nccl'")
         if self.timeout_s <= 0:
             raise ValueError("timeout_s: must be > 0")
+        if self.token is not None and not self.token:
+            raise ValueError("token: must not be empty")
 
     @property
     def timeout(self) -> datetime.timedelta:
@@ -89,19 +105,78 @@ def _tcp_host(endpoint: str) -> str | None:
     return urlsplit(endpoint).hostname
 
 
-def make_pair_group(config: TorchDistConfig, store: dist.Store, pair: str, rank: int, local_host: str) -> dist.ProcessGroup:
-    """A 2-rank process group of its own, rendezvous under `pair` in `store`."""
+class SignedStore(dist.Store):
+    """A store whose values carry HMAC-SHA256(token, key, value): `set` signs, `get`
+    refuses (RuntimeError) a value the token did not sign, or one signed for another
+    key. Keys name their pair, so a value cannot be replayed into another pairing.
+    Only what a process-group rendezvous uses is offered (set, get, wait, check)."""
+
+    def __init__(self, inner: dist.Store, token: bytes) -> None:
+        super().__init__()
+        self._inner = inner
+        self._token = token
+
+    def _tag(self, key: str, value: bytes) -> bytes:
+        return hmac.new(self._token, key.encode() + b"\0" + value, hashlib.sha256).digest()
+
+    def set(self, key: str, value: bytes) -> None:
+        value = bytes(value)
+        self._inner.set(key, self._tag(key, value) + value)
+
+    def get(self, key: str) -> bytes:
+        raw = bytes(self._inner.get(key))
+        tag, value = raw[:32], raw[32:]
+        if not hmac.compare_digest(tag, self._tag(key, value)):
+            raise RuntimeError(f"rendezvous: {key!r} is not signed with the cluster token")
+        return value
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
+        if timeout is None:
+            self._inner.wait(keys)
+        else:
+            self._inner.wait(keys, timeout)
+
+    def check(self, keys: list[str]) -> bool:
+        return self._inner.check(keys)
+
+    def set_timeout(self, timeout: datetime.timedelta) -> None:
+        self._inner.set_timeout(timeout)
+
+
+def listening_store(host: str, timeout: datetime.timedelta) -> dist.TCPStore:
+    """A rendezvous store (master) that listens on `host` alone, on a free port
+    (TCPStore by itself listens on every interface)."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.bind(address[:2])
+        sock.listen(64)
+        fd = sock.detach()  # the store owns it from here
+    except BaseException:
+        sock.close()
+        raise
+    return dist.TCPStore(host, 0, None, True, timeout=timeout, wait_for_workers=False, master_listen_fd=fd)
+
+
+def make_pair_group(
+    config: TorchDistConfig, store: dist.Store, pair: str, rank: int, local_host: str
+) -> tuple[dist.ProcessGroup, dist.Store]:
+    """A 2-rank process group of its own, rendezvous under `pair` in `store` (values
+    signed with the cluster token when there is one). Returns the group and the store
+    it was made with, which the caller keeps alive as long as the group."""
+    if config.token is not None:
+        store = SignedStore(store, config.token)
     prefixed = dist.PrefixStore(f"{STORE_PREFIX}/{pair}", store)
     if config.backend == "gloo":
         opts = dist.ProcessGroupGloo._Options()
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=local_host)]
         opts._timeout = config.timeout
-        return dist.ProcessGroupGloo(prefixed, rank, 2, opts)
+        return dist.ProcessGroupGloo(prefixed, rank, 2, opts), store
     if not dist.is_nccl_available():
         raise TransferError("backend: NCCL is not available in this torch build")
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = config.timeout
-    return dist.ProcessGroupNCCL(prefixed, rank, 2, opts)
+    return dist.ProcessGroupNCCL(prefixed, rank, 2, opts), store
 
 
 def _as_wire_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -115,13 +190,14 @@ class _Pair:
     def __init__(self, pair_id: str) -> None:
         self.pair_id = pair_id
         self.group: dist.ProcessGroup | None = None
+        self.store: dist.Store | None = None  # a Python store must outlive its group
         self.error: BaseException | None = None
         self.ready = threading.Event()
         self.tag = 0
 
     def build(self, make) -> None:
         try:
-            self.group = make()
+            self.group, self.store = make()
         except BaseException as exc:  # reported to whoever waits on the pair
             self.error = exc
         self.ready.set()
@@ -169,7 +245,7 @@ class TorchDistReceiver(ZmqReceiver):
         if host is None:
             raise ValueError("store_host: required when the control endpoint is not tcp://")
         self._store_host = host
-        self._store = dist.TCPStore(host, 0, None, True, timeout=self.dist_config.timeout, wait_for_workers=False)
+        self._store = listening_store(host, self.dist_config.timeout)
 
     def _on_stop(self) -> None:
         for pair in self._pairs.values():
@@ -271,8 +347,8 @@ class TorchDistSender(ZmqSender):
     def transport(self) -> str:
         return "torch"
 
-    def open(self, request_id: str, endpoint: str, server_key: bytes | None = None) -> Outgoing:
-        out = super().open(request_id, endpoint, server_key)
+    def open(self, request_id: str, endpoint: str, server_key: bytes | None = None, *, secret: bytes) -> Outgoing:
+        out = super().open(request_id, endpoint, server_key, secret=secret)
         if endpoint not in self._pairs:
             self._pairs[endpoint] = self._handshake(out)
         return out

@@ -1,4 +1,4 @@
-"""The KV-transfer wire format (version 1) and the receiver's rules for accepting it.
+"""The KV-transfer wire format (version 2) and the receiver's rules for accepting it.
 
 A message is a multipart ZeroMQ message:
 
@@ -23,41 +23,60 @@ receiver's cached prefix (`skip`) are refused.
 
 Headers (every key is required; unknown keys are ignored):
 
-    pages    v kind rid seq layer runs nbytes dtype page via
-    final    v kind rid seq num_tokens digest first
-    abort    v kind rid reason
+    pages    v kind rid seq layer runs nbytes dtype page via mac
+    final    v kind rid seq num_tokens digest first mac
+    abort    v kind rid reason mac
     ack      v kind rid ok reason
     hello    v kind pair                  (torch.distributed pairing, sender -> receiver)
     welcome  v kind pair host port rank   (receiver -> sender)
 
+Only the sender the router chose may fill a reservation. The decode worker draws a
+one-time secret for each reservation (`new_secret`); it travels in the transfer plan
+over the cluster's authenticated gRPC channels to that one prefill worker, and every
+pages, final and abort message carries `mac` = HMAC-SHA256(secret, its other fields)
+(`sign`). A message whose mac does not prove the secret fails the reservation (its
+blocks are freed; nothing it carried is kept), unless the reservation is already
+bound to another sender, whose transfer it then leaves alone. A fresh secret per
+reservation means a secret, or a message, from an earlier reservation proves nothing.
+The mac covers the header, and so every page's position and length; page bytes are
+protected in transit by CURVE (kvtransfer/zmq.py), which the launchers always turn on.
+
 `seq` numbers a request's pages and final messages 0, 1, 2, ... in sending order.
-The receiver accepts exactly the next number: a smaller one is a replay (rejected),
-a larger one means a message was lost, which fails the transfer; a final message is
-accepted only when every page of every layer from `skip` on has arrived intact.
+The receiver accepts exactly the next number: a smaller one is a replay and a larger
+one means a message was lost; either fails the transfer. A final message is accepted
+only when every page of every layer from `skip` on has arrived intact, and only then
+may the pages enter the decode worker's prefix cache (on commit).
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import hmac
+import os
 import struct
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Protocol, Union
 
 import msgpack
 import torch
 
-VERSION = 1
+VERSION = 2
 MAX_HEADER_BYTES = 1 << 16
 MAX_REQUEST_ID_CHARS = 256
 MAX_REASON_CHARS = 1024
 MAX_FIRST_TOKENS = 16
 MAX_INT = (1 << 63) - 1
 DIGEST_BYTES = 32
+MAC_BYTES = 32
+SECRET_BYTES = 32  # a reservation secret as drawn; at least MIN_SECRET_BYTES accepted
+MIN_SECRET_BYTES = 16
+_MAC_DOMAIN = b"pdserve/kv-message/v2"
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -163,6 +182,7 @@ class PagesHeader:
     dtype: str
     page: tuple[int, int, int]  # block_size, num_kv_heads, head_dim
     via: str = "frames"  # "frames": runs follow as frames; "p2p": as torch.distributed tensors
+    mac: bytes = b""  # see `sign`
     kind = "pages"
 
     @property
@@ -177,6 +197,7 @@ class FinalHeader:
     num_tokens: int
     digest: bytes
     first_tokens: tuple[int, ...]
+    mac: bytes = b""
     kind = "final"
 
 
@@ -184,6 +205,7 @@ class FinalHeader:
 class AbortHeader:
     request_id: str
     reason: str
+    mac: bytes = b""
     kind = "abort"
 
 
@@ -211,6 +233,44 @@ class WelcomeHeader:
 
 
 Header = Union[PagesHeader, FinalHeader, AbortHeader, AckHeader, HelloHeader, WelcomeHeader]
+Signed = Union[PagesHeader, FinalHeader, AbortHeader]
+
+
+# -- proof of the reservation secret ---------------------------------------------------
+
+
+def new_secret() -> bytes:
+    """A fresh one-time reservation secret."""
+    return os.urandom(SECRET_BYTES)
+
+
+def check_secret(secret: object, what: str = "secret") -> bytes:
+    if not isinstance(secret, bytes) or len(secret) < MIN_SECRET_BYTES:
+        raise ValueError(f"{what}: a reservation secret of at least {MIN_SECRET_BYTES} bytes is required")
+    return secret
+
+
+def _signed_fields(h: Signed) -> list[Any]:
+    if isinstance(h, PagesHeader):
+        return [h.request_id, h.seq, h.layer, [list(r) for r in h.runs], list(h.nbytes), h.dtype, list(h.page), h.via]
+    if isinstance(h, FinalHeader):
+        return [h.request_id, h.seq, h.num_tokens, h.digest, list(h.first_tokens)]
+    return [h.request_id, h.reason]
+
+
+def message_mac(secret: bytes, h: Signed) -> bytes:
+    """HMAC-SHA256 over a canonical encoding of every field of `h` but its mac."""
+    body = msgpack.packb([VERSION, h.kind, *_signed_fields(h)], use_bin_type=True)
+    return hmac.new(secret, _MAC_DOMAIN + body, hashlib.sha256).digest()
+
+
+def sign(h: Signed, secret: bytes) -> Signed:
+    """`h` carrying the proof that its sender holds the reservation's secret."""
+    return dataclasses.replace(h, mac=message_mac(secret, h))
+
+
+def proves(h: Signed, secret: bytes) -> bool:
+    return hmac.compare_digest(h.mac, message_mac(secret, h))
 
 
 def encode(h: Header) -> bytes:
@@ -218,13 +278,14 @@ def encode(h: Header) -> bytes:
     d: dict[str, Any] = {"v": VERSION, "kind": h.kind}
     if isinstance(h, PagesHeader):
         d.update(rid=h.request_id, seq=h.seq, layer=h.layer, runs=[list(r) for r in h.runs],
-                 nbytes=list(h.nbytes), dtype=h.dtype, page=list(h.page), via=h.via)
+                 nbytes=list(h.nbytes), dtype=h.dtype, page=list(h.page), via=h.via, mac=h.mac)
     elif isinstance(h, FinalHeader):
-        d.update(rid=h.request_id, seq=h.seq, num_tokens=h.num_tokens, digest=h.digest, first=list(h.first_tokens))
-    elif isinstance(h, (AbortHeader, AckHeader)):
-        d.update(rid=h.request_id, reason=h.reason)
-        if isinstance(h, AckHeader):
-            d["ok"] = h.ok
+        d.update(rid=h.request_id, seq=h.seq, num_tokens=h.num_tokens, digest=h.digest, first=list(h.first_tokens),
+                 mac=h.mac)
+    elif isinstance(h, AbortHeader):
+        d.update(rid=h.request_id, reason=h.reason, mac=h.mac)
+    elif isinstance(h, AckHeader):
+        d.update(rid=h.request_id, reason=h.reason, ok=h.ok)
     elif isinstance(h, HelloHeader):
         d["pair"] = h.pair
     elif isinstance(h, WelcomeHeader):
@@ -281,6 +342,13 @@ def _rid(d: dict) -> str:
     return _str(d, "rid", MAX_REQUEST_ID_CHARS, 1)
 
 
+def _mac(d: dict) -> bytes:
+    v = d.get("mac")
+    if not isinstance(v, bytes) or len(v) != MAC_BYTES:
+        raise WireError("bad_header", f"mac: must be {MAC_BYTES} bytes")
+    return v
+
+
 def _parse_pages(d: dict) -> PagesHeader:
     runs_raw = d.get("runs")
     if not isinstance(runs_raw, list) or not 1 <= len(runs_raw) <= 1 << 16:
@@ -301,7 +369,7 @@ def _parse_pages(d: dict) -> PagesHeader:
         raise WireError("bad_header", f"via: {via!r} is not 'frames' or 'p2p'")
     return PagesHeader(
         _rid(d), _int(d, "seq"), _int(d, "layer"), tuple(runs), nbytes,
-        _str(d, "dtype", 16), (page[0], page[1], page[2]), via,
+        _str(d, "dtype", 16), (page[0], page[1], page[2]), via, _mac(d),
     )
 
 
@@ -310,11 +378,11 @@ def _parse_final(d: dict) -> FinalHeader:
     if not isinstance(digest, bytes) or len(digest) != DIGEST_BYTES:
         raise WireError("bad_header", f"digest: must be {DIGEST_BYTES} bytes")
     first = _int_list(d, "first", MAX_FIRST_TOKENS, 0, (1 << 31) - 1)
-    return FinalHeader(_rid(d), _int(d, "seq"), _int(d, "num_tokens", 1), digest, first)
+    return FinalHeader(_rid(d), _int(d, "seq"), _int(d, "num_tokens", 1), digest, first, _mac(d))
 
 
 def _parse_abort(d: dict) -> AbortHeader:
-    return AbortHeader(_rid(d), _str(d, "reason", MAX_REASON_CHARS))
+    return AbortHeader(_rid(d), _str(d, "reason", MAX_REASON_CHARS), _mac(d))
 
 
 def _parse_ack(d: dict) -> AckHeader:
@@ -364,6 +432,7 @@ class _Expected:
     num_tokens: int
     digest: bytes
     deadline: float
+    secret: bytes  # every message of the transfer proves it (see `sign`)
     have: list[bytearray]
     missing: int
     peer: bytes | None = None
@@ -440,8 +509,10 @@ class Inbox:
     # -- engine side -------------------------------------------------------------
 
     def expect(self, request_id: str, block_ids: Sequence[int], skip: int, num_tokens: int,
-               digest: bytes, deadline: float) -> None:
-        """Register a reservation: pages of blocks [skip, len(block_ids)) will arrive."""
+               digest: bytes, deadline: float, secret: bytes) -> None:
+        """Register a reservation: pages of blocks [skip, len(block_ids)) will arrive, in
+        messages that prove `secret` (which only the chosen sender knows)."""
+        check_secret(secret)
         n = len(block_ids)
         num_blocks = self.kv.shape[1]
         if not 0 <= skip <= n or any(not 0 <= b < num_blocks for b in block_ids):
@@ -453,7 +524,9 @@ class Inbox:
                 raise ValueError(f"request_id: {request_id!r} is already expected")
             have = [bytearray(n) for _ in range(self.layout.num_layers)]
             missing = (n - skip) * self.layout.num_layers
-            self._table[request_id] = _Expected(request_id, tuple(block_ids), skip, num_tokens, digest, deadline, have, missing)
+            self._table[request_id] = _Expected(
+                request_id, tuple(block_ids), skip, num_tokens, digest, deadline, secret, have, missing,
+            )
 
     def cancel(self, request_id: str, reason: str = "cancelled") -> bool:
         """Fail a reservation. True when nothing writes its blocks any more, so the
@@ -551,7 +624,7 @@ class Inbox:
     def final(self, h: FinalHeader, peer: bytes) -> None:
         """The last message: complete the transfer (or fail it if pages are missing)."""
         with self.lock:
-            t = self._check_peer_and_seq(h.request_id, h.seq, peer)
+            t = self._check_seq(self._proven(h, peer), h.seq, peer)
             if t is None:
                 return
             t.peer = peer
@@ -567,40 +640,45 @@ class Inbox:
     def abort(self, h: AbortHeader, peer: bytes) -> None:
         """The sender gave up: fail the transfer now instead of at its deadline."""
         with self.lock:
-            t = self._table.get(h.request_id)
-            if t is None:
-                raise WireError("unknown_request", f"abort for {h.request_id!r}: no reservation")
-            if t.peer is not None and t.peer != peer:
-                raise WireError("wrong_peer", f"abort for {h.request_id!r} from another sender")
+            t = self._proven(h, peer)
             t.peer = peer
             self._fail(t, f"sender aborted: {h.reason}")
 
     # -- internals ---------------------------------------------------------------
 
-    def _check_peer_and_seq(self, request_id: str, seq: int, peer: bytes) -> _Expected | None:
-        """The transfer a message belongs to; None if a sequence gap just failed it."""
-        t = self._table.get(request_id)
+    def _proven(self, h: Signed, peer: bytes) -> _Expected:
+        """The transfer a message belongs to, once the message proves its secret.
+
+        A message from a sender other than the one a transfer is bound to is refused
+        and leaves the transfer alone. Otherwise a message that does not prove the
+        secret (a stranger, a wrong or stale secret) fails the transfer: its blocks
+        are freed and nothing received for it is ever committed or cached."""
+        t = self._table.get(h.request_id)
         if t is None:
-            raise WireError("unknown_request", f"no reservation for {request_id!r}")
+            raise WireError("unknown_request", f"no reservation for {h.request_id!r}")
         if t.peer is not None and t.peer != peer:
-            raise WireError("wrong_peer", f"{request_id!r} is bound to another sender")
-        if seq < t.next_seq:
-            raise WireError("bad_sequence", f"seq {seq} replays (expected {t.next_seq})")
-        if seq > t.next_seq:
-            t.peer = peer  # so the sender hears why
-            self._fail(t, f"messages lost: seq {seq}, expected {t.next_seq}")
-            return None
+            raise WireError("wrong_peer", f"{h.request_id!r} is bound to another sender")
+        if not proves(h, t.secret):
+            self._fail(t, f"{h.kind} message without the reservation's secret")
+            raise WireError("bad_mac", f"{h.kind} for {h.request_id!r} does not prove the reservation's secret")
         return t
+
+    def _check_seq(self, t: _Expected, seq: int, peer: bytes) -> _Expected | None:
+        """`t` if `seq` is the next number; None if a replay or a gap just failed it."""
+        if seq == t.next_seq:
+            return t
+        t.peer = peer  # so the sender hears why
+        what = "replayed" if seq < t.next_seq else "lost"
+        self._fail(t, f"messages {what}: seq {seq}, expected {t.next_seq}")
+        return None
 
     def _admit(self, h: PagesHeader, peer: bytes) -> _Expected:
         lay = self.layout
+        t = self._proven(h, peer)
         if h.dtype != lay.dtype or h.page != lay.wire_page:
             raise WireError("bad_layout", f"pages {h.dtype} {h.page}, receiver holds {lay.dtype} {lay.wire_page}")
         if h.layer >= lay.num_layers:
             raise WireError("out_of_range", f"layer {h.layer} >= {lay.num_layers}")
-        t = self._table.get(h.request_id)
-        if t is None:
-            raise WireError("unknown_request", f"no reservation for {h.request_id!r}")
         end = -1
         for (first, count), nbytes in zip(h.runs, h.nbytes):
             if first < t.skip or first + count > len(t.block_ids) or first < end:
@@ -608,10 +686,9 @@ class Inbox:
             if nbytes != count * lay.page_bytes:
                 raise WireError("bad_length", f"run of {count} pages declares {nbytes} bytes, expected {count * lay.page_bytes}")
             end = first + count
-        t2 = self._check_peer_and_seq(h.request_id, h.seq, peer)
-        if t2 is None:
-            raise WireError("bad_sequence", f"seq gap failed {h.request_id!r}")
-        return t2
+        if self._check_seq(t, h.seq, peer) is None:
+            raise WireError("bad_sequence", f"seq {h.seq} out of order failed {h.request_id!r}")
+        return t
 
     def _mark(self, t: _Expected, h: PagesHeader, value: int) -> None:
         row = t.have[h.layer]
@@ -688,10 +765,12 @@ def deliver(inbox: Inbox, peer: bytes, src: FrameSource, pages: PagesHandler | N
 
 @dataclass
 class Outgoing:
-    """Sender-side state of one transfer: where it goes and the next sequence number."""
+    """Sender-side state of one transfer: where it goes, the reservation's secret its
+    messages prove, and the next sequence number."""
 
     request_id: str
     endpoint: str
+    secret: bytes
     server_key: bytes | None = None
     seq: int = 0
     nbytes: int = 0

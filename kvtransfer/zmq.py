@@ -16,7 +16,10 @@ thread; the engine thread talks to it through the thread-safe `Inbox` and `event
 
 With `CurveConfig`, the receiver is a CURVE server that only admits the listed client
 public keys (a ZAP handler checks each handshake): an unauthenticated or unknown sender
-never gets a frame through, and every byte on the wire is encrypted.
+never gets a frame through, and every byte on the wire is encrypted and authenticated.
+Whatever the keys, every message of a transfer proves the reservation's one-time
+secret (wire.py), and sockets refuse frames longer than a page run can be
+(ZMQ_MAXMSGSIZE: the peer is disconnected), so no peer makes a receiver buffer more.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
 from pdserve.kvtransfer.wire import (
+    MAX_HEADER_BYTES,
     AbortHeader,
     AckHeader,
     FinalHeader,
@@ -49,9 +53,11 @@ from pdserve.kvtransfer.wire import (
     WireError,
     as_bytes_view,
     PagesHandler,
+    check_secret,
     decode,
     deliver,
     encode,
+    sign,
 )
 
 ZAP_DOMAIN = "pdserve-kv"
@@ -227,8 +233,14 @@ class ZmqReceiver:
         return "zmq"
 
     def expect(self, request_id: str, block_ids: Sequence[int], skip: int, num_tokens: int,
-               digest: bytes, deadline: float) -> None:
-        self.inbox.expect(request_id, block_ids, skip, num_tokens, digest, deadline)
+               digest: bytes, deadline: float, secret: bytes) -> None:
+        self.inbox.expect(request_id, block_ids, skip, num_tokens, digest, deadline, secret)
+
+    @property
+    def max_message_bytes(self) -> int:
+        """The longest frame a sender may send here: a header, or one frame of a run
+        (at most `max_frame_bytes`, or a single page when a page is longer)."""
+        return max(MAX_HEADER_BYTES, self.config.max_frame_bytes, self.layout.page_bytes)
 
     def cancel(self, request_id: str, reason: str = "cancelled") -> bool:
         """Stop expecting pages for a request. True: nothing writes its blocks any more;
@@ -280,6 +292,7 @@ class ZmqReceiver:
             sock.linger = 0
             sock.rcvhwm = self.config.recv_hwm
             sock.sndhwm = self.config.send_hwm
+            sock.maxmsgsize = self.max_message_bytes
             if self.config.curve is not None:
                 auth = ThreadAuthenticator(ctx)
                 auth.start()
@@ -423,8 +436,9 @@ class ZmqSender:
     def transport(self) -> str:
         return "zmq"
 
-    def open(self, request_id: str, endpoint: str, server_key: bytes | None = None) -> Outgoing:
-        out = Outgoing(request_id, endpoint, server_key)
+    def open(self, request_id: str, endpoint: str, server_key: bytes | None = None, *, secret: bytes) -> Outgoing:
+        """Start a transfer to `endpoint`; its messages prove the reservation's `secret`."""
+        out = Outgoing(request_id, endpoint, check_secret(secret), server_key)
         self._socket(out)
         return out
 
@@ -437,7 +451,7 @@ class ZmqSender:
         nbytes = [count * layout.page_bytes for _, count in spans]
         header = PagesHeader(out.request_id, out.seq, layer, tuple(spans), tuple(nbytes),
                              layout.dtype, layout.wire_page, self._via)
-        self._send_runs(out, header, payloads)
+        self._send_runs(out, sign(header, out.secret), payloads)
         out.seq += 1
         out.nbytes += sum(nbytes)
         self.counters["bytes"] += sum(nbytes)
@@ -463,13 +477,13 @@ class ZmqSender:
 
     def send_final(self, out: Outgoing, num_tokens: int, digest: bytes, first_tokens: Sequence[int]) -> None:
         header = FinalHeader(out.request_id, out.seq, num_tokens, digest, tuple(first_tokens))
-        self._send(out, [encode(header)])
+        self._send(out, [encode(sign(header, out.secret))])
         out.seq += 1
 
     def send_abort(self, out: Outgoing, reason: str) -> None:
         """Best effort: tell the receiver to give up now rather than at its deadline."""
         try:
-            self._send(out, [encode(AbortHeader(out.request_id, reason[:1000]))])
+            self._send(out, [encode(sign(AbortHeader(out.request_id, reason[:1000]), out.secret))])
         except TransferError:
             pass
 
@@ -499,13 +513,17 @@ class ZmqSender:
         sock = self._socks.get(out.endpoint)
         if sock is not None:
             return sock
+        curve = self.config.curve
+        if curve is None and out.server_key is not None:
+            raise ValueError(f"server_key: the receiver at {out.endpoint} requires CURVE and this sender has no keys")
         sock = self._ctx.socket(zmq.DEALER)
         sock.linger = 0
         sock.sndhwm = self.config.send_hwm
-        curve = self.config.curve
+        sock.maxmsgsize = MAX_HEADER_BYTES  # only acks (and welcomes) come back
         if curve is not None:
             server_key = out.server_key or curve.server_key
             if server_key is None:
+                sock.close(0)
                 raise ValueError(f"server_key: CURVE is on but no public key is known for {out.endpoint}")
             sock.curve_secretkey = curve.secret_key
             sock.curve_publickey = curve.public_key

@@ -32,7 +32,7 @@ from pdserve.engine.hashing import hash_blocks
 from hf_models import build_model
 from pdserve.kvtransfer.connector import DecodeConnector, PrefillConfig, PrefillConnector, TransferTarget, page_runs
 from pdserve.kvtransfer.nccl import TorchDistReceiver, TorchDistSender
-from pdserve.kvtransfer.wire import VERSION, PagesHeader, PageLayout, encode, prompt_digest
+from pdserve.kvtransfer.wire import VERSION, PagesHeader, PageLayout, encode, new_secret, prompt_digest, sign
 from pdserve.kvtransfer.zmq import CurveConfig, ZmqConfig, ZmqReceiver, ZmqSender
 
 SPAWN = mp.get_context("spawn")
@@ -397,9 +397,10 @@ def test_sender_dies_mid_transfer_reservation_fails_and_frees(decoder, model_dir
         prefill.close()
 
 
-def _raw_pages(rid: str, seq: int, runs, page_bytes: int, spec: ModelSpec, heads: int, dim: int, **fields) -> bytes:
+def _raw_pages(rid: str, seq: int, runs, page_bytes: int, spec: ModelSpec, heads: int, dim: int, secret: bytes,
+               **fields) -> bytes:
     header = PagesHeader(rid, seq, 0, tuple(runs), tuple(c * page_bytes for _, c in runs), spec.dtype, (spec.block_size, heads, dim))
-    return encode(PagesHeader(**{**header.__dict__, **fields}))
+    return encode(sign(PagesHeader(**{**header.__dict__, **fields}), secret))
 
 
 def test_malformed_frames_are_counted_and_the_decoder_keeps_serving(decoder, model_dirs, ipc_dir):
@@ -409,20 +410,23 @@ def test_malformed_frames_are_counted_and_the_decoder_keeps_serving(decoder, mod
     page, heads, dim = prefill.connector.layout.page_bytes, prefill.connector.layout.num_kv_heads, prefill.connector.layout.head_dim
     prompt = prompt_of(40, salt=11)  # 3 blocks
     target = TransferTarget.unpack(decoder.call("reserve", node, "victim", prompt, 3))
+    # A sender gone wrong: it holds the reservation's secret, so each of these gets
+    # as far as the check it breaks (strangers without the secret: test_security.py).
+    secret = target.secret
     ctx = zmq.Context()
     rogue = ctx.socket(zmq.DEALER)
     rogue.linger = 0
     rogue.connect(endpoint)
     ok_frame = b"\x01" * page
     junk = {
-        "bad_version": [msgpack.packb({"v": VERSION + 1, "kind": "pages"})],
+        "bad_version": [msgpack.packb({"v": VERSION - 1, "kind": "pages"})],
         "bad_header": [b"\x93\x01\x02"],
-        "unknown_request": [_raw_pages("nobody", 0, [(0, 1)], page, spec, heads, dim), ok_frame],
-        "out_of_range": [_raw_pages("victim", 0, [(2, 5)], page, spec, heads, dim), ok_frame * 5],
-        "truncated": [_raw_pages("victim", 0, [(0, 2)], page, spec, heads, dim), ok_frame],
-        "oversized": [_raw_pages("victim", 0, [(0, 1)], page, spec, heads, dim), ok_frame + b"\x00"],
-        "bad_layout": [_raw_pages("victim", 0, [(0, 1)], page, spec, heads, dim, dtype="bfloat16"), ok_frame],
-        "extra_frames": [_raw_pages("victim", 0, [(0, 1)], page, spec, heads, dim), ok_frame, ok_frame],
+        "unknown_request": [_raw_pages("nobody", 0, [(0, 1)], page, spec, heads, dim, secret), ok_frame],
+        "out_of_range": [_raw_pages("victim", 0, [(2, 5)], page, spec, heads, dim, secret), ok_frame * 5],
+        "truncated": [_raw_pages("victim", 0, [(0, 2)], page, spec, heads, dim, secret), ok_frame],
+        "oversized": [_raw_pages("victim", 0, [(0, 1)], page, spec, heads, dim, secret), ok_frame + b"\x00"],
+        "bad_layout": [_raw_pages("victim", 0, [(0, 1)], page, spec, heads, dim, secret, dtype="bfloat16"), ok_frame],
+        "extra_frames": [_raw_pages("victim", 0, [(0, 1)], page, spec, heads, dim, secret), ok_frame, ok_frame],
         "bad_kind": [msgpack.packb({"v": VERSION, "kind": "welcome", "pair": "x", "host": "h", "port": 1, "rank": 0})],
     }
     for frames in junk.values():
@@ -466,8 +470,8 @@ def _tiny_kv() -> torch.Tensor:
 
 
 def _send_whole(sender: ZmqSender, target_rid: str, endpoint: str, src: torch.Tensor, prompt: list[int],
-                server_key: bytes | None = None) -> None:
-    out = sender.open(target_rid, endpoint, server_key)
+                secret: bytes, server_key: bytes | None = None) -> None:
+    out = sender.open(target_rid, endpoint, server_key, secret=secret)
     layout = PageLayout.of(src)
     for layer in range(layout.num_layers):
         sender.send_pages(out, layer, [(0, src[layer, 0:2])], layout)
@@ -488,8 +492,9 @@ def test_curve_admits_only_authorized_senders(certs):
     try:
         deadline = time.monotonic() + 1.5
         for i, (who, sender) in enumerate(senders.items()):
-            receiver.expect(who, [2 * i, 2 * i + 1], 0, len(prompt), prompt_digest(prompt), deadline)
-            _send_whole(sender, who, endpoint, src, prompt)
+            secret = new_secret()
+            receiver.expect(who, [2 * i, 2 * i + 1], 0, len(prompt), prompt_digest(prompt), deadline, secret)
+            _send_whole(sender, who, endpoint, src, prompt, secret)
         events = {}
         while len(events) < 3 and time.monotonic() < deadline + WAIT_S:
             events.update({e.request_id: e for e in receiver.events()})
@@ -546,7 +551,7 @@ def test_prefill_lease_frees_blocks_when_the_receiver_never_acks(tiny_model):
     prefill = PrefillSide(model_dir, spec, "tcp", config=PrefillConfig(lease_s=0.5))
     prompt = prompt_of(40, salt=3)
     layout = PageLayout.of(prefill.engine.runner.kv_cache)
-    target = TransferTarget("lease", endpoint, "zmq", layout, len(prompt), 0, (), (), 5.0)
+    target = TransferTarget("lease", endpoint, "zmq", layout, len(prompt), 0, (), (), 5.0, secret=new_secret())
     try:
         prefill.connector.submit("lease", prompt, greedy(1), target)
         start = time.monotonic()
@@ -623,12 +628,14 @@ def test_transfer_target_round_trips_and_is_checked(tiny_model):
     layout = PageLayout.of(engine.runner.kv_cache)
     prompt = prompt_of(40, salt=4)
     target = TransferTarget("t", "tcp://127.0.0.1:1", "zmq", layout, 40, 2, tuple(hash_blocks(prompt, 16)[:2]),
-                            (9, 10, 11), 3.0, None, True)
+                            (9, 10, 11), 3.0, None, True, new_secret())
     assert TransferTarget.unpack(target.pack()) == target
+    with pytest.raises(ValueError, match="secret"):
+        TransferTarget(**{**target.__dict__, "secret": b""}).validate()
     with pytest.raises(ValueError, match="malformed"):
         TransferTarget.unpack(b"\x81\xa1x\x01")
     with pytest.raises(ValueError, match="skip_blocks"):
-        TransferTarget("t", "e", "zmq", layout, 40, 3, (b"x",) * 3, (), 1.0).validate()  # would skip the last block
+        TransferTarget("t", "e", "zmq", layout, 40, 3, (b"x",) * 3, (), 1.0, secret=new_secret()).validate()  # would skip the last block
     connector = PrefillConnector(engine, ZmqSender())
     try:
         with pytest.raises(ValueError, match="cached_block_hashes"):
