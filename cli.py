@@ -2,9 +2,10 @@
 
     pdserve offline PROMPT...            generate in this process with the engine alone
     pdserve up [--decode M] [--prefill N] [--mixed K] [--port P] [router/worker flags]
-                                         a local cluster; prints `ready <address>`
+                                         a local cluster; prints `ready <address> internal <registry>`
     pdserve router|prefill|decode|mixed [flags]   one service
-    pdserve generate [--addr A] PROMPT   stream a completion from a running router
+    pdserve generate [--addr A] [--api-key K] [--tls-ca CA] PROMPT
+                                         stream a completion from a running router
 
 Every flag also reads PDSERVE_<NAME> from the environment (e.g. PDSERVE_NUM_BLOCKS).
 """
@@ -13,7 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+
+API_KEY_ENV = "PDSERVE_API_KEY"  # `generate`: the key, kept off the command line
 
 
 def _offline(args: argparse.Namespace) -> int:
@@ -66,9 +70,11 @@ def _generate(args: argparse.Namespace) -> int:
     sampling = {"max_tokens": args.max_tokens, "temperature": args.temperature, "n": args.n,
                 "beam_width": args.beam_width, "seed": args.seed}
     texts: dict[int, str] = {}
+    api_key = args.api_key or os.environ.get(API_KEY_ENV)
     try:
-        with Client(args.addr, timeout=args.timeout) as client:
-            for message in client.generate(args.prompt, **sampling):
+        with Client(args.addr, timeout=args.timeout, api_key=api_key, tls_ca=args.tls_ca,
+                    tls_server_name=args.tls_server_name) as client:
+            for message in client.generate(args.prompt, cache_salt=args.cache_salt, **sampling):
                 if args.json:
                     record = json_format.MessageToDict(
                         message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True,
@@ -110,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--device", default="cpu")
     off.set_defaults(func=_offline)
 
-    up = sub.add_parser("up", help="start router + workers locally; prints `ready <address>`")
+    up = sub.add_parser("up", help="start router + workers locally; prints `ready <address> internal <registry>`")
     add_flags(up, LaunchConfig)
     taken = add_flags(up, RouterConfig, skip={"address_file"})  # shared names (model, block_size, ...) go to both
     add_flags(up, WorkerConfig, skip=taken | set(PER_WORKER))
@@ -134,6 +140,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds")
     gen.add_argument("--json", action="store_true", help="one JSON object per response message")
+    gen.add_argument("--api-key", default=None, help=f"API key of the router (or ${API_KEY_ENV}, which keeps it out "
+                                                     "of the process list)")
+    gen.add_argument("--tls-ca", default=None, help="CA certificate (PEM) of the router's TLS certificate: use TLS")
+    gen.add_argument("--tls-server-name", default=None, help="name the router's certificate carries (default: the host)")
+    gen.add_argument("--cache-salt", default="", help="prefix-cache salt: requests with another salt share no "
+                                                      "cached blocks with this one")
     gen.set_defaults(func=_generate)
     return parser
 

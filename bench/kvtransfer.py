@@ -10,10 +10,11 @@ thread each):
    temporary directory (removed at the end). Its KV is large for its compute
    (multi-head attention: as many KV heads as query heads), so transfer time is not
    negligible next to prefill time even on a CPU.
-2. A decode process (spawned) runs an engine with three receivers on its KV cache:
-   ZeroMQ over tcp://127.0.0.1, ZeroMQ over ipc://, and torch.distributed (gloo);
-   plus two raw ZeroMQ ROUTER sockets (tcp and ipc) that receive without copying and
-   do nothing else. Control messages (reserve, endpoints) go over a pipe; every KV
+2. A decode process (spawned) runs an engine with four receivers on its KV cache:
+   ZeroMQ over tcp://127.0.0.1, the same with CURVE (encrypted and authenticated, as
+   the launchers always run it; keys made for this run), ZeroMQ over ipc://, and
+   torch.distributed (gloo); plus two raw ZeroMQ ROUTER sockets (tcp and ipc) that
+   receive without copying and do nothing else. Control messages (reserve, endpoints) go over a pipe; every KV
    byte goes over the transport being measured.
 3. The prefill side (this process) prefills one prompt and keeps its blocks. Then,
    interleaved, each repetition sends the same pages:
@@ -35,8 +36,8 @@ thread each):
    Prefill compute time with and without streaming is printed too (the cost of
    streaming on shared cores shows there).
 
-The last line is machine-readable: `ratio_vs_raw_zmq=X`, our ZeroMQ tcp GB/s over raw
-ZeroMQ tcp GB/s.
+The last line is machine-readable: `ratio_vs_raw_zmq=X curve_vs_plain=Y`: our ZeroMQ
+tcp GB/s over raw ZeroMQ tcp GB/s, and ours with CURVE over ours without.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ from pdserve.engine.engine import EngineConfig, LLMEngine
 from pdserve.kvtransfer.connector import DecodeConnector, PrefillConnector, TransferTarget, page_runs
 from pdserve.kvtransfer.nccl import TorchDistReceiver, TorchDistSender
 from pdserve.kvtransfer.wire import PageLayout, prompt_digest
-from pdserve.kvtransfer.zmq import ZmqConfig, ZmqReceiver, ZmqSender
+from pdserve.kvtransfer.zmq import CurveConfig, ZmqConfig, ZmqReceiver, ZmqSender
 
 SPAWN = mp.get_context("spawn")
 FIRST_REGULAR_TOKEN = 3
@@ -145,12 +146,13 @@ def _raw_sink(sock: zmq.Socket, stop: threading.Event) -> None:
             sock.send_multipart([parts[0].bytes, b"ack"])
 
 
-def decode_process(conn, model_dir: str, cfg: BenchConfig, ipc_dir: str) -> None:
+def decode_process(conn, model_dir: str, cfg: BenchConfig, ipc_dir: str, curve: CurveConfig) -> None:
     torch.set_num_threads(1)
     engine = LLMEngine(engine_config(Path(model_dir), cfg, 2 * cfg.num_blocks + 8))
     kv = engine.runner.kv_cache
     receivers = {
         "zmq_tcp": ZmqReceiver(kv, "tcp://127.0.0.1:0"),
+        "zmq_curve": ZmqReceiver(kv, "tcp://127.0.0.1:0", ZmqConfig(curve=curve)),
         "zmq_ipc": ZmqReceiver(kv, f"ipc://{ipc_dir}/kv.sock"),
         "gloo": TorchDistReceiver(kv, "tcp://127.0.0.1:0"),
     }
@@ -187,9 +189,9 @@ def decode_process(conn, model_dir: str, cfg: BenchConfig, ipc_dir: str) -> None
 
 
 class DecodePeer:
-    def __init__(self, model_dir: Path, cfg: BenchConfig, ipc_dir: str) -> None:
+    def __init__(self, model_dir: Path, cfg: BenchConfig, ipc_dir: str, curve: CurveConfig) -> None:
         self.conn, child = SPAWN.Pipe()
-        self.proc = SPAWN.Process(target=decode_process, args=(child, str(model_dir), cfg, ipc_dir), daemon=True)
+        self.proc = SPAWN.Process(target=decode_process, args=(child, str(model_dir), cfg, ipc_dir, curve), daemon=True)
         self.proc.start()
         if not self.conn.poll(WAIT_S):
             raise RuntimeError("decode process did not start")
@@ -346,7 +348,9 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = print) -> str:
     ctx = zmq.Context()
     try:
         save_random_model(cfg, tmp / "model")
-        decode = DecodePeer(tmp / "model", cfg, str(tmp))
+        (server_public, server_secret), (client_public, client_secret) = zmq.curve_keypair(), zmq.curve_keypair()
+        server = CurveConfig(server_public, server_secret, authorized_keys=frozenset({client_public}))
+        decode = DecodePeer(tmp / "model", cfg, str(tmp), server)
         torch.set_num_threads(1)  # one core each side: the decode process has the other
         engine = LLMEngine(engine_config(tmp / "model", cfg, 4 * cfg.num_blocks + 8))
         kv = engine.runner.kv_cache
@@ -360,7 +364,8 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = print) -> str:
             f"{held.nbytes / cfg.num_layers / runs / 2**20:.2f} MiB (raw: a frame per run; ours: frames of at most "
             f"{ZmqConfig().max_frame_bytes / 2**20:g} MiB); {cfg.reps} repetitions, medians")
 
-        senders = {"zmq_tcp": ZmqSender(), "zmq_ipc": ZmqSender(), "gloo": TorchDistSender()}
+        senders = {"zmq_tcp": ZmqSender(), "zmq_ipc": ZmqSender(), "gloo": TorchDistSender(),
+                   "zmq_curve": ZmqSender(ZmqConfig(curve=CurveConfig(client_public, client_secret)))}
         raw_socks = {}
         for name in ("raw_tcp", "raw_ipc"):
             sock = ctx.socket(zmq.DEALER)
@@ -368,7 +373,8 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = print) -> str:
             sock.connect(decode.endpoints[name])
             raw_socks[name] = sock
         header_bytes = 160  # about our pages header
-        times: dict[str, list[float]] = {name: [] for name in ("raw_tcp", "zmq_tcp", "raw_ipc", "zmq_ipc", "gloo")}
+        times: dict[str, list[float]] = {
+            name: [] for name in ("raw_tcp", "zmq_tcp", "zmq_curve", "raw_ipc", "zmq_ipc", "gloo")}
         counter = 0
         for rep in range(cfg.reps + 1):  # repetition 0 warms up (connections, gloo pairing)
             for name in times:
@@ -384,6 +390,7 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = print) -> str:
         notes = {
             "raw_tcp": "ceiling: same bytes, a frame per run, raw DEALER->ROUTER, no parsing, no copy on receive",
             "zmq_tcp": "ours: header checks, recv_into the reserved blocks, ack",
+            "zmq_curve": "ours with CURVE: every byte encrypted and authenticated (the launchers' setting)",
             "raw_ipc": "same as raw_tcp over ipc://",
             "zmq_ipc": "ours over ipc://",
             "gloo": "ours: headers over ZeroMQ, pages by torch.distributed gloo send/recv",
@@ -394,8 +401,10 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = print) -> str:
         # Raw and ours run back to back in each repetition: the ratio per repetition
         # cancels load that drifts over the run (other processes on the machine).
         paired = median([r / o for r, o in zip(times["raw_tcp"], times["zmq_tcp"])])
+        curve = median([p / c for p, c in zip(times["zmq_tcp"], times["zmq_curve"])])
         log(f"  zmq_tcp / raw_tcp: {rates['zmq_tcp'] / rates['raw_tcp']:.3f} (medians), {paired:.3f} (median of "
-            f"per-repetition ratios); zmq_ipc / raw_ipc: {rates['zmq_ipc'] / rates['raw_ipc']:.3f}")
+            f"per-repetition ratios); zmq_ipc / raw_ipc: {rates['zmq_ipc'] / rates['raw_ipc']:.3f}; "
+            f"zmq_curve / zmq_tcp: {curve:.3f} (median of per-repetition ratios)")
 
         connector = PrefillConnector(engine, senders["zmq_tcp"])
         plain, stream, serial = [], [], []
@@ -416,7 +425,7 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = print) -> str:
             f"-> overlap {overlap:.1f} %")
         engine.release("held")
         engine.check_integrity()
-        return f"ratio_vs_raw_zmq={rates['zmq_tcp'] / rates['raw_tcp']:.3f}"
+        return f"ratio_vs_raw_zmq={rates['zmq_tcp'] / rates['raw_tcp']:.3f} curve_vs_plain={curve:.3f}"
     finally:
         for sender in senders.values():
             sender.close()

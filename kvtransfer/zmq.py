@@ -61,6 +61,9 @@ from pdserve.kvtransfer.wire import (
 )
 
 ZAP_DOMAIN = "pdserve-kv"
+# What ZeroMQ's MAXMSGSIZE sees of a frame beyond its payload: CURVE wraps each frame
+# in a MESSAGE command (name, nonce, MAC: a few dozen bytes); this is ample for that.
+FRAME_OVERHEAD = 4096
 log = logging.getLogger(__name__)
 
 
@@ -238,9 +241,10 @@ class ZmqReceiver:
 
     @property
     def max_message_bytes(self) -> int:
-        """The longest frame a sender may send here: a header, or one frame of a run
-        (at most `max_frame_bytes`, or a single page when a page is longer)."""
-        return max(MAX_HEADER_BYTES, self.config.max_frame_bytes, self.layout.page_bytes)
+        """The longest frame a sender may send here (its MAXMSGSIZE): a header, or one
+        frame of a run (at most `max_frame_bytes`, or a single page when a page is
+        longer), with the transport's own framing on top."""
+        return max(MAX_HEADER_BYTES, self.config.max_frame_bytes, self.layout.page_bytes) + FRAME_OVERHEAD
 
     def cancel(self, request_id: str, reason: str = "cancelled") -> bool:
         """Stop expecting pages for a request. True: nothing writes its blocks any more;
@@ -519,7 +523,7 @@ class ZmqSender:
         sock = self._ctx.socket(zmq.DEALER)
         sock.linger = 0
         sock.sndhwm = self.config.send_hwm
-        sock.maxmsgsize = MAX_HEADER_BYTES  # only acks (and welcomes) come back
+        sock.maxmsgsize = MAX_HEADER_BYTES + FRAME_OVERHEAD  # only acks (and welcomes) come back
         if curve is not None:
             server_key = out.server_key or curve.server_key
             if server_key is None:

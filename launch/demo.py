@@ -11,8 +11,6 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import grpc
-
 from pdserve.engine.llm import DEFAULT_MODEL
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
@@ -62,7 +60,7 @@ def main() -> None:
                 print(prompt + seq.text)
         print("=" * 60)
         for worker in cluster.live_workers():
-            with grpc.insecure_channel(worker.address) as channel:
+            with cluster.channel(worker.address) as channel:  # internal: the launch's credentials
                 stats = pb_grpc.WorkerStub(channel).Stats(pb.StatsRequest(), timeout=10)
             kv = (f"{stats.kv_transfer_bytes / 1024:.0f} KiB of KV in {stats.kv_transfers} transfers "
                   f"({stats.kv_transfer_failures} failed)")

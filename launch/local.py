@@ -10,10 +10,17 @@ Each child's command line names its role (`python -m pdserve decode --router
 the worker template names a KV connector (`--kv-connector`; '' for none), prefill and
 decode workers get the ZeroMQ tcp one (KV pages travel from prefill to decode
 workers) and mixed workers none (they prefill what they decode themselves). The
-router binds the port asked for (0: any) and writes its address to a file the
-launcher waits for; workers bind any free port and register with the router.
-Children watch their parent ($PDSERVE_LAUNCHER_PID) and shut down when the
-launcher is gone, so even a launcher killed with SIGKILL leaves no orphans.
+router binds the port asked for (0: any) and its internal Registry port, and writes
+both addresses to a file the launcher waits for; workers bind any free port and
+register with the router's internal address.
+
+Every launch has fresh credentials (launch/credentials.py): a cluster token every
+internal RPC carries and CURVE key pairs for the KV channel, in a private directory
+(the launcher's own temporary one, or --secrets-dir), passed to each child as the
+flags of its `ClusterCredentials` block, with the router's public security flags
+(API keys, TLS) as given. Children watch their parent ($PDSERVE_LAUNCHER_PID) and
+shut down when the launcher is gone, so even a launcher killed with SIGKILL leaves
+no orphans.
 """
 
 from __future__ import annotations
@@ -32,8 +39,10 @@ from typing import IO
 
 import grpc
 
+from pdserve.launch.credentials import LaunchCredentials, generate
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from pdserve.services.common.credentials import ClusterAuth
 from pdserve.services.common.flags import check, flag, to_argv
 from pdserve.services.common.server import LAUNCHER_PID_ENV
 from pdserve.services.router.config import RouterConfig
@@ -52,6 +61,8 @@ class LaunchConfig:
     decode: int = flag(1, "decode workers")
     mixed: int = flag(0, "mixed (prefill + decode) workers")
     startup_timeout: float = flag(180.0, "seconds for every process to be up and registered")
+    secrets_dir: str | None = flag(None, "keep this launch's fresh credentials (cluster token, CURVE keys) here, "
+                                         "mode 0700 (default: a private temporary directory, removed at exit)")
 
     def __post_init__(self) -> None:
         for role in ("prefill", "decode", "mixed"):
@@ -77,8 +88,12 @@ class LocalCluster:
         self.python = python
         self.log_dir = Path(log_dir) if log_dir else None
         self.processes: dict[str, subprocess.Popen] = {}  # "router" and worker ids
-        self.address = ""
+        self.address = ""  # the router's public address
+        self.internal_address = ""  # its Registry, where workers register
         self._tmp = tempfile.TemporaryDirectory(prefix="pdserve-")
+        secrets_dir = spec.launch.secrets_dir or Path(self._tmp.name) / "credentials"
+        self.credentials: LaunchCredentials = generate(secrets_dir, spec.router.credentials)
+        self._auth = ClusterAuth(self.credentials.for_client())
         self._logs: list[IO] = []
         self._next_index: dict[str, int] = {}
 
@@ -137,8 +152,13 @@ class LocalCluster:
         """Children that have exited, with their exit codes."""
         return {name: p.returncode for name, p in self.processes.items() if p.poll() is not None}
 
+    def channel(self, address: str) -> grpc.Channel:
+        """A channel to one of the cluster's internal services (the Registry, a
+        worker), presenting this launch's credentials."""
+        return self._auth.channel(address)
+
     def live_workers(self, timeout: float = 5.0) -> list[pb.WorkerInfo]:
-        with grpc.insecure_channel(self.address) as channel:
+        with self.channel(self.internal_address) as channel:
             reply = pb_grpc.RegistryStub(channel).ListWorkers(pb.ListWorkersRequest(), timeout=timeout)
         return list(reply.workers)
 
@@ -153,6 +173,12 @@ class LocalCluster:
             if waiting:
                 time.sleep(POLL)
 
+    def reload_api_keys(self) -> None:
+        """Have the router read its --api-keys-file again (it reloads on SIGHUP)."""
+        router = self.processes.get("router")
+        if router is not None and router.poll() is None:
+            router.send_signal(signal.SIGHUP)
+
     def kv_connector(self, role: str) -> str:
         """The KV connector a worker of this role runs ('' for none)."""
         spec = self.spec.worker.kv_connector
@@ -164,19 +190,20 @@ class LocalCluster:
 
     def _start_router(self, deadline: float, stop: threading.Event | None) -> str:
         address_file = Path(self._tmp.name) / "router.address"
-        config = replace(self.spec.router, address_file=str(address_file))
+        config = replace(self.spec.router, address_file=str(address_file), credentials=self.credentials.for_router())
         self._spawn("router", ["router", *to_argv(config)])
         while not address_file.is_file():
             self._check_startup(deadline, stop, {"router"})
             time.sleep(POLL)
-        return address_file.read_text().strip()
+        public, self.internal_address = address_file.read_text().split()
+        return public
 
     def _spawn_worker(self, role: str) -> str:
         index = self._next_index.get(role, 0)
         self._next_index[role] = index + 1
         worker_id = f"{role}-{index}"
-        config = replace(self.spec.worker, role=role, port=0, router=self.address, worker_id=worker_id,
-                         kv_connector=self.kv_connector(role))
+        config = replace(self.spec.worker, role=role, port=0, router=self.internal_address, worker_id=worker_id,
+                         kv_connector=self.kv_connector(role), credentials=self.credentials.for_role(role))
         self._spawn(worker_id, [role, *to_argv(config, skip=("role",))])
         return worker_id
 
@@ -206,16 +233,18 @@ class LocalCluster:
 
 
 def up(spec: ClusterSpec) -> int:
-    """`pdserve up`: start, print `ready <address>`, serve until SIGINT/SIGTERM."""
+    """`pdserve up`: start, print `ready <address> internal <registry address>`, serve
+    until SIGINT/SIGTERM; SIGHUP reloads the router's API keys."""
     from pdserve.services.common import log as service_log
     from pdserve.services.common.server import shutdown_event
 
     service_log.configure(spec.router.log_level, "launcher")
     stop = shutdown_event()
     cluster = LocalCluster(spec)
+    signal.signal(signal.SIGHUP, lambda _signum, _frame: cluster.reload_api_keys())
     try:
         address = cluster.start(stop)
-        print(f"ready {address}", flush=True)
+        print(f"ready {address} internal {cluster.internal_address}", flush=True)
         reported: set[str] = set()
         while not stop.wait(0.5):
             dead = cluster.exited()

@@ -17,6 +17,7 @@ import grpc
 
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from pdserve.services.common.credentials import ClusterAuth, ClusterCredentials
 from pdserve.services.router.client import Client
 
 REPO = Path(__file__).resolve().parent.parent
@@ -30,12 +31,16 @@ def child_env() -> dict[str, str]:
 
 
 class UpProcess:
-    """`pdserve up ...` as a child process; `address` once it printed `ready <address>`."""
+    """`pdserve up ...` as a child process; `address` (public) and `internal` (the
+    Registry) once it printed `ready <address> internal <registry>`. It keeps the
+    launch's credentials in `secrets` (beside the log): `auth` presents them, as an
+    operator's tool would, to the cluster's internal services."""
 
     def __init__(self, args: list[str], log_path: Path, timeout: float = 240.0) -> None:
         self.log = open(log_path, "wb")
+        self.secrets = log_path.parent / "secrets"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pdserve", "up", "--port", "0", *args],
+            [sys.executable, "-m", "pdserve", "up", "--port", "0", "--secrets-dir", str(self.secrets), *args],
             cwd=REPO, env=child_env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=self.log, text=True,
         )
         self.lines: queue.Queue[str] = queue.Queue()
@@ -46,8 +51,18 @@ class UpProcess:
             self.stop()
             raise TimeoutError(f"pdserve up: not ready within {timeout}s; see {log_path}") from None
         assert line.startswith("ready "), f"pdserve up printed {line!r}; see {log_path}"
-        self.address = line.split()[1]
+        _, self.address, _, self.internal = line.split()
         self.stdout_lines = [line]
+        self.auth = ClusterAuth(ClusterCredentials(cluster_token_file=str(self.secrets / "cluster-token")))
+
+    def list_workers(self) -> list[pb.WorkerInfo]:
+        return list_workers(self.internal, self.auth)
+
+    def stats(self, worker: str) -> pb.StatsResponse:
+        return stats(worker, self.auth)
+
+    def all_blocks_free(self, worker: str) -> bool:
+        return all_blocks_free(worker, self.auth)
 
     def _read(self) -> None:
         for line in self.proc.stdout:
@@ -88,18 +103,19 @@ def wait_for(predicate: Callable[[], T], timeout: float, what: str, step: float 
         time.sleep(step)
 
 
-def list_workers(router: str) -> list[pb.WorkerInfo]:
-    with grpc.insecure_channel(router) as channel:
+def list_workers(registry: str, auth: ClusterAuth | None = None) -> list[pb.WorkerInfo]:
+    """The live workers, from the router's internal (Registry) address."""
+    with (auth or ClusterAuth()).channel(registry) as channel:
         return list(pb_grpc.RegistryStub(channel).ListWorkers(pb.ListWorkersRequest(), timeout=5).workers)
 
 
-def stats(address: str) -> pb.StatsResponse:
-    with grpc.insecure_channel(address) as channel:
+def stats(address: str, auth: ClusterAuth | None = None) -> pb.StatsResponse:
+    with (auth or ClusterAuth()).channel(address) as channel:
         return pb_grpc.WorkerStub(channel).Stats(pb.StatsRequest(), timeout=5)
 
 
-def all_blocks_free(address: str) -> bool:
-    s = stats(address)
+def all_blocks_free(address: str, auth: ClusterAuth | None = None) -> bool:
+    s = stats(address, auth)
     busy = s.num_running + s.num_waiting + s.num_held + s.num_reserved
     return s.num_free_blocks == s.num_blocks and busy == 0
 

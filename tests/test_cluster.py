@@ -21,9 +21,7 @@ import grpc
 import pytest
 import torch
 
-from cluster_helpers import (
-    REPO, Stream, UpProcess, all_blocks_free, child_env, list_workers, pid_alive, stats, wait_for,
-)
+from cluster_helpers import REPO, Stream, UpProcess, child_env, pid_alive, wait_for
 from pdserve.engine import LLM, SamplingParams
 from pdserve.services.router.client import Client, collect
 
@@ -62,8 +60,8 @@ def client(single):
         yield c
 
 
-def worker_address(router: str) -> str:
-    (worker,) = list_workers(router)
+def worker_address(up: UpProcess) -> str:
+    (worker,) = up.list_workers()
     return worker.address
 
 
@@ -150,9 +148,11 @@ def test_list_models_and_health(single, client):
 
     from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-    servers = ((single.address, "pdserve.v1.Generation"), (worker_address(single.address), "pdserve.v1.Worker"))
-    for address, service in servers:
-        with grpc.insecure_channel(address) as channel:
+    # The worker's services are internal: its health answers anyone, its reflection only the cluster.
+    servers = ((grpc.insecure_channel(single.address), "pdserve.v1.Generation"),
+               (single.auth.channel(worker_address(single)), "pdserve.v1.Worker"))
+    for channel, service in servers:
+        with channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
             published = ProtoReflectionDescriptorDatabase(channel).get_services()
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
@@ -204,23 +204,23 @@ def test_missing_prompt(single):
 
 
 def test_cancel_frees_the_blocks(single, client):
-    worker = worker_address(single.address)
+    worker = worker_address(single)
     call = client.generate(PROMPTS[0], max_tokens=900, temperature=0.0, ignore_eos=True)
     for _, _ in zip(range(3), call):
         pass
-    assert stats(worker).num_running == 1
+    assert single.stats(worker).num_running == 1
     call.cancel()
-    wait_for(lambda: all_blocks_free(worker), 10, "the cancelled request's blocks to be freed")
+    wait_for(lambda: single.all_blocks_free(worker), 10, "the cancelled request's blocks to be freed")
 
 
 def test_deadline_aborts_the_request(single, client):
-    worker = worker_address(single.address)
+    worker = worker_address(single)
     started = time.monotonic()
     with pytest.raises(grpc.RpcError) as info:
         list(client.generate(PROMPTS[1], max_tokens=900, temperature=0.0, ignore_eos=True, timeout=1.0))
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert time.monotonic() - started < 5
-    wait_for(lambda: all_blocks_free(worker), 10, "the expired request's blocks to be freed")
+    wait_for(lambda: single.all_blocks_free(worker), 10, "the expired request's blocks to be freed")
 
 
 # -- a client that knows only what reflection publishes ----------------------------------------
@@ -273,15 +273,15 @@ def test_generate_cli_streams_json(single):
 
 
 def test_single_worker_has_every_block_free_afterwards(single):
-    wait_for(lambda: all_blocks_free(worker_address(single.address)), 10, "every block to be free")
+    wait_for(lambda: single.all_blocks_free(worker_address(single)), 10, "every block to be free")
 
 
 def test_up_prints_one_line_and_leaves_no_process_behind(single):
     children = single.children()
-    worker_pids = [w.pid for w in list_workers(single.address)]
+    worker_pids = [w.pid for w in single.list_workers()]
     assert len(children) == 2 and set(worker_pids) <= set(children)
     assert single.stop() == 0
-    assert single.stdout_lines == [f"ready {single.address}"]
+    assert single.stdout_lines == [f"ready {single.address} internal {single.internal}"]
     assert not [pid for pid in children if pid_alive(pid)]
 
 
@@ -301,14 +301,14 @@ def pair(tmp_path_factory):
 def test_killed_worker_fails_its_stream_and_retries_the_queued(pair, llm):
     params = dict(max_tokens=400, temperature=0.0, ignore_eos=True)
     want = llm.generate([PROMPTS[5]], SamplingParams(**params))[0].outputs[0].token_ids
-    workers = list_workers(pair.address)
+    workers = pair.list_workers()
     assert len(workers) == 2
     with Client(pair.address, timeout=180) as client:
         streams = [Stream(client, PROMPTS[5], **params) for _ in range(4)]
         # Two run (one per worker), two wait behind them.
         wait_for(lambda: sum(bool(s.tokens) for s in streams) >= 2, 60, "both workers to stream")
         victim = workers[0]
-        assert stats(victim.address).num_running == 1
+        assert pair.stats(victim.address).num_running == 1
         killed_at = time.monotonic()
         subprocess.run(["kill", "-9", str(victim.pid)], check=True)
         for s in streams:
@@ -321,37 +321,37 @@ def test_killed_worker_fails_its_stream_and_retries_the_queued(pair, llm):
     for s in streams:
         if s.error is None:
             assert s.tokens == want  # including the one that was queued on the victim
-    wait_for(lambda: [w.worker_id for w in list_workers(pair.address)] == [workers[1].worker_id], 10,
+    wait_for(lambda: [w.worker_id for w in pair.list_workers()] == [workers[1].worker_id], 10,
              "the router to drop the killed worker")
 
 
 def test_a_worker_joins_while_serving(pair, tmp_path):
     log = open(tmp_path / "late.log", "wb")
     late = subprocess.Popen(
-        [sys.executable, "-m", "pdserve", "decode", "--router", pair.address, "--worker-id", "late-0",
-         "--num-blocks", "256", "--max-num-seqs", "1"],
+        [sys.executable, "-m", "pdserve", "decode", "--router", pair.internal, "--worker-id", "late-0",
+         "--num-blocks", "256", "--max-num-seqs", "1", "--cluster-token-file", str(pair.secrets / "cluster-token")],
         cwd=REPO, env=child_env(), stdout=log, stderr=log,
     )
     try:
-        wait_for(lambda: "late-0" in {w.worker_id for w in list_workers(pair.address)}, 120, "late-0 to register")
-        late_address = next(w.address for w in list_workers(pair.address) if w.worker_id == "late-0")
+        wait_for(lambda: "late-0" in {w.worker_id for w in pair.list_workers()}, 120, "late-0 to register")
+        late_address = next(w.address for w in pair.list_workers() if w.worker_id == "late-0")
         with Client(pair.address, timeout=120) as client:
             results = run_all(client, [PROMPTS[0]] * 2, max_tokens=30, temperature=0.0, ignore_eos=True)
         assert all(len(r[0].token_ids) == 30 for r in results)
-        assert stats(late_address).prefix_cache_queries > 0  # it got one of the two
-        assert all_blocks_free(late_address)
+        assert pair.stats(late_address).prefix_cache_queries > 0  # it got one of the two
+        assert pair.all_blocks_free(late_address)
     finally:
         late.send_signal(signal.SIGTERM)
         late.wait(30)
         log.close()
-    wait_for(lambda: "late-0" not in {w.worker_id for w in list_workers(pair.address)}, 10, "late-0 to be dropped")
+    wait_for(lambda: "late-0" not in {w.worker_id for w in pair.list_workers()}, 10, "late-0 to be dropped")
 
 
 def test_surviving_workers_have_every_block_free(pair):
-    survivors = list_workers(pair.address)
+    survivors = pair.list_workers()
     assert survivors
     for w in survivors:
-        wait_for(lambda: all_blocks_free(w.address), 10, f"{w.worker_id}'s blocks to be free")
+        wait_for(lambda: pair.all_blocks_free(w.address), 10, f"{w.worker_id}'s blocks to be free")
 
 
 def test_a_killed_launcher_leaves_no_process_behind(pair):

@@ -26,9 +26,10 @@ import grpc
 import pytest
 import torch
 
-from cluster_helpers import Stream, UpProcess, all_blocks_free, list_workers, stats, wait_for
+from cluster_helpers import Stream, UpProcess, all_blocks_free, stats, wait_for
 from pdserve.engine import LLM, SamplingParams
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
+from pdserve.services.common.credentials import ClusterAuth
 from pdserve.services.router.client import Client, collect
 from pdserve.services.router.config import RouterConfig
 from pdserve.services.router.main import Router
@@ -68,22 +69,22 @@ def run_all(client: Client, prompts: list[str], **sampling) -> list[dict]:
         return list(pool.map(lambda p: collect(client.generate(p, **sampling)), prompts))
 
 
-def workers(router: str, role: str) -> list[pb.WorkerInfo]:
-    return sorted((w for w in list_workers(router) if w.role == role), key=lambda w: w.worker_id)
+def workers(up: UpProcess, role: str) -> list[pb.WorkerInfo]:
+    return sorted((w for w in up.list_workers() if w.role == role), key=lambda w: w.worker_id)
 
 
-def counters(infos: list[pb.WorkerInfo]) -> dict[str, pb.StatsResponse]:
-    return {w.worker_id: stats(w.address) for w in infos}
+def counters(infos: list[pb.WorkerInfo], auth: ClusterAuth | None) -> dict[str, pb.StatsResponse]:
+    return {w.worker_id: stats(w.address, auth) for w in infos}
 
 
 def total(snapshot: dict[str, pb.StatsResponse], field: str) -> int:
     return sum(getattr(s, field) for s in snapshot.values())
 
 
-def every_block_free(infos: list[pb.WorkerInfo]) -> None:
+def every_block_free(infos: list[pb.WorkerInfo], auth: ClusterAuth | None) -> None:
     """Running, waiting, reserved and held (prefill: awaiting an ack) all zero."""
     for w in infos:
-        wait_for(lambda: all_blocks_free(w.address), 20, f"{w.worker_id}'s blocks to be free")
+        wait_for(lambda: all_blocks_free(w.address, auth), 20, f"{w.worker_id}'s blocks to be free")
 
 
 # -- pd1: `pdserve up` as it comes -------------------------------------------------------
@@ -98,8 +99,8 @@ def pd1(tmp_path_factory):
 
 
 def test_default_topology_is_one_prefill_and_one_decode_worker_moving_kv(pd1):
-    (prefill,), (decode,) = workers(pd1.address, pb.ROLE_PREFILL), workers(pd1.address, pb.ROLE_DECODE)
-    assert len(list_workers(pd1.address)) == 2
+    (prefill,), (decode,) = workers(pd1, pb.ROLE_PREFILL), workers(pd1, pb.ROLE_DECODE)
+    assert len(pd1.list_workers()) == 2
     assert prefill.kv_endpoint and decode.kv_endpoint.startswith("tcp://127.0.0.1:")
 
 
@@ -110,8 +111,8 @@ def test_conditional_disaggregation_matches_the_engine(pd1, llm):
     lengths = {p: len(llm.engine.tokenizer.encode(p)) for p in prompts}
     remote = [p for p in prompts if lengths[p] >= THRESHOLD]
     assert 0 < len(remote) < len(prompts), lengths
-    (prefill,), (decode,) = workers(pd1.address, pb.ROLE_PREFILL), workers(pd1.address, pb.ROLE_DECODE)
-    before = counters([prefill, decode])
+    (prefill,), (decode,) = workers(pd1, pb.ROLE_PREFILL), workers(pd1, pb.ROLE_DECODE)
+    before = counters([prefill, decode], pd1.auth)
     want = [o.outputs[0] for o in llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0))]
     with Client(pd1.address, timeout=120) as client:
         got = run_all(client, prompts, max_tokens=16, temperature=0.0)
@@ -122,10 +123,10 @@ def test_conditional_disaggregation_matches_the_engine(pd1, llm):
         assert seq.usage.prompt_tokens == lengths[prompt] and seq.timing.ttft_seconds > 0
 
     def settled():  # the prefill worker counts a transfer once the decode worker acked it
-        return stats(prefill.address).kv_transfers - before[prefill.worker_id].kv_transfers == len(remote)
+        return pd1.stats(prefill.address).kv_transfers - before[prefill.worker_id].kv_transfers == len(remote)
 
     wait_for(settled, 10, "the prefill worker to see every transfer acknowledged")
-    after = counters([prefill, decode])
+    after = counters([prefill, decode], pd1.auth)
     p, d = after[prefill.worker_id], after[decode.worker_id]
     p0, d0 = before[prefill.worker_id], before[decode.worker_id]
     assert p.prefix_cache_queries - p0.prefix_cache_queries == sum(lengths[x] for x in remote)  # it computed those
@@ -150,21 +151,21 @@ def test_logprobs_and_stop_strings_through_the_prefill_worker(pd1, llm):
 
 
 def test_cancel_mid_stream_frees_both_workers(pd1):
-    (prefill,), (decode,) = workers(pd1.address, pb.ROLE_PREFILL), workers(pd1.address, pb.ROLE_DECODE)
-    transfers = stats(decode.address).kv_transfers
+    (prefill,), (decode,) = workers(pd1, pb.ROLE_PREFILL), workers(pd1, pb.ROLE_DECODE)
+    transfers = pd1.stats(decode.address).kv_transfers
     with Client(pd1.address, timeout=60) as client:
         # A fresh prompt: one the decode worker has cached would prefill there.
         call = client.generate(code("cancelled", 6), max_tokens=600, temperature=0.0, ignore_eos=True)
         for _, _ in zip(range(3), call):
             pass
-        assert stats(decode.address).num_running == 1
+        assert pd1.stats(decode.address).num_running == 1
         call.cancel()
-    assert stats(decode.address).kv_transfers == transfers + 1  # it did cross
-    every_block_free([prefill, decode])
+    assert pd1.stats(decode.address).kv_transfers == transfers + 1  # it did cross
+    every_block_free([prefill, decode], pd1.auth)
 
 
 def test_pd1_leaves_every_block_free(pd1):
-    every_block_free(list_workers(pd1.address))
+    every_block_free(pd1.list_workers(), pd1.auth)
 
 
 # -- pd2: 2 prefill + 2 decode workers, every prompt crosses ------------------------------
@@ -189,24 +190,24 @@ def client2(pd2):
 
 def test_batch_across_two_pairs_matches_the_engine(pd2, client2, llm):
     prompts = SHORT + LONG + SHARED
-    prefills = workers(pd2.address, pb.ROLE_PREFILL)
-    before = counters(prefills)
+    prefills = workers(pd2, pb.ROLE_PREFILL)
+    before = counters(prefills, pd2.auth)
     want = greedy(llm, prompts, 16)
     got = run_all(client2, prompts, max_tokens=16, temperature=0.0)
     for prompt, w, g in zip(prompts, want, got):
         (seq,) = g.values()
         assert list(seq.token_ids) == w, prompt
-    wait_for(lambda: total(counters(prefills), "kv_transfers") - total(before, "kv_transfers") == len(prompts), 10,
+    wait_for(lambda: total(counters(prefills, pd2.auth), "kv_transfers") - total(before, "kv_transfers") == len(prompts), 10,
              "every prompt's KV to have crossed")
-    decodes = counters(workers(pd2.address, pb.ROLE_DECODE))
+    decodes = counters(workers(pd2, pb.ROLE_DECODE), pd2.auth)
     assert total(decodes, "kv_transfers") >= len(prompts) and total(decodes, "kv_transfer_failures") == 0
 
 
 def test_parallel_sampling_and_beam_search_prefill_once(pd2, client2, llm):
     """n > 1 and beams: the prefill worker ships the KV once, the decode worker
     recomputes the last prompt token and forks the sequences."""
-    prefills = workers(pd2.address, pb.ROLE_PREFILL)
-    before = total(counters(prefills), "kv_transfers")
+    prefills = workers(pd2, pb.ROLE_PREFILL)
+    before = total(counters(prefills, pd2.auth), "kv_transfers")
     sampled = dict(max_tokens=10, temperature=0.8, top_p=0.9, seed=11, n=3)
     beams = dict(max_tokens=8, temperature=0.0, beam_width=3, n=2)
     want_n = llm.generate([LONG[0]], SamplingParams(**sampled))[0]
@@ -218,17 +219,17 @@ def test_parallel_sampling_and_beam_search_prefill_once(pd2, client2, llm):
         for c in want.outputs:
             assert list(got[c.index].token_ids) == c.token_ids
             assert got[c.index].cumulative_logprob == pytest.approx(c.cumulative_logprob, abs=1e-4)
-    wait_for(lambda: total(counters(prefills), "kv_transfers") - before == 2, 10, "one transfer per request")
+    wait_for(lambda: total(counters(prefills, pd2.auth), "kv_transfers") - before == 2, 10, "one transfer per request")
 
 
-def warm_up(client: Client, router: str, prompt: str, want: list[int]) -> tuple[pb.WorkerInfo, pb.WorkerInfo]:
+def warm_up(client: Client, up: UpProcess, prompt: str, want: list[int]) -> tuple[pb.WorkerInfo, pb.WorkerInfo]:
     """Send `prompt`; (the prefill worker that computed it, the other one), once the
     router has polled what the first one caches."""
-    prefills = workers(router, pb.ROLE_PREFILL)
-    before = counters(prefills)
+    prefills = workers(up, pb.ROLE_PREFILL)
+    before = counters(prefills, up.auth)
     (seq,) = collect(client.generate(prompt, max_tokens=len(want), temperature=0.0)).values()
     assert list(seq.token_ids) == want
-    now = counters(prefills)
+    now = counters(prefills, up.auth)
     (holder,) = [w for w in prefills if now[w.worker_id].prefix_cache_queries > before[w.worker_id].prefix_cache_queries]
     (other,) = [w for w in prefills if w.worker_id != holder.worker_id]
     time.sleep(1.5)  # the router polls Stats every 0.5 s
@@ -239,28 +240,28 @@ def test_prefix_aware_routing_and_balance_when_the_holder_is_busy(pd2, client2, 
     prefix = code("routing_prefix", 25)
     prompts = [prefix + f"    return {k}\n" for k in range(7)]
     want = greedy(llm, prompts, 6)
-    holder, other = warm_up(client2, pd2.address, prompts[0], want[0])
+    holder, other = warm_up(client2, pd2, prompts[0], want[0])
     # Requests sharing the prefix go where it is cached, and hit there.
-    held, free = counters([holder, other]).values()
+    held, free = counters([holder, other], pd2.auth).values()
     for k in (1, 2):
         (seq,) = collect(client2.generate(prompts[k], max_tokens=6, temperature=0.0)).values()
         assert list(seq.token_ids) == want[k]
-    hits = stats(holder.address).prefix_cache_hits - held.prefix_cache_hits
+    hits = pd2.stats(holder.address).prefix_cache_hits - held.prefix_cache_hits
     assert hits >= 2 * (len(llm.engine.tokenizer.encode(prefix)) // 16 - 1) * 16
-    assert stats(other.address).prefix_cache_queries == free.prefix_cache_queries  # never asked
+    assert pd2.stats(other.address).prefix_cache_queries == free.prefix_cache_queries  # never asked
     # The holder busy (stopped): the requests queued on it weigh against its prefix,
     # and the rest go to the other prefill worker.
     os.kill(holder.pid, signal.SIGSTOP)
     try:
         streams = [Stream(client2, p, max_tokens=6, temperature=0.0) for p in prompts[3:]]
-        wait_for(lambda: stats(other.address).kv_transfers > free.kv_transfers, 30,
+        wait_for(lambda: pd2.stats(other.address).kv_transfers > free.kv_transfers, 30,
                  "the other prefill worker to take some of the load")
     finally:
         os.kill(holder.pid, signal.SIGCONT)
     for s, w in zip(streams, want[3:]):
         s.join(60)
         assert s.error is None and s.tokens == w
-    assert stats(holder.address).prefix_cache_hits > held.prefix_cache_hits + hits  # it served its queue too
+    assert pd2.stats(holder.address).prefix_cache_hits > held.prefix_cache_hits + hits  # it served its queue too
 
 
 def test_a_killed_prefill_worker_is_replaced_by_the_other(pd2, client2, llm):
@@ -269,7 +270,7 @@ def test_a_killed_prefill_worker_is_replaced_by_the_other(pd2, client2, llm):
     prefix = code("orphans", 25)
     prompts = [prefix + f"    return orphan_{k}\n" for k in range(5)]
     want = greedy(llm, prompts, 8)
-    victim, _ = warm_up(client2, pd2.address, prompts[0], want[0])  # it holds the prefix: it gets some
+    victim, _ = warm_up(client2, pd2, prompts[0], want[0])  # it holds the prefix: it gets some
     os.kill(victim.pid, signal.SIGSTOP)  # its requests queue up, unanswered
     streams = [Stream(client2, p, max_tokens=8, temperature=0.0) for p in prompts[1:]]
     want = want[1:]
@@ -281,7 +282,7 @@ def test_a_killed_prefill_worker_is_replaced_by_the_other(pd2, client2, llm):
         assert s.error is None, s.error
         assert s.tokens == w
     assert max(s.ended_at for s in streams) - killed_at < 30
-    wait_for(lambda: victim.worker_id not in {w.worker_id for w in list_workers(pd2.address)}, 15,
+    wait_for(lambda: victim.worker_id not in {w.worker_id for w in pd2.list_workers()}, 15,
              "the router to drop the killed prefill worker")
     assert f"prefill on {victim.worker_id} failed" in Path(pd2.log.name).read_text()
 
@@ -290,23 +291,23 @@ def test_a_killed_decode_worker_fails_its_stream_quickly(pd2, client2):
     stream = Stream(client2, LONG[2], max_tokens=600, temperature=0.0, ignore_eos=True)
     wait_for(lambda: len(stream.tokens) > 3 or stream.error, 60, "the stream to start")
     assert stream.error is None, stream.error
-    (victim,) = [w for w in workers(pd2.address, pb.ROLE_DECODE) if stats(w.address).num_running == 1]
+    (victim,) = [w for w in workers(pd2, pb.ROLE_DECODE) if pd2.stats(w.address).num_running == 1]
     killed_at = time.monotonic()
     os.kill(victim.pid, signal.SIGKILL)
     stream.join(30)
     assert stream.error is not None and stream.error.code() == grpc.StatusCode.UNAVAILABLE
     assert stream.ended_at - killed_at < 10
     assert 0 < len(stream.tokens) < 600
-    wait_for(lambda: victim.worker_id not in {w.worker_id for w in list_workers(pd2.address)}, 15,
+    wait_for(lambda: victim.worker_id not in {w.worker_id for w in pd2.list_workers()}, 15,
              "the router to drop the killed decode worker")
 
 
 def test_pd2_survivors_serve_and_leave_every_block_free(pd2, client2, llm):
-    survivors = list_workers(pd2.address)
+    survivors = pd2.list_workers()
     assert sorted(w.role for w in survivors) == sorted([pb.ROLE_PREFILL, pb.ROLE_DECODE])
     (seq,) = collect(client2.generate(LONG[0], max_tokens=8, temperature=0.0)).values()
     assert list(seq.token_ids) == greedy(llm, [LONG[0]], 8)[0]
-    every_block_free(survivors)
+    every_block_free(survivors, pd2.auth)
 
 
 # -- the other transports, with in-process workers ------------------------------------------
@@ -320,7 +321,7 @@ def test_ipc_and_gloo_connectors(factory, llm):
     started = []
     try:
         for role in ("decode", "prefill"):
-            worker = Worker(WorkerConfig(role=role, router=address, worker_id=f"{role}-{factory}", num_blocks=128,
+            worker = Worker(WorkerConfig(role=role, router=router.internal_address, worker_id=f"{role}-{factory}", num_blocks=128,
                                          kv_connector=spec))
             worker.start()
             started.append(worker)
@@ -331,7 +332,7 @@ def test_ipc_and_gloo_connectors(factory, llm):
         assert [list(g[0].token_ids) for g in got] == greedy(llm, prompts, 8)
         wait_for(lambda: stats(prefill.address).kv_transfers == 2, 10, "both transfers to be acknowledged")
         assert stats(decode.address).kv_transfers == 2
-        every_block_free([pb.WorkerInfo(worker_id=w.config.id, address=w.address) for w in started])
+        every_block_free([pb.WorkerInfo(worker_id=w.config.id, address=w.address) for w in started], None)
     finally:
         for worker in reversed(started):
             worker.stop()

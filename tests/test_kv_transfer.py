@@ -518,6 +518,35 @@ def test_curve_admits_only_authorized_senders(certs):
             sender.close()
 
 
+def test_curve_frames_of_the_largest_size_arrive(certs):
+    """Frames cut at max_frame_bytes, encrypted, still fit the receiver's MAXMSGSIZE."""
+    kv = torch.zeros((2, 6, 2, 16, 8, 64))  # 64 KiB pages
+    page = PageLayout.of(kv).page_bytes
+    server = CurveConfig.from_files(certs / "server" / "server.key_secret", authorized=certs / "authorized")
+    client = CurveConfig.from_files(certs / "client" / "client.key_secret", certs / "server" / "server.key")
+    receiver = ZmqReceiver(kv, "tcp://127.0.0.1:0", ZmqConfig(curve=server, max_frame_bytes=2 * page))
+    sender = ZmqSender(ZmqConfig(curve=client, max_frame_bytes=2 * page))
+    src = torch.randn((2, 6, 2, 16, 8, 64))
+    prompt = list(range(16 * 5))
+    try:
+        endpoint = receiver.start()
+        secret = new_secret()
+        receiver.expect("big", [0, 1, 2, 3, 4], 0, len(prompt), prompt_digest(prompt), time.monotonic() + WAIT_S, secret)
+        out = sender.open("big", endpoint, secret=secret)
+        for layer in range(2):
+            sender.send_pages(out, layer, [(0, src[layer, 0:5])], PageLayout.of(kv))  # frames of 2, 2, 1 pages
+        sender.send_final(out, len(prompt), prompt_digest(prompt), [])
+        deadline, events = time.monotonic() + WAIT_S, []
+        while not events and time.monotonic() < deadline:
+            events = receiver.events()
+            time.sleep(0.01)
+        assert events[0].ok, events[0].reason
+        assert torch.equal(kv[:, :5], src[:, :5])
+    finally:
+        receiver.close()
+        sender.close()
+
+
 def test_curve_keys_from_env_and_validation(certs):
     server_pub, server_sec = zmq.auth.load_certificate(certs / "server" / "server.key_secret")
     client_pub, _ = zmq.auth.load_certificate(certs / "client" / "client.key")

@@ -102,9 +102,9 @@ def cluster():
     address = router.start()
     receiver = LoopbackReceiver("loopback://decode-0")
     sender = LoopbackSender({receiver.endpoint: receiver})
-    decode = Worker(WorkerConfig(role="decode", router=address, worker_id="decode-0", num_blocks=256),
+    decode = Worker(WorkerConfig(role="decode", router=router.internal_address, worker_id="decode-0", num_blocks=256),
                     Connector(receiver=receiver))
-    prefill = Worker(WorkerConfig(role="prefill", router=address, worker_id="prefill-0", num_blocks=256),
+    prefill = Worker(WorkerConfig(role="prefill", router=router.internal_address, worker_id="prefill-0", num_blocks=256),
                      Connector(sender=sender))
     decode.start()
     prefill.start()
@@ -181,9 +181,9 @@ def test_a_dead_prefill_worker_is_skipped_for_the_next(llm, caplog):
     address = router.start()
     receiver = LoopbackReceiver("loopback://decode-x")
     senders = {name: LoopbackSender({receiver.endpoint: receiver}) for name in ("prefill-a", "prefill-b")}
-    decode = Worker(WorkerConfig(role="decode", router=address, worker_id="decode-x", num_blocks=64),
+    decode = Worker(WorkerConfig(role="decode", router=router.internal_address, worker_id="decode-x", num_blocks=64),
                     Connector(receiver=receiver))
-    prefills = {name: Worker(WorkerConfig(role="prefill", router=address, worker_id=name, num_blocks=64),
+    prefills = {name: Worker(WorkerConfig(role="prefill", router=router.internal_address, worker_id=name, num_blocks=64),
                              Connector(sender=sender)) for name, sender in senders.items()}
     try:
         for worker in (decode, *prefills.values()):

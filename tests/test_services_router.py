@@ -219,6 +219,52 @@ def test_flags_round_trip_with_env_defaults(monkeypatch):
         flags.add_flags(argparse.ArgumentParser(), Demo)
 
 
+def test_the_credentials_block_is_flags_of_every_service(monkeypatch, tmp_path):
+    from pdserve.services.common.credentials import ClusterCredentials
+    from pdserve.services.worker.config import WorkerConfig
+
+    token = tmp_path / "token"
+    token.write_text("t" * 32)
+    monkeypatch.setenv("PDSERVE_CLUSTER_SERVER_NAME", "pdserve.cluster")
+    parser = argparse.ArgumentParser()
+    names = flags.add_flags(parser, RouterConfig)
+    assert {"cluster_token_file", "cluster_ca", "kv_curve_cert", "internal_port", "api_keys_file"} <= names
+    config = flags.from_namespace(RouterConfig, parser.parse_args(["--cluster-token-file", str(token)]))
+    assert config.credentials == ClusterCredentials(cluster_token_file=str(token), cluster_server_name="pdserve.cluster")
+    argv = flags.to_argv(config)
+    assert argv[argv.index("--cluster-token-file") + 1] == str(token)
+    assert flags.from_namespace(RouterConfig, parser.parse_args(argv)) == config
+    worker_parser = argparse.ArgumentParser()
+    flags.add_flags(worker_parser, WorkerConfig)  # a worker takes the same block
+    worker = flags.from_namespace(WorkerConfig, worker_parser.parse_args(flags.to_argv(config.credentials)))
+    assert worker.credentials == config.credentials
+    with pytest.raises(ValueError, match="^cluster_ca:"):
+        ClusterCredentials(cluster_ca=str(token))  # without its certificate and key
+    with pytest.raises(ValueError, match="^cluster_token_file:"):
+        ClusterCredentials(cluster_token_file=str(tmp_path / "missing"))
+
+
+def test_api_keys_reload_and_keep_the_old_ones_when_the_file_is_bad(tmp_path):
+    from pdserve.services.router.api_keys import ApiKeys, key_id
+
+    path = tmp_path / "keys"
+    first, second = "first-key-" + "1" * 16, "second-key-" + "2" * 16
+    path.write_text(f"# comment\n\n  {first}  \n")
+    keys = ApiKeys(str(path))
+    assert keys.identify({"authorization": f"Bearer {first}"}) == key_id(first)
+    assert keys.identify({"authorization": f"bearer {first}"}) == key_id(first)
+    assert keys.identify({"authorization": first}) is None and keys.identify({}) is None
+    path.write_text(second)
+    assert keys.reload()
+    assert keys.identify({"authorization": f"Bearer {first}"}) is None
+    assert keys.identify({"authorization": f"Bearer {second}"}) == key_id(second) != key_id(first)
+    path.write_text("short\n")  # not a key: the keys in force stay
+    assert not keys.reload()
+    path.unlink()
+    assert not keys.reload()
+    assert keys.identify({"authorization": f"Bearer {second}"}) == key_id(second)
+
+
 def test_router_config_checks_name_the_field():
     with pytest.raises(ValueError, match="^worker_timeout:"):
         RouterConfig(heartbeat_interval=2.0, worker_timeout=1.0)

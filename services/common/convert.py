@@ -17,10 +17,12 @@ ROLES = {"prefill": pb.ROLE_PREFILL, "decode": pb.ROLE_DECODE, "mixed": pb.ROLE_
 ROLE_NAMES = {v: k for k, v in ROLES.items()}
 
 
-def params_from_options(options: pb.SamplingOptions) -> SamplingParams:
-    """SamplingParams from the set fields (unset ones keep the engine defaults).
-    Raises ValueError naming the field for any value SamplingParams refuses."""
+def params_from_options(options: pb.SamplingOptions, cache_salt: str = "") -> SamplingParams:
+    """SamplingParams from the set fields (unset ones keep the engine defaults) and the
+    request's cache salt. Raises ValueError naming the field for any value
+    SamplingParams refuses."""
     kwargs: dict[str, object] = {name: getattr(options, name) for name in _SCALARS if options.HasField(name)}
+    kwargs["cache_salt"] = cache_salt or None
     if options.stop:
         kwargs["stop"] = tuple(options.stop)
     if options.stop_token_ids:

@@ -8,6 +8,11 @@ flags, so a launcher passes every setting to its children explicitly.
     @dataclass(frozen=True)
     class C:
         port: int = flag(50051, "port to listen on")
+
+A field whose type is itself such a dataclass is a block of flags (its fields are
+flags of their own, at the same level): one block, e.g. the cluster credentials
+(services/common/credentials.py), is a field of every service's config, and every
+launcher renders it as those flags.
 """
 
 from __future__ import annotations
@@ -38,6 +43,12 @@ def _base_type(annotation: Any) -> type:
     return args[0] if args else annotation
 
 
+def _block(cls: type, f: dataclasses.Field) -> type | None:
+    """The dataclass of a field that is a block of flags, else None."""
+    kind = _base_type(typing.get_type_hints(cls)[f.name])
+    return kind if dataclasses.is_dataclass(kind) else None
+
+
 def option_name(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -61,6 +72,10 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, skip: Iterable[str] = 
     hints = typing.get_type_hints(cls)
     added = set()
     for f in _cli_fields(cls):
+        block = _block(cls, f)
+        if block is not None:
+            added |= add_flags(parser, block, skip)
+            continue
         if f.name in skip:
             continue
         kind = _base_type(hints[f.name])
@@ -80,7 +95,13 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, skip: Iterable[str] = 
 
 def from_namespace(cls: type[T], namespace: argparse.Namespace, **overrides: Any) -> T:
     """Build `cls` from the parsed flags it has (others keep their defaults)."""
-    values = {f.name: getattr(namespace, f.name) for f in _cli_fields(cls) if hasattr(namespace, f.name)}
+    values = {}
+    for f in _cli_fields(cls):
+        block = _block(cls, f)
+        if block is not None:
+            values[f.name] = from_namespace(block, namespace)
+        elif hasattr(namespace, f.name):
+            values[f.name] = getattr(namespace, f.name)
     values.update(overrides)
     return cls(**values)
 
@@ -90,6 +111,9 @@ def to_argv(config: Any, skip: Iterable[str] = ()) -> list[str]:
     argv: list[str] = []
     for f in _cli_fields(type(config)):
         value = getattr(config, f.name)
+        if _block(type(config), f) is not None:
+            argv += to_argv(value, skip)
+            continue
         if f.name in skip or value is None:
             continue
         if isinstance(value, bool):

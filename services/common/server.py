@@ -8,7 +8,8 @@ health checking (grpc.health.v1) and server reflection (grpc.reflection.v1alpha)
     server.stop(grace=2.0)
 
 Health reports NOT_SERVING until `set_serving()`, and again from `stop()` on, for
-the overall server ("") and for each named service.
+the overall server ("") and for each named service. A server may take interceptors
+(credential checks: services/common/auth.py) and TLS credentials (`start`).
 """
 
 from __future__ import annotations
@@ -42,19 +43,26 @@ CHANNEL_OPTIONS = [
 
 
 class GrpcServer:
-    def __init__(self, threads: int, max_concurrent_rpcs: int | None = None) -> None:
+    def __init__(self, threads: int, max_concurrent_rpcs: int | None = None,
+                 interceptors: Sequence[grpc.ServerInterceptor] = ()) -> None:
         self._pool = futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grpc")
-        self.grpc = grpc.server(self._pool, options=SERVER_OPTIONS, maximum_concurrent_rpcs=max_concurrent_rpcs)
+        self.grpc = grpc.server(self._pool, options=SERVER_OPTIONS, maximum_concurrent_rpcs=max_concurrent_rpcs,
+                                interceptors=list(interceptors))
         self.health = health.HealthServicer(experimental_non_blocking=True)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         self._services: list[str] = []
 
-    def start(self, host: str, port: int, services: Sequence[str]) -> int:
-        """Publish reflection for `services`, bind host:port and start; returns the port."""
+    def start(self, host: str, port: int, services: Sequence[str],
+              credentials: grpc.ServerCredentials | None = None) -> int:
+        """Publish reflection for `services`, bind host:port (TLS with `credentials`)
+        and start; returns the port."""
         self._services = list(services)
         names = (*services, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
         reflection.enable_server_reflection(names, self.grpc)
-        bound = self.grpc.add_insecure_port(f"{host}:{port}")
+        if credentials is None:
+            bound = self.grpc.add_insecure_port(f"{host}:{port}")
+        else:
+            bound = self.grpc.add_secure_port(f"{host}:{port}", credentials)
         if bound == 0:
             raise OSError(f"port: cannot bind {host}:{port}")
         self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -104,15 +112,16 @@ def _watch_parent(launcher: int, stop: threading.Event) -> None:
             stop.set()
 
 
-def announce(role: str, address: str, address_file: str | None) -> None:
+def announce(role: str, address: str, address_file: str | None, internal: str | None = None) -> None:
     """Tell whoever started this process where it listens: one stdout line, and the
-    address written atomically to `address_file` when given (the launcher's way)."""
+    address (then the internal one, if any, on a line of its own) written atomically
+    to `address_file` when given (the launcher's way)."""
     import tempfile
 
-    print(f"serving {role} {address}", flush=True)
+    print(f"serving {role} {address}" + (f" internal {internal}" if internal else ""), flush=True)
     if address_file:
         directory = os.path.dirname(os.path.abspath(address_file))
         fd, tmp = tempfile.mkstemp(dir=directory, prefix=".address-")
         with os.fdopen(fd, "w") as f:
-            f.write(address)
+            f.write("\n".join(a for a in (address, internal) if a))
         os.replace(tmp, address_file)

@@ -32,7 +32,7 @@ class DecodeService:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "Reserve: this worker has no KV receiver (--kv-connector)")
         lease = min(request.timeout_seconds or self.config.reservation_timeout, self.config.reservation_timeout)
         with rpc_errors(context):
-            params = params_from_options(request.sampling)
+            params = params_from_options(request.sampling, request.cache_salt)
             reservation = self.loop.reserve(request.request_id, list(request.token_ids), params, lease, CALL_TIMEOUT)
         try:
             plan = self.receiver.expect(reservation, list(request.token_ids), params, Deadline.after(lease).at)
@@ -51,7 +51,7 @@ class DecodeService:
             if not rid:
                 raise ValueError("request_id: must not be empty")
             if request.local_prefill:
-                params = params_from_options(request.sampling)
+                params = params_from_options(request.sampling, request.cache_salt)
                 stream = self.loop.submit(rid, list(request.token_ids), params, CALL_TIMEOUT)
             else:
                 stream = self._attach(rid, context)

@@ -55,7 +55,7 @@ class PrefillService:
         deadline = Deadline.of_rpc(context, self.config.request_timeout)
         rid = request.request_id
         with rpc_errors(context):
-            params = first_token_params(params_from_options(request.sampling))
+            params = first_token_params(params_from_options(request.sampling, request.cache_salt))
             target = self._target(request, deadline)
             self._transfer(context, rid, "start", lambda: self.sender.start(target))
             try:
@@ -79,7 +79,7 @@ class PrefillService:
             raise ValueError("target.kv_endpoint: must not be empty")
         return TransferTarget(
             request.request_id, t.worker_id, t.kv_endpoint, tuple(t.block_ids), t.num_cached_tokens, deadline.at,
-            t.transfer_target, tuple(request.token_ids),
+            t.transfer_target, tuple(request.token_ids), request.cache_salt or None,
         )
 
     def _transfer(self, context: grpc.ServicerContext, rid: str, what: str, step: Callable[[], None]) -> None:

@@ -4,14 +4,18 @@
         for message in client.generate("def fib(n):", max_tokens=32, temperature=0.0):
             print(message.text, end="")
 
+    Client(address, api_key="...", tls_ca="ca.pem")   # a router with API keys and TLS
+
 `generate` returns the gRPC call: iterate it for GenerateResponse messages, or
-`.cancel()` it. Keyword arguments are engine.SamplingParams fields. Importing this
+`.cancel()` it. Keyword arguments are engine.SamplingParams fields, and `cache_salt`
+(requests with different salts never share cached prompt blocks). Importing this
 module needs only grpcio and protobuf (no torch).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import grpc
 
@@ -42,26 +46,38 @@ def options_from_kwargs(**sampling: object) -> pb.SamplingOptions:
 
 
 class Client:
-    def __init__(self, address: str, timeout: float | None = 600.0) -> None:
+    """`api_key`: sent as `authorization: Bearer <key>` on every call. `tls_ca`: a CA
+    certificate file (PEM): the router is reached over TLS and must show a certificate
+    that CA signed (`tls_server_name`: the name it carries, if not the host dialed)."""
+
+    def __init__(self, address: str, timeout: float | None = 600.0, *, api_key: str | None = None,
+                 tls_ca: str | None = None, tls_server_name: str | None = None) -> None:
         self.address = address
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(address)
+        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
+        if tls_ca is None:
+            self._channel = grpc.insecure_channel(address)
+        else:
+            options = [("grpc.ssl_target_name_override", tls_server_name)] if tls_server_name else []
+            credentials = grpc.ssl_channel_credentials(root_certificates=Path(tls_ca).read_bytes())
+            self._channel = grpc.secure_channel(address, credentials, options=options)
         self._stub = pb_grpc.GenerationStub(self._channel)
 
     def generate(
-        self, prompt: str | Sequence[int], *, request_id: str = "", model: str = "",
+        self, prompt: str | Sequence[int], *, request_id: str = "", model: str = "", cache_salt: str = "",
         timeout: float | None = None, **sampling: object,
     ) -> grpc.Call:
         """Stream the completion; the call is an iterator of GenerateResponse."""
-        request = pb.GenerateRequest(request_id=request_id, model=model, sampling=options_from_kwargs(**sampling))
+        request = pb.GenerateRequest(request_id=request_id, model=model, sampling=options_from_kwargs(**sampling),
+                                     cache_salt=cache_salt)
         if isinstance(prompt, str):
             request.text = prompt
         else:
             request.token_ids.ids.extend(prompt)
-        return self._stub.Generate(request, timeout=timeout or self.timeout)
+        return self._stub.Generate(request, timeout=timeout or self.timeout, metadata=self._metadata)
 
     def list_models(self, timeout: float = 10.0) -> list[pb.ModelInfo]:
-        return list(self._stub.ListModels(pb.ListModelsRequest(), timeout=timeout).models)
+        return list(self._stub.ListModels(pb.ListModelsRequest(), timeout=timeout, metadata=self._metadata).models)
 
     def close(self) -> None:
         self._channel.close()

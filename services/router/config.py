@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.engine.llm import DEFAULT_MODEL
+from pdserve.services.common.credentials import ClusterCredentials
 from pdserve.services.common.flags import check, flag
 
 
@@ -13,9 +14,21 @@ from pdserve.services.common.flags import check, flag
 class RouterConfig:
     model: str = flag(DEFAULT_MODEL, "model directory: its tokenizer and limits")
     served_model_name: str | None = flag(None, "model name clients use (default: the directory's name)")
-    host: str = flag("127.0.0.1", "address to listen on")
-    port: int = flag(50051, "port to listen on (0: any free port)")
-    address_file: str | None = flag(None, "write the bound address to this file when serving")
+    host: str = flag("127.0.0.1", "address the public API (Generation) listens on")
+    port: int = flag(50051, "port of the public API (0: any free port)")
+    internal_host: str | None = flag(None, "address the internal Registry listens on (default: --host)")
+    internal_port: int | None = flag(None, "port of the internal Registry, where workers register (default: "
+                                           "--port + 1; any free port when --port is 0)")
+    address_file: str | None = flag(None, "write the bound addresses to this file when serving (public, then "
+                                          "internal, one a line)")
+    # the public surface
+    api_keys_file: str | None = flag(None, "file of API keys, one a line (reloaded on SIGHUP): every public call "
+                                           "must carry `authorization: Bearer <key>`")
+    tls_cert: str | None = flag(None, "certificate (PEM) of the public port: TLS for clients")
+    tls_key: str | None = flag(None, "private key (PEM) of --tls-cert")
+    salt_cache_by_key: bool = flag(False, "put each API key's id in front of every request's cache_salt: tenants "
+                                          "never share prefix-cache blocks")
+    credentials: ClusterCredentials = flag(ClusterCredentials(), "the cluster's credentials (internal surface)")
     block_size: int = flag(16, "KV block size (workers must match): prompt block hashes")
     max_model_len: int | None = flag(None, "longest prompt + output (default: the model's)")
     max_n: int = flag(8, "largest n and beam_width accepted")
@@ -32,6 +45,17 @@ class RouterConfig:
     def __post_init__(self) -> None:
         check(Path(self.model, "config.json").is_file(), "model", "must be a directory with config.json", self.model)
         check(0 <= self.port < 65536, "port", "must be in [0, 65535]", self.port)
+        check(self.internal_port is None or 0 <= self.internal_port < 65536, "internal_port", "must be in [0, 65535]",
+              self.internal_port)
+        check(self.internal_port is not None or self.port < 65535, "internal_port", "needed when --port is 65535",
+              self.internal_port)
+        check((self.tls_cert is None) == (self.tls_key is None), "tls_cert", "--tls-cert and --tls-key go together",
+              self.tls_cert)
+        for name in ("api_keys_file", "tls_cert", "tls_key"):
+            path = getattr(self, name)
+            check(path is None or Path(path).is_file(), name, "must be a readable file", path)
+        check(not self.salt_cache_by_key or self.api_keys_file is not None, "salt_cache_by_key",
+              "needs --api-keys-file", self.salt_cache_by_key)
         check(self.max_n >= 1, "max_n", "must be >= 1", self.max_n)
         check(self.local_prefill_threshold >= 0, "local_prefill_threshold", "must be >= 0", self.local_prefill_threshold)
         check(self.max_attempts >= 1, "max_attempts", "must be >= 1", self.max_attempts)
@@ -44,3 +68,13 @@ class RouterConfig:
     @property
     def model_name(self) -> str:
         return self.served_model_name or Path(self.model).resolve().name
+
+    @property
+    def registry_host(self) -> str:
+        return self.internal_host or self.host
+
+    @property
+    def registry_port(self) -> int:
+        if self.internal_port is not None:
+            return self.internal_port
+        return self.port + 1 if self.port else 0

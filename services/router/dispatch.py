@@ -108,6 +108,7 @@ class Dispatcher:
             attempt.worker_request_id += "-local"
         request = pb.DecodeRequest(
             request_id=attempt.worker_request_id, local_prefill=True, token_ids=job.prompt, sampling=job.options,
+            cache_salt=job.cache_salt,
         )
         call = decode.stub.Decode(request, timeout=deadline.remaining())
         yield from self._stream(decode, call, attempt, context, skip_first=False)
@@ -170,7 +171,7 @@ class Dispatcher:
     ) -> pb.ReserveResponse | None:
         request = pb.ReserveRequest(
             request_id=rid, token_ids=job.prompt, sampling=job.options,
-            timeout_seconds=min(deadline.remaining(), RESERVATION_LEASE),
+            timeout_seconds=min(deadline.remaining(), RESERVATION_LEASE), cache_salt=job.cache_salt,
         )
         try:
             return decode.stub.Reserve(request, timeout=min(deadline.remaining(), RESERVE_TIMEOUT))
@@ -192,7 +193,7 @@ class Dispatcher:
                 block_ids=reservation.block_ids, num_cached_tokens=reservation.num_cached_tokens,
                 transfer_target=reservation.transfer_target,
             ),
-            sample_first_token=job.params.n == 1 and not job.params.use_beam_search,
+            sample_first_token=job.params.n == 1 and not job.params.use_beam_search, cache_salt=job.cache_salt,
         )
         try:
             future = prefill.stub.Prefill.future(request, timeout=deadline.remaining())

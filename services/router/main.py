@@ -1,18 +1,30 @@
-"""The router process: Generation (public) + Registry (workers), health, reflection.
+"""The router process: two gRPC servers, never one port for both surfaces.
 
-    Router(config).start() -> address;  .stop()      (in-process, for tests too)
+    public   --host:--port                  Generation (+ health, reflection); API keys
+                                            (--api-keys-file, reloaded on SIGHUP) and
+                                            TLS (--tls-cert/--tls-key) when configured
+    internal --internal-host:--internal-port Registry (+ health, reflection); the
+                                            cluster's credentials (mTLS and/or token)
+
+    Router(config).start() -> public address (.internal_address: the Registry's); .stop()
     run(config)  -> serve until SIGINT/SIGTERM        (the `pdserve router` CLI)
 """
 
 from __future__ import annotations
 
 import logging
+import signal
+from pathlib import Path
+
+import grpc
 
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.tokenizer import Tokenizer, has_tokenizer
 from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from pdserve.services.common import log as service_log
+from pdserve.services.common.credentials import ClusterAuth, read_secret_file
 from pdserve.services.common.server import GrpcServer, announce, shutdown_event
+from pdserve.services.router.api_keys import ApiKeys
 from pdserve.services.router.config import RouterConfig
 from pdserve.services.router.dispatch import Dispatcher
 from pdserve.services.router.registry import WorkerRegistry
@@ -21,7 +33,8 @@ from pdserve.services.router.service import GenerationServicer
 from pdserve.services.router.validate import Limits
 
 log = logging.getLogger(__name__)
-SPARE_THREADS = 16  # beyond Generate streams: registry, health, reflection, ListModels
+SPARE_THREADS = 16  # beyond Generate streams: health, reflection, ListModels
+INTERNAL_THREADS = 16  # Register, Heartbeat, ListWorkers: short calls
 
 
 class Router:
@@ -33,32 +46,57 @@ class Router:
             raise ValueError(f"max_model_len: {max_model_len} exceeds the model's {model.max_position_embeddings}")
         self.limits = Limits(config.model_name, model.vocab_size, max_model_len, config.max_n, config.block_size)
         tokenizer = Tokenizer(config.model) if has_tokenizer(config.model) else None
-        self.registry = WorkerRegistry(config, config.model_name, max_model_len)
-        self.server = GrpcServer(threads=config.max_concurrent_requests + SPARE_THREADS)
-        generation = GenerationServicer(config, self.limits, tokenizer, Dispatcher(self.registry, config))
+        self.auth = ClusterAuth(config.credentials)
+        self.api_keys = ApiKeys(config.api_keys_file) if config.api_keys_file else None
+        self.registry = WorkerRegistry(config, config.model_name, max_model_len, self.auth)
+        public_checks = [self.api_keys.interceptor()] if self.api_keys is not None else []
+        self.server = GrpcServer(threads=config.max_concurrent_requests + SPARE_THREADS, interceptors=public_checks)
+        generation = GenerationServicer(config, self.limits, tokenizer, Dispatcher(self.registry, config),
+                                        self.api_keys)
         pb_grpc.add_GenerationServicer_to_server(generation, self.server.grpc)
-        pb_grpc.add_RegistryServicer_to_server(RegistryServicer(self.registry, config), self.server.grpc)
+        self.internal_server = GrpcServer(threads=INTERNAL_THREADS, interceptors=self.auth.interceptors())
+        pb_grpc.add_RegistryServicer_to_server(RegistryServicer(self.registry, config), self.internal_server.grpc)
         self.address = ""
+        self.internal_address = ""
 
     def start(self) -> str:
+        """Serve both surfaces; returns the public address."""
+        self.auth.warn_if_open("router")
         self.registry.start()
-        port = self.server.start(self.config.host, self.config.port, ["pdserve.v1.Generation", "pdserve.v1.Registry"])
+        port = self.server.start(self.config.host, self.config.port, ["pdserve.v1.Generation"], self._public_tls())
         self.address = f"{self.config.host}:{port}"
+        internal = self.internal_server.start(self.config.registry_host, self.config.registry_port,
+                                              ["pdserve.v1.Registry"], self.auth.server_credentials())
+        self.internal_address = f"{self.config.registry_host}:{internal}"
         self.server.set_serving()
-        log.info("router serving %s on %s", self.limits.model_name, self.address)
+        self.internal_server.set_serving()
+        log.info("router serving %s on %s (registry on %s)", self.limits.model_name, self.address,
+                 self.internal_address)
         return self.address
+
+    def reload_api_keys(self) -> bool:
+        return self.api_keys.reload() if self.api_keys is not None else False
 
     def stop(self, grace: float = 2.0) -> None:
         self.server.stop(grace)
+        self.internal_server.stop(grace)
         self.registry.stop()
+
+    def _public_tls(self) -> grpc.ServerCredentials | None:
+        if self.config.tls_cert is None:
+            return None
+        key = read_secret_file(self.config.tls_key, "tls_key")
+        return grpc.ssl_server_credentials([(key, Path(self.config.tls_cert).read_bytes())])
 
 
 def run(config: RouterConfig) -> int:
     service_log.configure(config.log_level, "router")
     stop = shutdown_event()
     router = Router(config)
+    signal.signal(signal.SIGHUP, lambda _signum, _frame: router.reload_api_keys())
     try:
-        announce("router", router.start(), config.address_file)
+        address = router.start()
+        announce("router", address, config.address_file, internal=router.internal_address)
         while not stop.wait(1.0):
             pass
     finally:

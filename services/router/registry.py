@@ -21,6 +21,7 @@ import grpc
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from pdserve.services.common.convert import ROLE_NAMES
+from pdserve.services.common.credentials import ClusterAuth
 from pdserve.services.common.server import CHANNEL_OPTIONS
 from pdserve.services.router import policy
 from pdserve.services.router.config import RouterConfig
@@ -62,8 +63,10 @@ class WorkerHandle:
 
 
 class WorkerRegistry:
-    def __init__(self, config: RouterConfig, model_name: str, max_model_len: int) -> None:
+    def __init__(self, config: RouterConfig, model_name: str, max_model_len: int,
+                 auth: ClusterAuth | None = None) -> None:
         self.config = config
+        self.auth = auth or ClusterAuth()  # what the router presents to its workers
         self.model_name = model_name
         self.max_model_len = max_model_len
         self._lock = threading.Lock()
@@ -78,7 +81,7 @@ class WorkerRegistry:
         """Add (or replace) a worker after checking it fits and answers. Raises
         ValueError naming the mismatching field, or ConnectionError."""
         self._check_compatible(info)
-        channel = grpc.insecure_channel(info.address, options=CHANNEL_OPTIONS)
+        channel = self.auth.channel(info.address, CHANNEL_OPTIONS)
         stub = pb_grpc.WorkerStub(channel)
         try:
             stats = stub.Stats(pb.StatsRequest(include_block_hashes=True), timeout=self.config.worker_timeout)

@@ -12,8 +12,10 @@ import grpc
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from pdserve.services.common.auth import metadata_of
 from pdserve.services.common.deadline import Deadline
 from pdserve.services.common.errors import rpc_errors
+from pdserve.services.router.api_keys import ApiKeys
 from pdserve.services.router.config import RouterConfig
 from pdserve.services.router.dispatch import ClientGone, Dispatcher, RouterError
 from pdserve.services.router.responses import ResponseBuilder
@@ -24,9 +26,13 @@ log = logging.getLogger(__name__)
 
 class GenerationServicer(pb_grpc.GenerationServicer):
     def __init__(
-        self, config: RouterConfig, limits: Limits, tokenizer: Tokenizer | None, dispatcher: Dispatcher
+        self, config: RouterConfig, limits: Limits, tokenizer: Tokenizer | None, dispatcher: Dispatcher,
+        api_keys: ApiKeys | None = None,
     ) -> None:
+        """Callers are authenticated before a call reaches here (api_keys.py);
+        `api_keys` only names their tenant, with --salt-cache-by-key."""
         self.config = config
+        self.api_keys = api_keys
         self.limits = limits
         self.tokenizer = tokenizer
         self.validator = Validator(limits, tokenizer)
@@ -39,8 +45,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                           f"router: {self.config.max_concurrent_requests} requests in flight (--max-concurrent-requests)")
         try:
+            tenant = self._tenant(context)
             with rpc_errors(context):
-                job = self.validator.validate(request)
+                job = self.validator.validate(request, tenant)
             deadline = Deadline.of_rpc(context, self.config.request_timeout)
             builder = ResponseBuilder(job, self.tokenizer, arrival)
             try:
@@ -52,6 +59,14 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 context.abort(e.code, e.message)
         finally:
             self._slots.release()
+
+    def _tenant(self, context: grpc.ServicerContext) -> str | None:
+        if not self.config.salt_cache_by_key or self.api_keys is None:
+            return None
+        tenant = self.api_keys.identify(metadata_of(context.invocation_metadata()))
+        if tenant is None:  # the key was revoked since the interceptor let the call in
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "API key not valid")
+        return tenant
 
     def ListModels(self, request: pb.ListModelsRequest, context: grpc.ServicerContext) -> pb.ListModelsResponse:
         lim = self.limits

@@ -3,7 +3,11 @@
 Every check the engine would make is made here first, so a bad request never
 reaches a worker: model name, prompt (text or ids, non-empty, in the vocabulary,
 fits max_model_len), every sampling field (engine.SamplingParams), n and
-beam_width within --max-n, prompt + max_tokens within max_model_len.
+beam_width within --max-n, prompt + max_tokens within max_model_len, cache_salt.
+
+The cache salt a job runs with is the client's, behind its tenant's name when the
+router salts by API key (`tenant/salt`): a client can pick its own salt, never step
+into another tenant's.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.services.common.convert import params_from_options
 
 MAX_REQUEST_ID = 256
+MAX_CACHE_SALT = 256
 
 
 @dataclass(frozen=True)
@@ -27,7 +32,12 @@ class Job:
     prompt: tuple[int, ...]
     params: SamplingParams
     options: pb.SamplingOptions  # as the client sent them: workers apply the same defaults
-    block_hashes: tuple[bytes, ...]
+    block_hashes: tuple[bytes, ...]  # salted with params.cache_salt, as every worker hashes them
+
+    @property
+    def cache_salt(self) -> str:
+        """What workers get (RPC fields are strings: "" for none)."""
+        return self.params.cache_salt or ""
 
 
 @dataclass(frozen=True)
@@ -44,14 +54,18 @@ class Validator:
         self.limits = limits
         self.tokenizer = tokenizer
 
-    def validate(self, request: pb.GenerateRequest) -> Job:
+    def validate(self, request: pb.GenerateRequest, tenant: str | None = None) -> Job:
+        """The job of a request; `tenant` (an API key's id) goes in front of its salt."""
         lim = self.limits
         if request.model and request.model != lim.model_name:
             raise ValueError(f"model: unknown model {request.model!r}; this router serves {lim.model_name!r}")
         if len(request.request_id) > MAX_REQUEST_ID:
             raise ValueError(f"request_id: longer than {MAX_REQUEST_ID} characters")
         prompt = self._prompt(request)
-        params = params_from_options(request.sampling)
+        if len(request.cache_salt) > MAX_CACHE_SALT:
+            raise ValueError(f"cache_salt: longer than {MAX_CACHE_SALT} characters")
+        salt = request.cache_salt if tenant is None else f"{tenant}/{request.cache_salt}"
+        params = params_from_options(request.sampling, salt)
         if params.n > lim.max_n:
             raise ValueError(f"n: must be <= {lim.max_n} (--max-n), got {params.n}")
         if params.beam_width > lim.max_n:
@@ -70,7 +84,7 @@ class Validator:
         worker_id = uuid.uuid4().hex
         return Job(
             request.request_id or worker_id, worker_id, tuple(prompt), params, request.sampling,
-            tuple(hash_blocks(prompt, lim.block_size)),
+            tuple(hash_blocks(prompt, lim.block_size, cache_salt=params.cache_salt)),
         )
 
     def _prompt(self, request: pb.GenerateRequest) -> list[int]:

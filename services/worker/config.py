@@ -10,6 +10,7 @@ from pathlib import Path
 from pdserve.engine.config import CacheConfig, SchedulerConfig
 from pdserve.engine.engine import EngineConfig
 from pdserve.engine.llm import DEFAULT_MODEL
+from pdserve.services.common.credentials import ClusterCredentials
 from pdserve.services.common.flags import check, flag
 
 ROLES = ("prefill", "decode", "mixed")
@@ -25,7 +26,7 @@ class WorkerConfig:
     served_model_name: str | None = flag(None, "model name clients use (default: the directory's name)")
     host: str = flag("127.0.0.1", "address to listen on")
     port: int = flag(0, "port to listen on (0: any free port)")
-    router: str | None = flag(None, "router address to register with (none: standalone)")
+    router: str | None = flag(None, "the router's internal (Registry) address to register with (none: standalone)")
     worker_id: str | None = flag(None, "unique worker id (default: role-pid)")
     advertise_host: str | None = flag(None, "host the router should dial (default: --host)")
     address_file: str | None = flag(None, "write the bound address to this file when serving")
@@ -52,6 +53,7 @@ class WorkerConfig:
     register_timeout: float = flag(60.0, "how long to keep trying to register with the router")
     grpc_threads: int | None = flag(None, "gRPC handler threads, each stream holds one (default: max_num_seqs + 16)")
     log_level: str = flag("INFO", "DEBUG | INFO | WARNING | ERROR")
+    credentials: ClusterCredentials = flag(ClusterCredentials(), "the cluster's credentials (internal surface)")
 
     def __post_init__(self) -> None:
         check(self.role in ROLES, "role", f"must be one of {ROLES}", self.role)

@@ -6,13 +6,15 @@
     --kv-connector pdserve.services.worker.kv_connectors:nccl_connector     torch.distributed, NCCL (KV on GPU)
 
 A prefill worker gets a sender, a decode worker a receiver, a mixed worker both.
-Settings from the environment (every worker of a cluster sees the same):
+Their security comes from the worker's credentials (KVCredentials: --kv-curve-cert and
+--kv-curve-authorized turn CURVE on, for encrypted, authenticated ZeroMQ connections;
+the cluster token signs the torch.distributed rendezvous). Settings from the
+environment (every worker of a cluster sees the same):
 
-    PDSERVE_KV_HOST      address a receiver binds and advertises (tcp, gloo, nccl; default
-                         127.0.0.1): a host every prefill worker can reach
+    PDSERVE_KV_HOST      address a receiver (and its rendezvous store) binds and
+                         advertises (tcp, gloo, nccl; default 127.0.0.1): a host every
+                         prefill worker can reach
     PDSERVE_KV_IPC_DIR   directory of the ipc sockets (default: a new temporary directory)
-    PDSERVE_KV_CURVE_*   CURVE keys (kvtransfer.zmq.CurveConfig.from_env): encrypted,
-                         authenticated ZeroMQ connections
 
 How a request's transfer maps onto kvtransfer (every engine touch on the engine thread,
 through `loop.call`, a poller or the engine's layer hook):
@@ -55,10 +57,10 @@ from pdserve.kvtransfer.connector import (
 from pdserve.kvtransfer.connector import TransferTarget as Plan
 from pdserve.kvtransfer.nccl import TorchDistConfig, TorchDistReceiver, TorchDistSender
 from pdserve.kvtransfer.wire import TransferError
-from pdserve.kvtransfer.zmq import CurveConfig, ZmqConfig, ZmqReceiver, ZmqSender
+from pdserve.kvtransfer.zmq import ZmqConfig, ZmqReceiver, ZmqSender
 from pdserve.services.worker.engine_loop import EngineLoop
 from pdserve.services.worker.events import Failure
-from pdserve.services.worker.kv_seam import TransferTarget
+from pdserve.services.worker.kv_seam import KVCredentials, TransferTarget
 
 CALL_TIMEOUT = 10.0  # longest wait for the engine thread to take a command
 HOST_ENV = "PDSERVE_KV_HOST"
@@ -158,7 +160,7 @@ class ConnectorSender:
         plan = Plan.unpack(target.plan)  # ValueError when malformed
         prompt = list(target.prompt_token_ids)
         connector = self.connector
-        self.loop.call(lambda _engine: connector.track(target.request_id, prompt, plan), CALL_TIMEOUT)
+        self.loop.call(lambda _engine: connector.track(target.request_id, prompt, plan, target.cache_salt), CALL_TIMEOUT)
 
     def finish(self, request_id: str, first_token: int | None) -> None:
         connector = self.connector
@@ -200,8 +202,8 @@ class ConnectorSender:
 # -- factories (`--kv-connector module:factory`) ---------------------------------------
 
 
-def _zmq_config() -> ZmqConfig:
-    return ZmqConfig(curve=CurveConfig.from_env())
+def _zmq_config(credentials: KVCredentials) -> ZmqConfig:
+    return ZmqConfig(curve=credentials.curve)
 
 
 def _host() -> str:
@@ -217,9 +219,10 @@ def _sides(role: str, worker_id: str, transport: str, make_sender: MakeSender, m
     return sender, receiver
 
 
-def zmq_connector(role: str, worker_id: str) -> tuple[ConnectorSender | None, ConnectorReceiver | None]:
+def zmq_connector(role: str, worker_id: str, credentials: KVCredentials = KVCredentials()
+                  ) -> tuple[ConnectorSender | None, ConnectorReceiver | None]:
     """KV pages over ZeroMQ tcp; the receiver binds a free port on $PDSERVE_KV_HOST."""
-    config = _zmq_config()
+    config = _zmq_config(credentials)
     bind = f"tcp://{_host()}:0"
     return _sides(role, worker_id, "zmq", lambda: ZmqSender(config), lambda kv: ZmqReceiver(kv, bind, config))
 
@@ -243,26 +246,30 @@ class _IpcSocket:
             shutil.rmtree(self.own_dir, ignore_errors=True)
 
 
-def zmq_ipc_connector(role: str, worker_id: str) -> tuple[ConnectorSender | None, ConnectorReceiver | None]:
+def zmq_ipc_connector(role: str, worker_id: str, credentials: KVCredentials = KVCredentials()
+                      ) -> tuple[ConnectorSender | None, ConnectorReceiver | None]:
     """KV pages over ZeroMQ ipc (a Unix socket): prefill and decode workers on one host."""
-    config = _zmq_config()
+    config = _zmq_config(credentials)
     ipc = _IpcSocket(worker_id)
     return _sides(role, worker_id, "zmq-ipc", lambda: ZmqSender(config),
                   lambda kv: ZmqReceiver(kv, ipc.address(), config), ipc.cleanup)
 
 
-def _torch_connector(backend: str, role: str, worker_id: str) -> tuple[ConnectorSender | None, ConnectorReceiver | None]:
-    config = TorchDistConfig(backend=backend, zmq=_zmq_config())
+def _torch_connector(backend: str, role: str, worker_id: str, credentials: KVCredentials
+                     ) -> tuple[ConnectorSender | None, ConnectorReceiver | None]:
+    config = TorchDistConfig(backend=backend, zmq=_zmq_config(credentials), token=credentials.rendezvous_token)
     bind = f"tcp://{_host()}:0"
     return _sides(role, worker_id, backend, lambda: TorchDistSender(config),
                   lambda kv: TorchDistReceiver(kv, bind, config))
 
 
-def gloo_connector(role: str, worker_id: str) -> tuple[ConnectorSender | None, ConnectorReceiver | None]:
+def gloo_connector(role: str, worker_id: str, credentials: KVCredentials = KVCredentials()
+                   ) -> tuple[ConnectorSender | None, ConnectorReceiver | None]:
     """Headers over ZeroMQ tcp, page runs over torch.distributed gloo (CPU KV caches)."""
-    return _torch_connector("gloo", role, worker_id)
+    return _torch_connector("gloo", role, worker_id, credentials)
 
 
-def nccl_connector(role: str, worker_id: str) -> tuple[ConnectorSender | None, ConnectorReceiver | None]:
+def nccl_connector(role: str, worker_id: str, credentials: KVCredentials = KVCredentials()
+                   ) -> tuple[ConnectorSender | None, ConnectorReceiver | None]:
     """Headers over ZeroMQ tcp, page runs over torch.distributed NCCL (CUDA KV caches)."""
-    return _torch_connector("nccl", role, worker_id)
+    return _torch_connector("nccl", role, worker_id, credentials)

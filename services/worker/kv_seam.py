@@ -38,7 +38,10 @@ the engine thread (or a handler thread): implementations are thread-safe.
 the Prefill RPC, and the router tries another prefill worker).
 
 A connector is named on the command line as `--kv-connector module:factory`;
-`factory(role, worker_id)` returns `(sender or None, receiver or None)`. A side may
+`factory(role, worker_id, credentials)` returns `(sender or None, receiver or None)`;
+`credentials` (KVCredentials) are the worker's CURVE keys, with which a transport
+must encrypt and authenticate whenever there are any, and the token that signs its
+rendezvous, if it has one. A side may
 also have `stats() -> dict[str, int]` (`kv_transfer_bytes`, `kv_transfers`,
 `kv_transfer_failures`), which the worker's Stats RPC reports. The ZeroMQ and
 torch.distributed connectors are in services/worker/kv_connectors.py.
@@ -53,6 +56,7 @@ from typing import Protocol
 
 from pdserve.engine.engine import Reservation
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kvtransfer.zmq import CurveConfig
 from pdserve.services.worker.engine_loop import EngineLoop
 
 
@@ -68,6 +72,15 @@ class TransferTarget:
     deadline: float  # time.monotonic(); give up (and release) after it
     plan: bytes = b""  # what the receiver's `expect` returned (the connector's format)
     prompt_token_ids: tuple[int, ...] = ()  # the prompt whose KV is shipped
+    cache_salt: str | None = None  # the request's: its block hashes are salted with it
+
+
+@dataclass(frozen=True)
+class KVCredentials:
+    """What a KV connector secures its transfers with (services/common/credentials.py)."""
+
+    curve: CurveConfig | None = None  # this worker's CURVE keys (None: plaintext, development)
+    rendezvous_token: bytes | None = None  # signs torch.distributed rendezvous values
 
 
 class KVSender(Protocol):
@@ -139,8 +152,8 @@ class Connector:
                 side.close()
 
 
-def load_connector(spec: str, role: str, worker_id: str) -> Connector:
-    """`""` -> no transfer; `"module:factory"` -> factory(role=, worker_id=)."""
+def load_connector(spec: str, role: str, worker_id: str, credentials: KVCredentials = KVCredentials()) -> Connector:
+    """`""` -> no transfer; `"module:factory"` -> factory(role=, worker_id=, credentials=)."""
     if not spec:
         return Connector()
     module_name, _, attr = spec.partition(":")
@@ -149,5 +162,5 @@ def load_connector(spec: str, role: str, worker_id: str) -> Connector:
     factory = getattr(importlib.import_module(module_name), attr, None)
     if factory is None:
         raise ValueError(f"kv_connector: {module_name} has no {attr!r}")
-    sender, receiver = factory(role=role, worker_id=worker_id)
+    sender, receiver = factory(role=role, worker_id=worker_id, credentials=credentials)
     return Connector(sender, receiver)

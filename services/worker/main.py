@@ -18,12 +18,13 @@ from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from pdserve.services.common import log as service_log
 from pdserve.services.common.convert import ROLES
+from pdserve.services.common.credentials import ClusterAuth
 from pdserve.services.common.server import GrpcServer, announce, shutdown_event
 from pdserve.services.decode.service import DecodeService
 from pdserve.services.prefill.service import PrefillService
 from pdserve.services.worker.config import WorkerConfig
 from pdserve.services.worker.engine_loop import EngineLoop
-from pdserve.services.worker.kv_seam import Connector, load_connector
+from pdserve.services.worker.kv_seam import Connector, KVCredentials, load_connector
 from pdserve.services.worker.registration import Registrar
 from pdserve.services.worker.servicer import WorkerServicer
 
@@ -31,15 +32,22 @@ log = logging.getLogger(__name__)
 
 
 class Worker:
+    """Its Worker service is internal: with cluster credentials configured, every call
+    but health checks must present them (services/common/credentials.py)."""
+
     def __init__(self, config: WorkerConfig, connector: Connector | None = None) -> None:
         self.config = config
+        self.auth = ClusterAuth(config.credentials)
         self.engine = LLMEngine(config.engine_config())
         self.loop = EngineLoop(self.engine, held_lease=config.held_lease)
-        self.connector = connector if connector is not None else load_connector(config.kv_connector or "", config.role, config.id)
+        if connector is None:
+            kv = KVCredentials(self.auth.kv_curve(), self.auth.rendezvous_token)
+            connector = load_connector(config.kv_connector or "", config.role, config.id, kv)
+        self.connector = connector
         prefill = PrefillService(self.loop, self.connector.sender, config) if config.role != "decode" else None
         decode = DecodeService(self.loop, self.connector.receiver, config) if config.role != "prefill" else None
         threads = config.grpc_threads or config.max_num_seqs + 16  # each stream holds one
-        self.server = GrpcServer(threads=threads, max_concurrent_rpcs=threads)
+        self.server = GrpcServer(threads=threads, max_concurrent_rpcs=threads, interceptors=self.auth.interceptors())
         servicer = WorkerServicer(config, self.loop, prefill, decode, self.connector.stats)
         pb_grpc.add_WorkerServicer_to_server(servicer, self.server.grpc)
         self.registrar: Registrar | None = None
@@ -47,13 +55,15 @@ class Worker:
 
     def start(self) -> str:
         """Start the engine thread and the server; register; returns host:port."""
+        self.auth.warn_if_open(f"{self.config.role} worker {self.config.id}")
         self.connector.bind(self.loop)
         self.loop.start()
-        port = self.server.start(self.config.host, self.config.port, ["pdserve.v1.Worker"])
+        port = self.server.start(self.config.host, self.config.port, ["pdserve.v1.Worker"],
+                                 self.auth.server_credentials())
         self.address = f"{self.config.advertise_host or self.config.host}:{port}"
         self.server.set_serving()
         if self.config.router:
-            self.registrar = Registrar(self.config.router, self.info(), self._load)
+            self.registrar = Registrar(self.config.router, self.info(), self._load, self.auth)
             self.registrar.register(self.config.register_timeout)
             self.registrar.start()
         log.info("%s worker %s serving on %s", self.config.role, self.config.id, self.address)

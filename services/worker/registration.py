@@ -16,6 +16,7 @@ import grpc
 
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from pdserve.services.common.credentials import ClusterAuth
 from pdserve.services.common.server import CHANNEL_OPTIONS
 
 log = logging.getLogger(__name__)
@@ -23,11 +24,12 @@ RPC_TIMEOUT = 5.0
 
 
 class Registrar:
-    def __init__(self, router: str, info: pb.WorkerInfo, load: Callable[[], pb.Load | None]) -> None:
+    def __init__(self, router: str, info: pb.WorkerInfo, load: Callable[[], pb.Load | None],
+                 auth: ClusterAuth | None = None) -> None:
         self.router = router
         self.info = info
         self.load = load
-        self._channel = grpc.insecure_channel(router, options=CHANNEL_OPTIONS)
+        self._channel = (auth or ClusterAuth()).channel(router, CHANNEL_OPTIONS)
         self._stub = pb_grpc.RegistryStub(self._channel)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
@@ -44,7 +46,8 @@ class Registrar:
                 log.info("registered with router %s as %s", self.router, self.info.worker_id)
                 return
             except grpc.RpcError as e:
-                if e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
+                if e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
+                                grpc.StatusCode.UNAUTHENTICATED):
                     raise ValueError(f"router: refused registration: {e.details()}") from e
                 if time.monotonic() + backoff > give_up or self._stop.is_set():
                     raise TimeoutError(f"router: {self.router} unreachable for {timeout:.0f}s ({e.code().name})") from e

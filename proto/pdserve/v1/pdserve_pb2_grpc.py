@@ -410,8 +410,9 @@ class Worker:
 class RegistryStub:
     """---------------------------------------------------------------- registry
 
-    On the router: workers join (also while the cluster serves) and heartbeat; a
-    worker that misses heartbeats or stops answering is dropped and gets no work.
+    On the router's internal port: workers join (also while the cluster serves) and
+    heartbeat; a worker that misses heartbeats or stops answering is dropped and gets
+    no work.
     """
 
     def __init__(self, channel):
@@ -440,8 +441,9 @@ class RegistryStub:
 class RegistryServicer:
     """---------------------------------------------------------------- registry
 
-    On the router: workers join (also while the cluster serves) and heartbeat; a
-    worker that misses heartbeats or stops answering is dropped and gets no work.
+    On the router's internal port: workers join (also while the cluster serves) and
+    heartbeat; a worker that misses heartbeats or stops answering is dropped and gets
+    no work.
     """
 
     def Register(self, request, context):
@@ -493,8 +495,9 @@ def add_RegistryServicer_to_server(servicer, server):
 class Registry:
     """---------------------------------------------------------------- registry
 
-    On the router: workers join (also while the cluster serves) and heartbeat; a
-    worker that misses heartbeats or stops answering is dropped and gets no work.
+    On the router's internal port: workers join (also while the cluster serves) and
+    heartbeat; a worker that misses heartbeats or stops answering is dropped and gets
+    no work.
     """
 
     @staticmethod
