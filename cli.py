@@ -97,6 +97,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from pdserve.engine.llm import DEFAULT_MODEL
+    from pdserve.launch.credentials import LAUNCH_MADE
     from pdserve.launch.local import PER_WORKER, LaunchConfig
     from pdserve.services.common.flags import add_flags
     from pdserve.services.router.config import RouterConfig
@@ -118,8 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser("up", help="start router + workers locally; prints `ready <address> internal <registry>`")
     add_flags(up, LaunchConfig)
-    taken = add_flags(up, RouterConfig, skip={"address_file"})  # shared names (model, block_size, ...) go to both
-    add_flags(up, WorkerConfig, skip=taken | set(PER_WORKER))
+    made = set(LAUNCH_MADE)  # fresh for every launch: no flags for them
+    taken = add_flags(up, RouterConfig, skip={"address_file"} | made)  # shared names (model, block_size, ...) go to both
+    add_flags(up, WorkerConfig, skip=taken | set(PER_WORKER) | made)
     up.set_defaults(func=_up)
 
     router = sub.add_parser("router", help="the router: public Generation API + worker registry")

@@ -29,6 +29,8 @@ from pdserve.services.common.credentials import ClusterCredentials
 from pdserve.services.common.flags import check
 
 ROLES = ("prefill", "decode", "mixed")
+# The ClusterCredentials fields a launch always makes itself (never the operator's).
+LAUNCH_MADE = ("cluster_token_file", "kv_curve_cert", "kv_curve_authorized")
 SENDERS = ("prefill", "mixed")
 TOKEN_FILE = "cluster-token"
 
@@ -76,7 +78,7 @@ def generate(directory: str | Path, base: ClusterCredentials = ClusterCredential
     """Fresh token and CURVE key pairs in `directory` (made private; files replaced).
     Raises ValueError if `base` already names a token or CURVE keys: those are the
     launch's own, fresh every time."""
-    for name in ("cluster_token_file", "kv_curve_cert", "kv_curve_authorized"):
+    for name in LAUNCH_MADE:
         check(getattr(base, name) is None, name, "a launcher makes a fresh one for every launch "
               "(keep them with the launcher's --secrets-dir)", getattr(base, name))
     root = _private_dir(Path(directory))
