@@ -109,26 +109,44 @@ class SignedStore(dist.Store):
     """A store whose values carry HMAC-SHA256(token, key, value): `set` signs, `get`
     refuses (RuntimeError) a value the token did not sign, or one signed for another
     key. Keys name their pair, so a value cannot be replayed into another pairing.
-    Only what a process-group rendezvous uses is offered (set, get, wait, check)."""
+    Counters (`add`) stay unsigned: a stranger can disturb them, not steer a pairing.
+    A store made by `clone` is kept alive by this one (C++ holds it, and a Python
+    store's methods exist only while its Python object does)."""
 
     def __init__(self, inner: dist.Store, token: bytes) -> None:
         super().__init__()
         self._inner = inner
         self._token = token
+        self._clones: list[SignedStore] = []
 
     def _tag(self, key: str, value: bytes) -> bytes:
         return hmac.new(self._token, key.encode() + b"\0" + value, hashlib.sha256).digest()
 
-    def set(self, key: str, value: bytes) -> None:
+    def _signed(self, key: str, value: bytes) -> bytes:
         value = bytes(value)
-        self._inner.set(key, self._tag(key, value) + value)
+        return self._tag(key, value) + value
 
-    def get(self, key: str) -> bytes:
-        raw = bytes(self._inner.get(key))
+    def _verified(self, key: str, raw: bytes) -> bytes:
+        raw = bytes(raw)
         tag, value = raw[:32], raw[32:]
         if not hmac.compare_digest(tag, self._tag(key, value)):
             raise RuntimeError(f"rendezvous: {key!r} is not signed with the cluster token")
         return value
+
+    def set(self, key: str, value: bytes) -> None:
+        self._inner.set(key, self._signed(key, value))
+
+    def get(self, key: str) -> bytes:
+        return self._verified(key, self._inner.get(key))
+
+    def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        expected = bytes(expected)
+        current = self._inner.compare_set(key, self._signed(key, expected) if expected else b"",
+                                          self._signed(key, desired))
+        return self._verified(key, current)
+
+    def add(self, key: str, amount: int) -> int:
+        return self._inner.add(key, amount)
 
     def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
         if timeout is None:
@@ -139,8 +157,19 @@ class SignedStore(dist.Store):
     def check(self, keys: list[str]) -> bool:
         return self._inner.check(keys)
 
+    def delete_key(self, key: str) -> bool:
+        return self._inner.delete_key(key)
+
+    def num_keys(self) -> int:
+        return self._inner.num_keys()
+
     def set_timeout(self, timeout: datetime.timedelta) -> None:
         self._inner.set_timeout(timeout)
+
+    def clone(self) -> "SignedStore":
+        clone = SignedStore(self._inner.clone(), self._token)
+        self._clones.append(clone)
+        return clone
 
 
 def listening_store(host: str, timeout: datetime.timedelta) -> dist.TCPStore:

@@ -419,6 +419,9 @@ def test_the_rendezvous_store_listens_on_the_kv_host_only_and_values_need_the_to
     client.set("pdserve-kv/other/0", signed)  # a genuine value, replayed under another key
     with pytest.raises(RuntimeError, match="not signed"):
         ours.get("pdserve-kv/other/0")
+    # What else a process group may ask of its store (NCCL: compare_set, counters, clones).
+    assert ours.compare_set("pdserve-kv/pair/3", b"", b"id") == b"id" == ours.clone().get("pdserve-kv/pair/3")
+    assert ours.add("pdserve-kv/pair/seq", 2) == 2 and ours.check(["pdserve-kv/pair/0"])
 
 
 def test_gloo_transfers_run_with_a_signed_rendezvous_and_curve(launch, llm):
