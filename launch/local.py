@@ -28,7 +28,7 @@ import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 import grpc
 
@@ -39,10 +39,13 @@ from pdserve.services.common.server import LAUNCHER_PID_ENV
 from pdserve.services.router.config import RouterConfig
 from pdserve.services.worker.config import DEFAULT_KV_CONNECTOR, WorkerConfig
 
+if TYPE_CHECKING:
+    from pdserve.launch.prometheus import Prometheus
+
 log = logging.getLogger(__name__)
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Worker settings the launcher decides per worker, never taken from the template.
-PER_WORKER = ("role", "port", "router", "worker_id", "advertise_host", "address_file")
+PER_WORKER = ("role", "port", "router", "worker_id", "advertise_host", "address_file", "metrics_port")
 POLL = 0.1
 
 
@@ -52,6 +55,8 @@ class LaunchConfig:
     decode: int = flag(1, "decode workers")
     mixed: int = flag(0, "mixed (prefill + decode) workers")
     startup_timeout: float = flag(180.0, "seconds for every process to be up and registered")
+    prometheus: bool = flag(False, "also start a Prometheus server scraping every service's /metrics "
+                                   "(needs `prometheus` on PATH)")
 
     def __post_init__(self) -> None:
         for role in ("prefill", "decode", "mixed"):
@@ -138,9 +143,17 @@ class LocalCluster:
         return {name: p.returncode for name, p in self.processes.items() if p.poll() is not None}
 
     def live_workers(self, timeout: float = 5.0) -> list[pb.WorkerInfo]:
+        return list(self._list_workers(timeout).workers)
+
+    def metrics_targets(self, timeout: float = 5.0) -> list[str]:
+        """host:port of every service's /metrics: the router's, then each live worker's."""
+        reply = self._list_workers(timeout)
+        endpoints = [(self.address, reply.router_metrics_port)] + [(w.address, w.metrics_port) for w in reply.workers]
+        return [f"{address.rsplit(':', 1)[0]}:{port}" for address, port in endpoints if port]
+
+    def _list_workers(self, timeout: float) -> pb.ListWorkersResponse:
         with grpc.insecure_channel(self.address) as channel:
-            reply = pb_grpc.RegistryStub(channel).ListWorkers(pb.ListWorkersRequest(), timeout=timeout)
-        return list(reply.workers)
+            return pb_grpc.RegistryStub(channel).ListWorkers(pb.ListWorkersRequest(), timeout=timeout)
 
     def wait_registered(self, ids: list[str], deadline: float, stop: threading.Event | None = None) -> None:
         waiting = set(ids)
@@ -175,8 +188,8 @@ class LocalCluster:
         index = self._next_index.get(role, 0)
         self._next_index[role] = index + 1
         worker_id = f"{role}-{index}"
-        config = replace(self.spec.worker, role=role, port=0, router=self.address, worker_id=worker_id,
-                         kv_connector=self.kv_connector(role))
+        config = replace(self.spec.worker, role=role, port=0, metrics_port=0, router=self.address,
+                         worker_id=worker_id, kv_connector=self.kv_connector(role))
         self._spawn(worker_id, [role, *to_argv(config, skip=("role",))])
         return worker_id
 
@@ -206,18 +219,26 @@ class LocalCluster:
 
 
 def up(spec: ClusterSpec) -> int:
-    """`pdserve up`: start, print `ready <address>`, serve until SIGINT/SIGTERM."""
+    """`pdserve up`: start, print `ready <address>` (and `prometheus <url>` with
+    --prometheus), serve until SIGINT/SIGTERM."""
     from pdserve.services.common import log as service_log
     from pdserve.services.common.server import shutdown_event
 
     service_log.configure(spec.router.log_level, "launcher")
     stop = shutdown_event()
     cluster = LocalCluster(spec)
+    prometheus = None
     try:
         address = cluster.start(stop)
         print(f"ready {address}", flush=True)
+        if spec.launch.prometheus:
+            prometheus = _start_prometheus(cluster)
         reported: set[str] = set()
+        next_targets = time.monotonic() + TARGETS_REFRESH
         while not stop.wait(0.5):
+            if prometheus is not None and time.monotonic() >= next_targets:
+                _refresh_targets(cluster, prometheus)
+                next_targets = time.monotonic() + TARGETS_REFRESH
             dead = cluster.exited()
             if "router" in dead:
                 log.error("router exited with %s: stopping the cluster", dead["router"])
@@ -226,8 +247,35 @@ def up(spec: ClusterSpec) -> int:
                 log.warning("%s exited with %s", name, dead[name])
                 reported.add(name)
         return 0
-    except StartupError as e:
+    except (StartupError, RuntimeError) as e:
         log.error("cluster: %s", e)
         return 1
     finally:
+        if prometheus is not None:
+            prometheus.stop()
         cluster.stop()
+
+
+TARGETS_REFRESH = 5.0  # seconds between re-reading the cluster's /metrics endpoints
+
+
+def _start_prometheus(cluster: LocalCluster) -> "Prometheus | None":
+    from pdserve.launch.prometheus import Prometheus
+
+    targets = cluster.metrics_targets()
+    if not targets:
+        log.warning("prometheus: no service serves /metrics (--no-metrics?); not starting it")
+        return None
+    prometheus = Prometheus.start_if_installed(targets)
+    if prometheus is None:
+        log.warning("prometheus: no `prometheus` binary on PATH (Debian: apt-get install prometheus); going on without it")
+        return None
+    print(f"prometheus {prometheus.url}", flush=True)
+    return prometheus
+
+
+def _refresh_targets(cluster: LocalCluster, prometheus: "Prometheus") -> None:
+    try:
+        prometheus.set_targets(cluster.metrics_targets())
+    except grpc.RpcError as e:
+        log.warning("prometheus: cannot list the cluster's endpoints: %s", e.code().name)

@@ -12,6 +12,7 @@ from pdserve.engine.config import ModelConfig
 from pdserve.engine.tokenizer import Tokenizer, has_tokenizer
 from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from pdserve.services.common import log as service_log
+from pdserve.services.common.metrics import metrics_host, router_metrics
 from pdserve.services.common.server import GrpcServer, announce, shutdown_event
 from pdserve.services.router.config import RouterConfig
 from pdserve.services.router.dispatch import Dispatcher
@@ -34,14 +35,21 @@ class Router:
         self.limits = Limits(config.model_name, model.vocab_size, max_model_len, config.max_n, config.block_size)
         tokenizer = Tokenizer(config.model) if has_tokenizer(config.model) else None
         self.registry = WorkerRegistry(config, config.model_name, max_model_len)
+        self.metrics = router_metrics(config.metrics, config.model_name)
+        self.metrics.watch_workers(lambda: [h.role for h in self.registry.live()])
         self.server = GrpcServer(threads=config.max_concurrent_requests + SPARE_THREADS)
-        generation = GenerationServicer(config, self.limits, tokenizer, Dispatcher(self.registry, config))
+        dispatcher = Dispatcher(self.registry, config, self.metrics)
+        generation = GenerationServicer(config, self.limits, tokenizer, dispatcher, self.metrics)
         pb_grpc.add_GenerationServicer_to_server(generation, self.server.grpc)
-        pb_grpc.add_RegistryServicer_to_server(RegistryServicer(self.registry, config), self.server.grpc)
+        self.registry_service = RegistryServicer(self.registry, config)
+        pb_grpc.add_RegistryServicer_to_server(self.registry_service, self.server.grpc)
         self.address = ""
+        self.metrics_port = 0
 
     def start(self) -> str:
         self.registry.start()
+        self.metrics_port = self.registry_service.metrics_port = self.metrics.serve(
+            metrics_host(self.config), self.config.metrics_port)
         port = self.server.start(self.config.host, self.config.port, ["pdserve.v1.Generation", "pdserve.v1.Registry"])
         self.address = f"{self.config.host}:{port}"
         self.server.set_serving()
@@ -51,6 +59,7 @@ class Router:
     def stop(self, grace: float = 2.0) -> None:
         self.server.stop(grace)
         self.registry.stop()
+        self.metrics.close()
 
 
 def run(config: RouterConfig) -> int:

@@ -14,6 +14,7 @@ from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from pdserve.services.common.deadline import Deadline
 from pdserve.services.common.errors import rpc_errors
+from pdserve.services.common.metrics import RouterMetrics
 from pdserve.services.router.config import RouterConfig
 from pdserve.services.router.dispatch import ClientGone, Dispatcher, RouterError
 from pdserve.services.router.responses import ResponseBuilder
@@ -24,37 +25,54 @@ log = logging.getLogger(__name__)
 
 class GenerationServicer(pb_grpc.GenerationServicer):
     def __init__(
-        self, config: RouterConfig, limits: Limits, tokenizer: Tokenizer | None, dispatcher: Dispatcher
+        self, config: RouterConfig, limits: Limits, tokenizer: Tokenizer | None, dispatcher: Dispatcher,
+        metrics: RouterMetrics,
     ) -> None:
         self.config = config
         self.limits = limits
         self.tokenizer = tokenizer
         self.validator = Validator(limits, tokenizer)
         self.dispatcher = dispatcher
+        self.metrics = metrics
         self._slots = threading.BoundedSemaphore(config.max_concurrent_requests)
 
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
         arrival = time.monotonic()
-        if not self._slots.acquire(blocking=False):
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"router: {self.config.max_concurrent_requests} requests in flight (--max-concurrent-requests)")
+        self.metrics.request_started()
+        acquired = succeeded = False
         try:
+            acquired = self._slots.acquire(blocking=False)
+            if not acquired:
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"router: {self.config.max_concurrent_requests} requests in flight (--max-concurrent-requests)")
             with rpc_errors(context):
                 job = self.validator.validate(request)
             deadline = Deadline.of_rpc(context, self.config.request_timeout)
-            builder = ResponseBuilder(job, self.tokenizer, arrival)
+            builder = ResponseBuilder(job, self.tokenizer, arrival, self.metrics)
             try:
                 for message in self.dispatcher.run(job, deadline, context, builder.note_cached_tokens):
                     yield from builder.messages(message)
+                succeeded = True
             except ClientGone:
                 log.info("request %s: client gone, aborted on the workers", job.request_id)
             except RouterError as e:
                 context.abort(e.code, e.message)
         finally:
-            self._slots.release()
+            if acquired:
+                self._slots.release()
+            self.metrics.request_ended(None if succeeded else _failure(context))
 
     def ListModels(self, request: pb.ListModelsRequest, context: grpc.ServicerContext) -> pb.ListModelsResponse:
         lim = self.limits
         return pb.ListModelsResponse(models=[pb.ModelInfo(
             name=lim.model_name, max_model_len=lim.max_model_len, vocab_size=lim.vocab_size, max_n=lim.max_n,
         )])
+
+
+def _failure(context: grpc.ServicerContext) -> str:
+    """The status a failed Generate ends with: the one it aborted with, CANCELLED when
+    the client went away, else UNKNOWN (an unexpected exception)."""
+    code = context.code()
+    if isinstance(code, grpc.StatusCode) and code != grpc.StatusCode.OK:
+        return code.name
+    return grpc.StatusCode.CANCELLED.name if not context.is_active() else grpc.StatusCode.UNKNOWN.name
