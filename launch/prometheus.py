@@ -73,7 +73,8 @@ class Prometheus:
 
     def start(self, targets: Sequence[str], timeout: float = START_TIMEOUT) -> str:
         """Start on a free port (retried if another process takes it first); the URL once
-        Prometheus answers /-/ready. Raises RuntimeError if it cannot start."""
+        Prometheus is ready and has scraped every target once (it applies new targets
+        a few seconds after starting). Raises RuntimeError if it cannot start."""
         self.set_targets(targets)
         config = self.dir / "prometheus.yml"
         config.write_text(_config(self.targets_file, self.interval, self.rule_files))
@@ -90,6 +91,7 @@ class Prometheus:
             log_file.close()
             why = self._wait_ready(timeout)
             if not why:
+                self._wait_scraped(len(set(targets)), timeout)
                 log.info("prometheus %s scraping %d targets", self.url, len(targets))
                 return self.url
             self.stop(cleanup=False)
@@ -117,6 +119,20 @@ class Prometheus:
     def log_tail(self, lines: int = 5) -> str:
         path = self.dir / "prometheus.log"
         return " | ".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.is_file() else ""
+
+    def _wait_scraped(self, count: int, timeout: float) -> None:
+        """Until `count` targets have been scraped once (up or down), at most `timeout` s."""
+        give_up = time.monotonic() + timeout
+        while time.monotonic() < give_up:
+            try:
+                with urllib.request.urlopen(self.url + "/api/v1/targets?state=active", timeout=1.0) as reply:
+                    active = json.load(reply)["data"]["activeTargets"]
+                if sum(t["health"] != "unknown" for t in active) >= count:
+                    return
+            except (urllib.error.URLError, OSError, KeyError, ValueError):
+                pass
+            time.sleep(0.2)
+        log.warning("prometheus: not every target scraped within %.0fs", timeout)
 
     def _wait_ready(self, timeout: float) -> str:
         """'' once ready; else why not (it exited, or the timeout passed)."""
