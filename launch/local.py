@@ -247,7 +247,7 @@ def up(spec: ClusterSpec) -> int:
                 log.warning("%s exited with %s", name, dead[name])
                 reported.add(name)
         return 0
-    except (StartupError, RuntimeError) as e:
+    except StartupError as e:
         log.error("cluster: %s", e)
         return 1
     finally:
@@ -266,7 +266,11 @@ def _start_prometheus(cluster: LocalCluster) -> "Prometheus | None":
     if not targets:
         log.warning("prometheus: no service serves /metrics (--no-metrics?); not starting it")
         return None
-    prometheus = Prometheus.start_if_installed(targets)
+    try:
+        prometheus = Prometheus.start_if_installed(targets)
+    except RuntimeError as e:  # monitoring is not worth stopping the cluster for
+        log.error("%s; going on without it", e)
+        return None
     if prometheus is None:
         log.warning("prometheus: no `prometheus` binary on PATH (Debian: apt-get install prometheus); going on without it")
         return None
