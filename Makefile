@@ -6,7 +6,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 MODEL ?= models/pdserve-tiny-code
 
-.PHONY: demo test install bench clean
+.PHONY: demo test install bench clean prometheus
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,7 +22,19 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m pdserve.launch.demo --model $(MODEL)
 
-test: $(STAMP)
+# Prometheus and promtool (Debian's package): the observability tests run a real server.
+PROMETHEUS := $(shell command -v prometheus 2>/dev/null)
+PROMTOOL := $(shell command -v promtool 2>/dev/null)
+
+prometheus:
+ifeq ($(and $(PROMETHEUS),$(PROMTOOL)),)
+	apt-get update
+	apt-get install -y prometheus
+endif
+
+test: $(STAMP) prometheus
+	promtool check rules deploy/prometheus/pdserve-rules.yaml
+	promtool test rules deploy/prometheus/pdserve-rules.test.yaml
 	$(PY) -m pytest -q tests
 
 bench: $(STAMP)

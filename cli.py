@@ -1,8 +1,9 @@
 """The `pdserve` command line.
 
     pdserve offline PROMPT...            generate in this process with the engine alone
-    pdserve up [--decode M] [--prefill N] [--mixed K] [--port P] [router/worker flags]
+    pdserve up [--decode M] [--prefill N] [--mixed K] [--port P] [--prometheus] [router/worker flags]
                                          a local cluster; prints `ready <address> internal <registry>`
+                                         (and `prometheus <url>` with --prometheus)
     pdserve router|prefill|decode|mixed [flags]   one service
     pdserve generate [--addr A] [--api-key K] [--tls-ca CA] PROMPT
                                          stream a completion from a running router

@@ -123,6 +123,7 @@ class ClusterConfig:
     torch_threads: int = 1
     kv_connector: str | None = None  # None: the launcher's default (ZeroMQ tcp); "": none
     startup_timeout: float = 180.0
+    metrics: bool = True  # Prometheus metrics in every service (--no-metrics: off, to measure their cost)
 
 
 @dataclass(frozen=True)
@@ -465,9 +466,9 @@ def local_cluster(cfg: ClusterConfig) -> Iterator[str]:
     from pdserve.services.worker.config import WorkerConfig
 
     spec = ClusterSpec(
-        RouterConfig(port=0, log_level="WARNING"),
+        RouterConfig(port=0, log_level="WARNING", metrics=cfg.metrics),
         WorkerConfig(num_blocks=cfg.num_blocks, torch_threads=cfg.torch_threads, kv_connector=cfg.kv_connector,
-                     log_level="WARNING"),
+                     log_level="WARNING", metrics=cfg.metrics),
         LaunchConfig(prefill=cfg.prefill, decode=cfg.decode, mixed=cfg.mixed, startup_timeout=cfg.startup_timeout),
     )
     with tempfile.TemporaryDirectory(prefix="pdserve-serving-") as logs:
@@ -553,6 +554,8 @@ def build_parser() -> argparse.ArgumentParser:
     own.add_argument("--torch-threads", type=int, default=c.torch_threads, help="per worker")
     own.add_argument("--kv-connector", default=c.kv_connector, help="workers' KV transfer connector 'module:factory' (default: ZeroMQ tcp; '' for none)")
     own.add_argument("--startup-timeout", type=float, default=c.startup_timeout)
+    own.add_argument("--metrics", action=argparse.BooleanOptionalAction, default=c.metrics,
+                     help="Prometheus metrics in every service (--no-metrics: off)")
     return parser
 
 
@@ -567,7 +570,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
                        **{k: v for k, v in given.items() if v is not None})
     load = LoadConfig(args.request_rate, args.concurrency, args.timeout, args.num_warmup)
     cluster = ClusterConfig(args.prefill, args.decode, args.mixed, args.num_blocks, args.torch_threads,
-                            args.kv_connector, args.startup_timeout)
+                            args.kv_connector, args.startup_timeout, metrics=args.metrics)
     return BenchConfig(workload, load, cluster, args.addr)
 
 

@@ -12,6 +12,7 @@ blocks by reference and copy the partial last block.
 from __future__ import annotations
 
 from collections.abc import Callable
+import time
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +24,7 @@ from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.group import SequenceGroup
 from pdserve.engine.kv_cache import KVCacheManager
 from pdserve.engine.model_runner import BatchItem, ModelRunner, kv_bytes_per_block
-from pdserve.engine.outputs import CompletionOutput, RequestOutput
+from pdserve.engine.outputs import CompletionOutput, RequestOutput, RequestTimes
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.sampling_params import SamplingParams
@@ -127,6 +128,8 @@ class LLMEngine:
         # Streaming: told each new token of a non-beam sequence, inside step() and
         # commit_remote(), on the caller's thread, before step() returns.
         self.token_hook: TokenHook | None = None
+        # (sequences, tokens) the last step() ran: for batch-size metrics.
+        self.last_batch: tuple[int, int] = (0, 0)
 
     def _num_blocks(self, dtype: torch.dtype, device: torch.device) -> int:
         cache, sched = self.config.cache, self.config.scheduler
@@ -196,6 +199,7 @@ class LLMEngine:
         if group is None or group.live[0].status != RequestStatus.WAITING_FOR_REMOTE_KV:
             raise ValueError(f"request_id: {request_id!r} has no reservation waiting for KV")
         request = group.live[0]
+        request.kv_committed_time = request.first_scheduled_time = time.monotonic()
         request.num_computed_tokens = request.num_prompt_tokens - (first_token is None)
         self.kv.cache_full_blocks(request)
         self.scheduler.adopt(request)
@@ -261,6 +265,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample; returns outputs of finished requests."""
         plan = self.scheduler.schedule()
+        self.last_batch = (len(plan.scheduled), plan.num_tokens)
         if not plan.scheduled:
             return self._fail_unschedulable(plan.preempted)
         batch = [BatchItem(r, n, self.kv.block_ids(r.request_id)) for r, n in plan.scheduled]
@@ -346,6 +351,7 @@ class LLMEngine:
         self, seq: Request, token: int, logprob: float | None, top: dict[int, float] | None, finished: list[RequestOutput]
     ) -> None:
         seq.append_token(token)
+        seq.first_token_time = seq.first_token_time or time.monotonic()
         if logprob is not None:
             seq.cumulative_logprob += logprob
         if top is not None:
@@ -424,8 +430,10 @@ class LLMEngine:
             if index not in reused:
                 self._finish_seq(group, beam, RequestStatus.FINISHED_ABORTED, keep=False)
         group.live = new_live
+        now = time.monotonic()
         for child, (_, token) in zip(new_live, continuations):
             child.append_token(token)
+            child.first_token_time = child.first_token_time or now
 
     def _track(self, seq: Request, group: SequenceGroup) -> None:
         self._seq_group[seq.request_id] = group
@@ -492,6 +500,7 @@ class LLMEngine:
             group.request_id, None, group.prompt_token_ids, completions, finished=True,
             num_cached_tokens=first.num_cached_tokens if first else 0,
             prompt_logprobs=first.prompt_logprobs if first and group.params.prompt_logprobs is not None else None,
+            times=_times(group.finished),
         )
 
     def _decode(self, token_ids: list[int]) -> str:
@@ -511,6 +520,7 @@ class LLMEngine:
             "num_requests_running": len(self.scheduler.running),
             "num_requests_waiting": len(self.scheduler.waiting),
             "num_requests_held": len(self.held),
+            "num_held_blocks": sum(len(self.kv.req_blocks.get(rid, ())) for rid in self.held),
         }
 
     def has_scheduled_work(self) -> bool:
@@ -529,3 +539,19 @@ class LLMEngine:
             need = -(-request.num_computed_tokens // self.config.cache.block_size)
             if have < need:
                 raise RuntimeError(f"engine: {request.request_id} has {have} blocks for {need} computed")
+
+
+def _times(seqs: list[Request]) -> RequestTimes:
+    """A request's phases from its sequences (forks inherit their parent's times)."""
+
+    def earliest(values: list[float | None]) -> float | None:
+        present = [v for v in values if v is not None]
+        return min(present) if present else None
+
+    return RequestTimes(
+        arrival=min((s.arrival_time for s in seqs), default=time.monotonic()),
+        scheduled=earliest([s.first_scheduled_time for s in seqs]),
+        first_token=earliest([s.first_token_time for s in seqs]),
+        finished=time.monotonic(),
+        kv_committed=earliest([s.kv_committed_time for s in seqs]),
+    )

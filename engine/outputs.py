@@ -16,6 +16,23 @@ class CompletionOutput:
     logprobs: list[dict[int, float]] | None = None
 
 
+@dataclass(frozen=True)
+class RequestTimes:
+    """When a finished request went through each phase here (time.monotonic seconds).
+
+        arrival ──queue──> scheduled ──prefill──> first_token ──decode──> finished
+
+    A request whose prompt KV came from a prefill worker has `kv_committed` (then
+    scheduled == kv_committed: it joins the batch at once) and arrival is its
+    reservation. `first_token` is None when it finished without sampling one."""
+
+    arrival: float
+    scheduled: float | None
+    first_token: float | None
+    finished: float
+    kv_committed: float | None = None
+
+
 @dataclass
 class RequestOutput:
     request_id: str
@@ -25,3 +42,4 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    times: RequestTimes | None = None

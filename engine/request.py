@@ -40,6 +40,11 @@ class Request:
     block_size: int
     eos_token_ids: tuple[int, ...] = ()
     arrival_time: float = field(default_factory=time.monotonic)
+    # When (time.monotonic) it was first scheduled, sampled its first token, and had
+    # its prompt's KV committed from a prefill worker (decode role); forks inherit them.
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    kv_committed_time: float | None = None
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
@@ -96,6 +101,9 @@ class Request:
         child.cumulative_logprob = self.cumulative_logprob
         child.logprobs = list(self.logprobs)
         child.text = self.text
+        child.first_scheduled_time = self.first_scheduled_time
+        child.first_token_time = self.first_token_time
+        child.kv_committed_time = self.kv_committed_time
         return child
 
     def check_stop(self) -> RequestStatus | None:

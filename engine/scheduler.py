@@ -10,6 +10,7 @@ arrival order while budget, sequence slots and blocks allow.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -93,6 +94,7 @@ class Scheduler:
             request.num_computed_tokens = num_hit
             request.num_cached_tokens = max(request.num_cached_tokens, num_hit)
             request.status = RequestStatus.RUNNING
+            request.first_scheduled_time = request.first_scheduled_time or time.monotonic()
             self.running.append(request)
             out.scheduled.append((request, n))
             budget -= n

@@ -391,12 +391,15 @@ class _Export:
     sent_upto: list[int]
     failed: str | None = None
     lease: float | None = None
+    final_at: float | None = None  # when the final message went out
 
 
 @dataclass
 class PrefillUpdate:
     outputs: list[RequestOutput] = field(default_factory=list)
     released: dict[str, str] = field(default_factory=dict)  # request id -> "done" | why not
+    # request id -> seconds from the final message to the receiver's ack, for "done"
+    transfer_seconds: dict[str, float] = field(default_factory=dict)
 
 
 class PrefillConnector:
@@ -569,7 +572,8 @@ class PrefillConnector:
         export.sent_upto[layer] = hi
 
     def _send_final(self, request_id: str, export: _Export, first_tokens: list[int]) -> None:
-        export.lease = self.clock() + self.config.lease_s
+        export.final_at = self.clock()
+        export.lease = export.final_at + self.config.lease_s
         if export.failed is not None:
             self.sender.send_abort(export.out, export.failed)
             return
@@ -580,7 +584,9 @@ class PrefillConnector:
             self.sender.send_abort(export.out, export.failed)
 
     def _drop(self, request_id: str, why: str, update: PrefillUpdate, release: bool = True) -> None:
-        self._exports.pop(request_id, None)
+        export = self._exports.pop(request_id, None)
+        if why == "done" and export is not None and export.final_at is not None:
+            update.transfer_seconds[request_id] = self.clock() - export.final_at
         if release:
             self._release(request_id)
         update.released[request_id] = why

@@ -35,7 +35,7 @@ import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 import grpc
 
@@ -48,10 +48,13 @@ from pdserve.services.common.server import LAUNCHER_PID_ENV
 from pdserve.services.router.config import RouterConfig
 from pdserve.services.worker.config import DEFAULT_KV_CONNECTOR, WorkerConfig
 
+if TYPE_CHECKING:
+    from pdserve.launch.prometheus import Prometheus
+
 log = logging.getLogger(__name__)
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Worker settings the launcher decides per worker, never taken from the template.
-PER_WORKER = ("role", "port", "router", "worker_id", "advertise_host", "address_file")
+PER_WORKER = ("role", "port", "router", "worker_id", "advertise_host", "address_file", "metrics_port")
 POLL = 0.1
 
 
@@ -63,6 +66,8 @@ class LaunchConfig:
     startup_timeout: float = flag(180.0, "seconds for every process to be up and registered")
     secrets_dir: str | None = flag(None, "keep this launch's fresh credentials (cluster token, CURVE keys) here, "
                                          "mode 0700 (default: a private temporary directory, removed at exit)")
+    prometheus: bool = flag(False, "also start a Prometheus server scraping every service's /metrics "
+                                   "(needs `prometheus` on PATH)")
 
     def __post_init__(self) -> None:
         for role in ("prefill", "decode", "mixed"):
@@ -158,9 +163,17 @@ class LocalCluster:
         return self._auth.channel(address)
 
     def live_workers(self, timeout: float = 5.0) -> list[pb.WorkerInfo]:
+        return list(self._list_workers(timeout).workers)
+
+    def metrics_targets(self, timeout: float = 5.0) -> list[str]:
+        """host:port of every service's /metrics: the router's, then each live worker's."""
+        reply = self._list_workers(timeout)
+        endpoints = [(self.address, reply.router_metrics_port)] + [(w.address, w.metrics_port) for w in reply.workers]
+        return [f"{address.rsplit(':', 1)[0]}:{port}" for address, port in endpoints if port]
+
+    def _list_workers(self, timeout: float) -> pb.ListWorkersResponse:
         with self.channel(self.internal_address) as channel:
-            reply = pb_grpc.RegistryStub(channel).ListWorkers(pb.ListWorkersRequest(), timeout=timeout)
-        return list(reply.workers)
+            return pb_grpc.RegistryStub(channel).ListWorkers(pb.ListWorkersRequest(), timeout=timeout)
 
     def wait_registered(self, ids: list[str], deadline: float, stop: threading.Event | None = None) -> None:
         waiting = set(ids)
@@ -202,8 +215,9 @@ class LocalCluster:
         index = self._next_index.get(role, 0)
         self._next_index[role] = index + 1
         worker_id = f"{role}-{index}"
-        config = replace(self.spec.worker, role=role, port=0, router=self.internal_address, worker_id=worker_id,
-                         kv_connector=self.kv_connector(role), credentials=self.credentials.for_role(role))
+        config = replace(self.spec.worker, role=role, port=0, metrics_port=0, router=self.internal_address,
+                         worker_id=worker_id, kv_connector=self.kv_connector(role),
+                         credentials=self.credentials.for_role(role))
         self._spawn(worker_id, [role, *to_argv(config, skip=("role",))])
         return worker_id
 
@@ -233,8 +247,9 @@ class LocalCluster:
 
 
 def up(spec: ClusterSpec) -> int:
-    """`pdserve up`: start, print `ready <address> internal <registry address>`, serve
-    until SIGINT/SIGTERM; SIGHUP reloads the router's API keys."""
+    """`pdserve up`: start, print `ready <address> internal <registry address>` (and
+    `prometheus <url>` with --prometheus), serve until SIGINT/SIGTERM; SIGHUP reloads
+    the router's API keys."""
     from pdserve.services.common import log as service_log
     from pdserve.services.common.server import shutdown_event
 
@@ -242,11 +257,18 @@ def up(spec: ClusterSpec) -> int:
     stop = shutdown_event()
     cluster = LocalCluster(spec)
     signal.signal(signal.SIGHUP, lambda _signum, _frame: cluster.reload_api_keys())
+    prometheus = None
     try:
         address = cluster.start(stop)
         print(f"ready {address} internal {cluster.internal_address}", flush=True)
+        if spec.launch.prometheus:
+            prometheus = _start_prometheus(cluster)
         reported: set[str] = set()
+        next_targets = time.monotonic() + TARGETS_REFRESH
         while not stop.wait(0.5):
+            if prometheus is not None and time.monotonic() >= next_targets:
+                _refresh_targets(cluster, prometheus)
+                next_targets = time.monotonic() + TARGETS_REFRESH
             dead = cluster.exited()
             if "router" in dead:
                 log.error("router exited with %s: stopping the cluster", dead["router"])
@@ -259,4 +281,35 @@ def up(spec: ClusterSpec) -> int:
         log.error("cluster: %s", e)
         return 1
     finally:
+        if prometheus is not None:
+            prometheus.stop()
         cluster.stop()
+
+
+TARGETS_REFRESH = 5.0  # seconds between re-reading the cluster's /metrics endpoints
+
+
+def _start_prometheus(cluster: LocalCluster) -> "Prometheus | None":
+    from pdserve.launch.prometheus import Prometheus
+
+    targets = cluster.metrics_targets()
+    if not targets:
+        log.warning("prometheus: no service serves /metrics (--no-metrics?); not starting it")
+        return None
+    try:
+        prometheus = Prometheus.start_if_installed(targets)
+    except RuntimeError as e:  # monitoring is not worth stopping the cluster for
+        log.error("%s; going on without it", e)
+        return None
+    if prometheus is None:
+        log.warning("prometheus: no `prometheus` binary on PATH (Debian: apt-get install prometheus); going on without it")
+        return None
+    print(f"prometheus {prometheus.url}", flush=True)
+    return prometheus
+
+
+def _refresh_targets(cluster: LocalCluster, prometheus: "Prometheus") -> None:
+    try:
+        prometheus.set_targets(cluster.metrics_targets())
+    except grpc.RpcError as e:
+        log.warning("prometheus: cannot list the cluster's endpoints: %s", e.code().name)

@@ -36,12 +36,13 @@ class UpProcess:
     launch's credentials in `secrets` (beside the log): `auth` presents them, as an
     operator's tool would, to the cluster's internal services."""
 
-    def __init__(self, args: list[str], log_path: Path, timeout: float = 240.0) -> None:
+    def __init__(self, args: list[str], log_path: Path, timeout: float = 240.0, env: dict[str, str] | None = None) -> None:
         self.log = open(log_path, "wb")
         self.secrets = log_path.parent / "secrets"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pdserve", "up", "--port", "0", "--secrets-dir", str(self.secrets), *args],
-            cwd=REPO, env=child_env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=self.log, text=True,
+            cwd=REPO, env={**child_env(), **(env or {})}, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=self.log, text=True,
         )
         self.lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()

@@ -41,6 +41,10 @@ class RouterConfig:
     max_attempts: int = flag(3, "workers tried for a request that has produced no token yet")
     max_concurrent_requests: int = flag(256, "Generate calls in flight; more get RESOURCE_EXHAUSTED")
     log_level: str = flag("INFO", "DEBUG | INFO | WARNING | ERROR")
+    # Prometheus (services/common/metrics.py)
+    metrics: bool = flag(True, "record Prometheus metrics and serve them at /metrics")
+    metrics_host: str | None = flag(None, "address /metrics listens on (default: --host)")
+    metrics_port: int = flag(0, "HTTP port of /metrics (0: any free port); never the gRPC port")
 
     def __post_init__(self) -> None:
         check(Path(self.model, "config.json").is_file(), "model", "must be a directory with config.json", self.model)
@@ -56,6 +60,9 @@ class RouterConfig:
             check(path is None or Path(path).is_file(), name, "must be a readable file", path)
         check(not self.salt_cache_by_key or self.api_keys_file is not None, "salt_cache_by_key",
               "needs --api-keys-file", self.salt_cache_by_key)
+        check(0 <= self.metrics_port < 65536, "metrics_port", "must be in [0, 65535]", self.metrics_port)
+        check(self.metrics_port == 0 or self.metrics_port != self.port, "metrics_port", "must differ from port",
+              self.metrics_port)
         check(self.max_n >= 1, "max_n", "must be >= 1", self.max_n)
         check(self.local_prefill_threshold >= 0, "local_prefill_threshold", "must be >= 0", self.local_prefill_threshold)
         check(self.max_attempts >= 1, "max_attempts", "must be >= 1", self.max_attempts)

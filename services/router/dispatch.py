@@ -30,6 +30,7 @@ import grpc
 
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.services.common.deadline import Deadline
+from pdserve.services.common.metrics import RouterMetrics
 from pdserve.services.router import policy
 from pdserve.services.router.config import RouterConfig
 from pdserve.services.router.registry import WorkerHandle, WorkerRegistry
@@ -65,9 +66,10 @@ class _Attempt:
 
 
 class Dispatcher:
-    def __init__(self, registry: WorkerRegistry, config: RouterConfig) -> None:
+    def __init__(self, registry: WorkerRegistry, config: RouterConfig, metrics: RouterMetrics) -> None:
         self.registry = registry
         self.config = config
+        self.metrics = metrics
 
     def run(
         self, job: Job, deadline: Deadline, context: grpc.ServicerContext, note_cached: Callable[[int], None]
@@ -78,6 +80,7 @@ class Dispatcher:
             decode = self.registry.acquire_decode(job.block_hashes, tried)
             if decode is None:
                 break
+            self.metrics.worker_chosen(decode.worker_id, decode.role)
             tried.add(decode.worker_id)
             attempt = _Attempt(f"{job.worker_request_id}-{number}")
             try:
@@ -91,6 +94,7 @@ class Dispatcher:
                     raise RouterError(grpc.StatusCode.UNAVAILABLE, message) from None
                 failures.append(f"{decode.worker_id}: {e}")
                 log.warning("request %s: %s; retrying on another worker", job.request_id, e)
+                self.metrics.retry("decode")
                 self.registry.probe_soon()
             finally:
                 self.registry.release(decode)
@@ -101,11 +105,14 @@ class Dispatcher:
         self, decode: WorkerHandle, job: Job, attempt: _Attempt, deadline: Deadline,
         context: grpc.ServicerContext, note_cached: Callable[[int], None],
     ) -> Iterator[pb.DecodeResponse]:
+        path = "local"
         if self._remote_prefill(job, decode):
             served = yield from self._disaggregated(decode, job, attempt, deadline, context, note_cached)
             if served:
                 return
             attempt.worker_request_id += "-local"
+            path = "fallback"
+        self.metrics.prefill_path(path)
         request = pb.DecodeRequest(
             request_id=attempt.worker_request_id, local_prefill=True, token_ids=job.prompt, sampling=job.options,
             cache_salt=job.cache_salt,
@@ -140,6 +147,7 @@ class Dispatcher:
             prefill = self.registry.acquire_prefill(job.block_hashes, tried)
             if prefill is None:  # none (left): prefill on D
                 return False
+            self.metrics.worker_chosen(prefill.worker_id, prefill.role)
             tried.add(prefill.worker_id)
             rid = attempt.worker_request_id = base if number == 0 else f"{base}-p{number}"
             try:
@@ -154,7 +162,9 @@ class Dispatcher:
             if prefilled is None:  # that prefill worker failed: free D's reservation, next one
                 call.cancel()
                 _abort_quietly(decode, rid)
+                self.metrics.retry("prefill")
                 continue
+            self.metrics.prefill_path("remote")
             note_cached(max(prefilled.num_cached_tokens, reservation.num_cached_tokens))
             first = prefilled.first_token if prefilled.HasField("first_token") else None
             if first is not None:

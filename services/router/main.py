@@ -23,6 +23,7 @@ from pdserve.engine.tokenizer import Tokenizer, has_tokenizer
 from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from pdserve.services.common import log as service_log
 from pdserve.services.common.credentials import ClusterAuth, read_secret_file
+from pdserve.services.common.metrics import metrics_host, router_metrics
 from pdserve.services.common.server import GrpcServer, announce, shutdown_event
 from pdserve.services.router.api_keys import ApiKeys
 from pdserve.services.router.config import RouterConfig
@@ -49,20 +50,26 @@ class Router:
         self.auth = ClusterAuth(config.credentials)
         self.api_keys = ApiKeys(config.api_keys_file) if config.api_keys_file else None
         self.registry = WorkerRegistry(config, config.model_name, max_model_len, self.auth)
+        self.metrics = router_metrics(config.metrics, config.model_name)
+        self.metrics.watch_workers(lambda: [h.role for h in self.registry.live()])
         public_checks = [self.api_keys.interceptor()] if self.api_keys is not None else []
         self.server = GrpcServer(threads=config.max_concurrent_requests + SPARE_THREADS, interceptors=public_checks)
-        generation = GenerationServicer(config, self.limits, tokenizer, Dispatcher(self.registry, config),
-                                        self.api_keys)
+        dispatcher = Dispatcher(self.registry, config, self.metrics)
+        generation = GenerationServicer(config, self.limits, tokenizer, dispatcher, self.metrics, self.api_keys)
         pb_grpc.add_GenerationServicer_to_server(generation, self.server.grpc)
         self.internal_server = GrpcServer(threads=INTERNAL_THREADS, interceptors=self.auth.interceptors())
-        pb_grpc.add_RegistryServicer_to_server(RegistryServicer(self.registry, config), self.internal_server.grpc)
+        self.registry_service = RegistryServicer(self.registry, config)
+        pb_grpc.add_RegistryServicer_to_server(self.registry_service, self.internal_server.grpc)
         self.address = ""
         self.internal_address = ""
+        self.metrics_port = 0
 
     def start(self) -> str:
         """Serve both surfaces; returns the public address."""
         self.auth.warn_if_open("router")
         self.registry.start()
+        self.metrics_port = self.registry_service.metrics_port = self.metrics.serve(
+            metrics_host(self.config), self.config.metrics_port)
         port = self.server.start(self.config.host, self.config.port, ["pdserve.v1.Generation"], self._public_tls())
         self.address = f"{self.config.host}:{port}"
         internal = self.internal_server.start(self.config.registry_host, self.config.registry_port,
@@ -81,6 +88,7 @@ class Router:
         self.server.stop(grace)
         self.internal_server.stop(grace)
         self.registry.stop()
+        self.metrics.close()
 
     def _public_tls(self) -> grpc.ServerCredentials | None:
         if self.config.tls_cert is None:

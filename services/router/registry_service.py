@@ -14,6 +14,7 @@ class RegistryServicer(pb_grpc.RegistryServicer):
     def __init__(self, registry: WorkerRegistry, config: RouterConfig) -> None:
         self.registry = registry
         self.config = config
+        self.metrics_port = 0  # the router's own /metrics, once serving
 
     def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.RegisterResponse:
         try:
@@ -32,4 +33,4 @@ class RegistryServicer(pb_grpc.RegistryServicer):
         return pb.HeartbeatResponse()
 
     def ListWorkers(self, request: pb.ListWorkersRequest, context: grpc.ServicerContext) -> pb.ListWorkersResponse:
-        return pb.ListWorkersResponse(workers=[h.info for h in self.registry.live()])
+        return pb.ListWorkersResponse(workers=[h.info for h in self.registry.live()], router_metrics_port=self.metrics_port)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from pdserve.engine.detokenizer import Decoder, IncrementalDetokenizer
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
+from pdserve.services.common.metrics import Disabled, RouterMetrics
 from pdserve.services.router.validate import Job
 
 
@@ -70,8 +71,12 @@ class _Sequence:
 
 
 class ResponseBuilder:
-    def __init__(self, job: Job, tokenizer: Decoder | None, arrival: float) -> None:
+    def __init__(
+        self, job: Job, tokenizer: Decoder | None, arrival: float, metrics: RouterMetrics | None = None
+    ) -> None:
         self.job = job
+        self.metrics = metrics or Disabled()
+        self._streamed = not job.params.use_beam_search  # beams arrive whole at the end
         self.tokenizer = tokenizer
         self.arrival = arrival
         self.first_token_at: float | None = None
@@ -88,7 +93,7 @@ class ResponseBuilder:
         out: dict[int, pb.GenerateResponse] = {}
         for delta in decode.deltas:
             seq = self._seq(delta.index)
-            seq.add(list(delta.token_ids), now)
+            self._add(seq, list(delta.token_ids), now)
             message = self._message(out, delta.index)
             message.token_ids.extend(delta.token_ids)
             message.logprobs.extend(delta.logprobs)
@@ -99,17 +104,24 @@ class ResponseBuilder:
             self._first_tokens(any(r.token_ids for r in decode.results), now)
             for result in decode.results:
                 seq = self._seq(result.index)
-                seq.add(list(result.token_ids), now)
+                self._add(seq, list(result.token_ids), now)
                 message = self._message(out, result.index)
                 message.token_ids.extend(result.token_ids)
                 self._finish(message, seq, result, now)
             if decode.prompt_logprobs and 0 in out:
                 out[0].prompt_logprobs.extend(decode.prompt_logprobs)
+            self.metrics.request_finished(now - self.arrival)
         return [out[i] for i in sorted(out) if out[i].token_ids or out[i].text or out[i].finish_reason]
+
+    def _add(self, seq: _Sequence, token_ids: list[int], now: float) -> None:
+        previous = seq.last_at
+        seq.add(token_ids, now)
+        self.metrics.tokens(len(token_ids), previous, now, self._streamed)
 
     def _first_tokens(self, seen: bool, now: float) -> None:
         if seen and self.first_token_at is None:
             self.first_token_at = now
+            self.metrics.first_token(now - self.arrival, len(self.job.prompt))
 
     def _seq(self, index: int) -> _Sequence:
         seq = self._seqs.get(index)
@@ -132,6 +144,7 @@ class ResponseBuilder:
         ))
         first = self.first_token_at or seq.first_at or now
         tpot = (seq.last_at - seq.first_at) / (seq.num_tokens - 1) if seq.num_tokens > 1 else 0.0
+        self.metrics.sequence_finished(message.finish_reason, tpot if self._streamed and seq.num_tokens > 1 else None)
         message.timing.CopyFrom(pb.Timing(
             ttft_seconds=first - self.arrival, tpot_seconds=tpot, e2e_seconds=now - self.arrival,
         ))

@@ -16,6 +16,7 @@ from pdserve.services.common.auth import metadata_of
 from pdserve.services.common.deadline import Deadline
 from pdserve.services.common.errors import rpc_errors
 from pdserve.services.router.api_keys import ApiKeys
+from pdserve.services.common.metrics import RouterMetrics
 from pdserve.services.router.config import RouterConfig
 from pdserve.services.router.dispatch import ClientGone, Dispatcher, RouterError
 from pdserve.services.router.responses import ResponseBuilder
@@ -27,7 +28,7 @@ log = logging.getLogger(__name__)
 class GenerationServicer(pb_grpc.GenerationServicer):
     def __init__(
         self, config: RouterConfig, limits: Limits, tokenizer: Tokenizer | None, dispatcher: Dispatcher,
-        api_keys: ApiKeys | None = None,
+        metrics: RouterMetrics, api_keys: ApiKeys | None = None,
     ) -> None:
         """Callers are authenticated before a call reaches here (api_keys.py);
         `api_keys` only names their tenant, with --salt-cache-by-key."""
@@ -37,28 +38,35 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self.tokenizer = tokenizer
         self.validator = Validator(limits, tokenizer)
         self.dispatcher = dispatcher
+        self.metrics = metrics
         self._slots = threading.BoundedSemaphore(config.max_concurrent_requests)
 
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
         arrival = time.monotonic()
-        if not self._slots.acquire(blocking=False):
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"router: {self.config.max_concurrent_requests} requests in flight (--max-concurrent-requests)")
+        self.metrics.request_started()
+        acquired = succeeded = False
         try:
+            acquired = self._slots.acquire(blocking=False)
+            if not acquired:
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"router: {self.config.max_concurrent_requests} requests in flight (--max-concurrent-requests)")
             tenant = self._tenant(context)
             with rpc_errors(context):
                 job = self.validator.validate(request, tenant)
             deadline = Deadline.of_rpc(context, self.config.request_timeout)
-            builder = ResponseBuilder(job, self.tokenizer, arrival)
+            builder = ResponseBuilder(job, self.tokenizer, arrival, self.metrics)
             try:
                 for message in self.dispatcher.run(job, deadline, context, builder.note_cached_tokens):
                     yield from builder.messages(message)
+                succeeded = True
             except ClientGone:
                 log.info("request %s: client gone, aborted on the workers", job.request_id)
             except RouterError as e:
                 context.abort(e.code, e.message)
         finally:
-            self._slots.release()
+            if acquired:
+                self._slots.release()
+            self.metrics.request_ended(None if succeeded else _failure(context))
 
     def _tenant(self, context: grpc.ServicerContext) -> str | None:
         if not self.config.salt_cache_by_key or self.api_keys is None:
@@ -73,3 +81,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return pb.ListModelsResponse(models=[pb.ModelInfo(
             name=lim.model_name, max_model_len=lim.max_model_len, vocab_size=lim.vocab_size, max_n=lim.max_n,
         )])
+
+
+def _failure(context: grpc.ServicerContext) -> str:
+    """The status a failed Generate ends with: the one it aborted with, CANCELLED when
+    the client went away, else UNKNOWN (an unexpected exception)."""
+    code = context.code()
+    if isinstance(code, grpc.StatusCode) and code != grpc.StatusCode.OK:
+        return code.name
+    return grpc.StatusCode.CANCELLED.name if not context.is_active() else grpc.StatusCode.UNKNOWN.name

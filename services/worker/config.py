@@ -54,11 +54,18 @@ class WorkerConfig:
     grpc_threads: int | None = flag(None, "gRPC handler threads, each stream holds one (default: max_num_seqs + 16)")
     log_level: str = flag("INFO", "DEBUG | INFO | WARNING | ERROR")
     credentials: ClusterCredentials = flag(ClusterCredentials(), "the cluster's credentials (internal surface)")
+    # Prometheus (services/common/metrics.py)
+    metrics: bool = flag(True, "record Prometheus metrics and serve them at /metrics")
+    metrics_host: str | None = flag(None, "address /metrics listens on (default: --host)")
+    metrics_port: int = flag(0, "HTTP port of /metrics (0: any free port); never the gRPC port")
 
     def __post_init__(self) -> None:
         check(self.role in ROLES, "role", f"must be one of {ROLES}", self.role)
         check(Path(self.model, "config.json").is_file(), "model", "must be a directory with config.json", self.model)
         check(0 <= self.port < 65536, "port", "must be in [0, 65535]", self.port)
+        check(0 <= self.metrics_port < 65536, "metrics_port", "must be in [0, 65535]", self.metrics_port)
+        check(self.metrics_port == 0 or self.metrics_port != self.port, "metrics_port", "must differ from port",
+              self.metrics_port)
         check(self.max_n >= 1, "max_n", "must be >= 1", self.max_n)
         check(self.torch_threads >= 0, "torch_threads", "must be >= 0", self.torch_threads)
         check(self.grpc_threads is None or self.grpc_threads >= 4, "grpc_threads", "must be >= 4", self.grpc_threads)

@@ -12,7 +12,8 @@ transfer failed, engine error). Every path out frees the request's blocks.
 Deadlines owned here:
   - a reservation (decode side) expires if its KV is not committed in time;
   - held exported blocks (prefill side) are released when their lease runs out.
-The idle loop blocks on its command queue with a timeout, so it never spins.
+The idle loop blocks on its command queue with a timeout, so it never spins (the
+timeout is HELD_POLL instead of idle_wait while exported blocks wait for an ack).
 """
 
 from __future__ import annotations
@@ -28,16 +29,24 @@ from typing import TypeVar
 from pdserve.engine.engine import LLMEngine, Reservation, TokenDelta
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.services.common.metrics import Disabled, WorkerMetrics
 from pdserve.services.worker.events import Event, FailedEvent, Failure, FinishedEvent, RequestStream, TokenEvent
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 Command = Callable[[], None]
+# While exported blocks wait for the receiver's ack, look for it this often (not every
+# idle_wait): the blocks are freed, and the transfer timed, within a few ms.
+HELD_POLL = 0.005
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, *, idle_wait: float = 0.25, held_lease: float = 30.0) -> None:
+    def __init__(
+        self, engine: LLMEngine, *, idle_wait: float = 0.25, held_lease: float = 30.0,
+        metrics: WorkerMetrics | None = None,
+    ) -> None:
         self.engine = engine
+        self.metrics = metrics or Disabled()
         self.idle_wait = idle_wait
         self.held_lease = held_lease
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
@@ -227,8 +236,9 @@ class EngineLoop:
         self._run_commands(block=False)
 
     def _run_commands(self, block: bool) -> None:
+        wait = HELD_POLL if self._held else self.idle_wait
         try:
-            command = self._commands.get(timeout=self.idle_wait) if block else self._commands.get_nowait()
+            command = self._commands.get(timeout=wait) if block else self._commands.get_nowait()
         except queue.Empty:
             return
         while True:
@@ -242,6 +252,7 @@ class EngineLoop:
                 return
 
     def _step(self) -> None:
+        start = time.perf_counter()
         try:
             outputs = self.engine.step()
         except Exception as e:  # the batch's requests are in an unknown state: fail them all
@@ -249,6 +260,7 @@ class EngineLoop:
             for request_id in list(self._streams):
                 self._end(request_id, Failure.INTERNAL, f"engine: {type(e).__name__}: {e}")
             return
+        self.metrics.step(time.perf_counter() - start, self.engine.last_batch)
         for output in outputs:
             self._finished(output)
         self._flush()
@@ -280,6 +292,7 @@ class EngineLoop:
         self._reservations.pop(output.request_id, None)
         if output.request_id in self.engine.held:
             self._held[output.request_id] = time.monotonic() + self.held_lease
+        self.metrics.request_finished(output.times)
         if stream is not None:
             self._emit(stream, FinishedEvent(output))
 
@@ -321,6 +334,7 @@ class EngineLoop:
         for request_id, deadline in list(self._reservations.items()):
             if now >= deadline:
                 log.warning("reservation %r expired before its KV arrived", request_id)
+                self.metrics.reservation_expired()
                 self._end(request_id, Failure.EXPIRED, "reservation expired before its KV arrived")
         for request_id, deadline in list(self._held.items()):
             if now >= deadline:

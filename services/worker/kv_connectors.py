@@ -196,7 +196,7 @@ class ConnectorSender:
             self.transport.close()
 
     def _poll(self) -> None:
-        self.connector.poll()
+        self.loop.metrics.kv_sent(self.connector.poll().transfer_seconds.values())
 
 
 # -- factories (`--kv-connector module:factory`) ---------------------------------------

@@ -19,6 +19,7 @@ from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from pdserve.services.common import log as service_log
 from pdserve.services.common.convert import ROLES
 from pdserve.services.common.credentials import ClusterAuth
+from pdserve.services.common.metrics import metrics_host, worker_metrics
 from pdserve.services.common.server import GrpcServer, announce, shutdown_event
 from pdserve.services.decode.service import DecodeService
 from pdserve.services.prefill.service import PrefillService
@@ -39,11 +40,13 @@ class Worker:
         self.config = config
         self.auth = ClusterAuth(config.credentials)
         self.engine = LLMEngine(config.engine_config())
-        self.loop = EngineLoop(self.engine, held_lease=config.held_lease)
+        self.metrics = worker_metrics(config.metrics, config.model_name, config.role, config.id)
+        self.loop = EngineLoop(self.engine, held_lease=config.held_lease, metrics=self.metrics)
         if connector is None:
             kv = KVCredentials(self.auth.kv_curve(), self.auth.rendezvous_token)
             connector = load_connector(config.kv_connector or "", config.role, config.id, kv)
         self.connector = connector
+        self.metrics.watch(self.loop.snapshot, self.connector.stats)
         prefill = PrefillService(self.loop, self.connector.sender, config) if config.role != "decode" else None
         decode = DecodeService(self.loop, self.connector.receiver, config) if config.role != "prefill" else None
         threads = config.grpc_threads or config.max_num_seqs + 16  # each stream holds one
@@ -52,12 +55,14 @@ class Worker:
         pb_grpc.add_WorkerServicer_to_server(servicer, self.server.grpc)
         self.registrar: Registrar | None = None
         self.address = ""
+        self.metrics_port = 0
 
     def start(self) -> str:
         """Start the engine thread and the server; register; returns host:port."""
         self.auth.warn_if_open(f"{self.config.role} worker {self.config.id}")
         self.connector.bind(self.loop)
         self.loop.start()
+        self.metrics_port = self.metrics.serve(metrics_host(self.config), self.config.metrics_port)
         port = self.server.start(self.config.host, self.config.port, ["pdserve.v1.Worker"],
                                  self.auth.server_credentials())
         self.address = f"{self.config.advertise_host or self.config.host}:{port}"
@@ -74,7 +79,7 @@ class Worker:
             worker_id=self.config.id, role=ROLES[self.config.role], address=self.address,
             model=self.config.model_name, kv_endpoint=self.connector.endpoint,
             block_size=self.config.block_size, max_model_len=self.engine.max_model_len,
-            num_blocks=self.engine.pool.num_blocks, pid=os.getpid(),
+            num_blocks=self.engine.pool.num_blocks, pid=os.getpid(), metrics_port=self.metrics_port,
         )
 
     def stop(self, grace: float = 2.0) -> None:
@@ -83,6 +88,7 @@ class Worker:
         self.server.stop(grace)
         self.loop.close()
         self.connector.close()
+        self.metrics.close()
 
     def _load(self) -> pb.Load | None:
         """For heartbeats; None (skip the beat) once the engine thread is gone, so the

@@ -349,7 +349,7 @@ class StatsResponse(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_held: _Optional[int] = ..., num_reserved: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., cached_block_hashes: _Optional[_Iterable[bytes]] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfers: _Optional[int] = ..., kv_transfer_failures: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "model", "kv_endpoint", "block_size", "max_model_len", "num_blocks", "pid")
+    __slots__ = ("worker_id", "role", "address", "model", "kv_endpoint", "block_size", "max_model_len", "num_blocks", "pid", "metrics_port")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -359,6 +359,7 @@ class WorkerInfo(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    METRICS_PORT_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: Role
     address: str
@@ -368,7 +369,8 @@ class WorkerInfo(_message.Message):
     max_model_len: int
     num_blocks: int
     pid: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_blocks: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
+    metrics_port: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_blocks: _Optional[int] = ..., pid: _Optional[int] = ..., metrics_port: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("worker",)
@@ -411,7 +413,9 @@ class ListWorkersRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ListWorkersResponse(_message.Message):
-    __slots__ = ("workers",)
+    __slots__ = ("workers", "router_metrics_port")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_METRICS_PORT_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
-    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ...) -> None: ...
+    router_metrics_port: int
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., router_metrics_port: _Optional[int] = ...) -> None: ...
