@@ -1,0 +1,72 @@
+"""Clusters the benchmarks start for themselves: a router and workers as processes
+(`launch.local.LocalCluster`), logs in a temporary directory whose tails are printed
+if the cluster fails to start, stopped on the way out (also on Ctrl-C or an error).
+Imports torch only when a cluster is started, so `--addr` runs stay light."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Router + workers; the defaults are `pdserve up`'s topology (1 prefill + 1
+    decode worker, the KV crossing over ZeroMQ tcp)."""
+
+    model: str | None = None  # None: the embedded default model
+    prefill: int = 1
+    decode: int = 1
+    mixed: int = 0
+    num_blocks: int | None = None
+    torch_threads: int = 1
+    kv_connector: str | None = None  # None: the launcher's default (ZeroMQ tcp); "": none
+    worker_cpus: str = ""  # LaunchConfig.worker_cpus: '0;1' pins worker k to the k-th list
+    enable_prefix_caching: bool = True
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    prefill_policy: str = "prefix"
+    local_prefill_threshold: int = 64
+    device: str = "cpu"
+    dtype: str = "float32"
+    startup_timeout: float = 180.0
+
+
+@contextlib.contextmanager
+def local_cluster(cfg: ClusterConfig) -> Iterator[str]:
+    """A LocalCluster for the duration of the block; its router's address."""
+    from pdserve.launch.local import ClusterSpec, LaunchConfig, LocalCluster, StartupError  # torch: only here
+    from pdserve.services.router.config import RouterConfig
+    from pdserve.services.worker.config import WorkerConfig
+
+    model = {"model": cfg.model} if cfg.model else {}
+    spec = ClusterSpec(
+        RouterConfig(port=0, log_level="WARNING", prefill_policy=cfg.prefill_policy,
+                     local_prefill_threshold=cfg.local_prefill_threshold, **model),
+        WorkerConfig(num_blocks=cfg.num_blocks, torch_threads=cfg.torch_threads, kv_connector=cfg.kv_connector,
+                     enable_prefix_caching=cfg.enable_prefix_caching, max_num_batched_tokens=cfg.max_num_batched_tokens,
+                     max_num_seqs=cfg.max_num_seqs, device=cfg.device, dtype=cfg.dtype, log_level="WARNING", **model),
+        LaunchConfig(prefill=cfg.prefill, decode=cfg.decode, mixed=cfg.mixed, startup_timeout=cfg.startup_timeout,
+                     worker_cpus=cfg.worker_cpus),
+    )
+    with tempfile.TemporaryDirectory(prefix="pdserve-bench-") as logs:
+        cluster = LocalCluster(spec, log_dir=logs)
+        try:
+            address = cluster.start()  # stops what it started before raising
+        except StartupError:
+            print_log_tails(Path(logs))
+            raise
+        try:
+            yield address
+        finally:
+            cluster.stop()
+
+
+def print_log_tails(logs: Path, lines: int = 20) -> None:
+    for path in sorted(logs.glob("*.log")):
+        tail = path.read_text(errors="replace").splitlines()[-lines:]
+        print(f"--- {path.name} (last {len(tail)} lines)", *tail, sep="\n", file=sys.stderr)
