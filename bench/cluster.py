@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import tempfile
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,9 +37,36 @@ class ClusterConfig:
     startup_timeout: float = 180.0
 
 
+@dataclass(frozen=True)
+class Started:
+    address: str  # the router's
+    pids: dict[str, int]  # "router" and worker ids
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU time (user + system, all threads) each process has used so far."""
+        return {name: process_cpu_seconds(pid) for name, pid in self.pids.items()}
+
+
+def process_cpu_seconds(pid: int) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def pin_process(pid: int, cpus: set[int]) -> None:
+    """Every thread of process `pid` onto `cpus` (threads it starts later inherit)."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            os.sched_setaffinity(int(task.name), cpus)
+        except ProcessLookupError:
+            pass
+
+
 @contextlib.contextmanager
-def local_cluster(cfg: ClusterConfig) -> Iterator[str]:
-    """A LocalCluster for the duration of the block; its router's address."""
+def local_cluster(cfg: ClusterConfig) -> Iterator[Started]:
+    """A LocalCluster for the duration of the block."""
     from pdserve.launch.local import ClusterSpec, LaunchConfig, LocalCluster, StartupError  # torch: only here
     from pdserve.services.router.config import RouterConfig
     from pdserve.services.worker.config import WorkerConfig
@@ -61,7 +89,7 @@ def local_cluster(cfg: ClusterConfig) -> Iterator[str]:
             print_log_tails(Path(logs))
             raise
         try:
-            yield address
+            yield Started(address, {name: p.pid for name, p in cluster.processes.items()})
         finally:
             cluster.stop()
 

@@ -262,8 +262,8 @@ def target(cfg: BenchConfig) -> Iterator[str]:
     if cfg.addr:
         yield cfg.addr
     else:
-        with local_cluster(cfg.cluster) as address:
-            yield address
+        with local_cluster(cfg.cluster) as started:
+            yield started.address
 
 
 def benchmark(cfg: BenchConfig) -> tuple[Measured, str]:
@@ -292,7 +292,8 @@ def table(summary: Summary, title: str = "Serving Benchmark Result") -> str:
         ("Request throughput (req/s)", f"{s.request_throughput:.2f}"),
         ("Output token throughput (tok/s)", f"{s.output_throughput:.2f}"),
         ("Total token throughput (tok/s)", f"{s.total_throughput:.2f}"),
-        (f"Goodput (req/s), SLO {s.slo}", f"{s.goodput:.2f}  ({s.good}/{s.completed} met it)"),
+        ("SLO for goodput", s.slo),
+        ("Goodput (req/s)", f"{s.goodput:.2f}  ({s.good}/{s.completed} met the SLO)"),
     ]
     width = 72
     lines = [f" {title} ".center(width, "=")]
