@@ -5,6 +5,7 @@
                                          a local cluster; prints `ready <address>`
     pdserve router|prefill|decode|mixed [flags]   one service
     pdserve generate [--addr A] PROMPT   stream a completion from a running router
+    pdserve bench [--addr A] [flags]     load generator + latency report (pdserve bench --help)
 
 Every flag also reads PDSERVE_<NAME> from the environment (e.g. PDSERVE_NUM_BLOCKS).
 """
@@ -135,10 +136,19 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds")
     gen.add_argument("--json", action="store_true", help="one JSON object per response message")
     gen.set_defaults(func=_generate)
+
+    # Listed here for --help; main() hands everything after `bench` to bench.serving's own parser.
+    sub.add_parser("bench", add_help=False,
+                   help="open-loop load generator against a router: TTFT/TPOT/ITL, goodput (pdserve bench --help)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # `pdserve bench` is `python -m pdserve.bench.serving`
+        from pdserve.bench.serving import main as bench
+
+        return bench(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         code = args.func(args)
