@@ -6,12 +6,40 @@ Imports torch only when a cluster is started, so `--addr` runs stay light."""
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
 import sys
 import tempfile
-import os
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+
+from pdserve.services.router.client import Client
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A random-initialised Llama saved for a run (12M parameters by default: big
+    enough on a CPU that a long prompt's prefill costs ~50 decode steps)."""
+
+    hidden_size: int = 384
+    num_layers: int = 6
+    num_heads: int = 6
+    num_kv_heads: int = 2
+    intermediate_size: int = 1024
+    vocab_size: int = 8192
+    max_position_embeddings: int = 2048
+
+
+# ~1B parameters, for the GPU modes.
+GPU_MODEL = ModelShape(hidden_size=2048, num_layers=16, num_heads=16, num_kv_heads=8, intermediate_size=5632,
+                       vocab_size=32000, max_position_embeddings=8192)
+
+
+def save_model(shape: ModelShape, path: Path, seed: int) -> None:
+    from pdserve.bench.offline import ModelSpec, save_random_model  # torch, transformers: only here
+
+    save_random_model(ModelSpec(**asdict(shape)), path, seed)
 
 
 @dataclass(frozen=True)
@@ -92,6 +120,40 @@ def local_cluster(cfg: ClusterConfig) -> Iterator[Started]:
             yield Started(address, {name: p.pid for name, p in cluster.processes.items()})
         finally:
             cluster.stop()
+
+
+@dataclass(frozen=True)
+class Up:
+    """A started cluster and a client of its router."""
+
+    started: Started
+    client: Client
+
+
+@contextlib.contextmanager
+def clusters_up(configs: Mapping[str, ClusterConfig], model: ModelShape | None, seed: int,
+                timeout: float) -> Iterator[dict[str, Up]]:
+    """Every cluster started (one after the other) before the block runs, all serving
+    one model: `model` saved to a temporary directory, or the embedded one for None;
+    all stopped, and the model removed, on the way out."""
+    tmp = Path(tempfile.mkdtemp(prefix="pdserve-bench-model-"))
+    try:
+        model_dir = None
+        if model is not None:
+            save_model(model, tmp / "model", seed)
+            model_dir = str(tmp / "model")
+        with contextlib.ExitStack() as stack:
+            up = {}
+            for name, cfg in configs.items():
+                started = stack.enter_context(local_cluster(replace(cfg, model=model_dir)))
+                up[name] = Up(started, stack.enter_context(Client(started.address, timeout=timeout)))
+            yield up
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def say(line: str) -> None:
+    print(line, flush=True)
 
 
 def print_log_tails(logs: Path, lines: int = 20) -> None:

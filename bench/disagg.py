@@ -49,18 +49,14 @@ import argparse
 import math
 import os
 import random
-import shutil
 import signal
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
-from contextlib import ExitStack
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 
-from pdserve.bench.cluster import ClusterConfig, Started, local_cluster, pin_process
+from pdserve.bench.cluster import GPU_MODEL, ClusterConfig, ModelShape, Started, clusters_up, pin_process, say
 from pdserve.bench.metrics import Slo
 from pdserve.bench.repeat import Ratio, interleaved
 from pdserve.bench.serving import Measured, interrupt_on_sigterm, measure, served_model, table, warm_up, write_json
@@ -68,19 +64,6 @@ from pdserve.bench.workloads import ArrivalConfig, BenchRequest, random_ids, sen
 from pdserve.services.router.client import Client
 
 SYSTEMS = ("colocated", "disaggregated")
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """A random-initialised Llama saved for the run (None in DisaggConfig: the embedded model)."""
-
-    hidden_size: int = 384
-    num_layers: int = 6
-    num_heads: int = 6
-    num_kv_heads: int = 2
-    intermediate_size: int = 1024
-    vocab_size: int = 8192
-    max_position_embeddings: int = 2048
 
 
 @dataclass(frozen=True)
@@ -113,9 +96,7 @@ class DisaggConfig:
 
 QUICK = DisaggConfig(model=None, num_requests=16, request_rate=8.0, long_fraction=0.25, long_prompt=(384, 512),
                      long_output=(4, 8), short_prompt=(8, 32), short_output=(16, 24), repeats=2, num_blocks=512)
-GPU = DisaggConfig(model=ModelShape(hidden_size=2048, num_layers=16, num_heads=16, num_kv_heads=8,
-                                    intermediate_size=5632, vocab_size=32000, max_position_embeddings=8192),
-                   num_requests=400, request_rate=12.0, long_fraction=0.2, long_prompt=(4096, 6144),
+GPU = DisaggConfig(model=GPU_MODEL, num_requests=400, request_rate=12.0, long_fraction=0.2, long_prompt=(4096, 6144),
                    short_prompt=(32, 128), short_output=(128, 256), num_blocks=16384, max_num_batched_tokens=8192,
                    worker_cpus="", device="cuda", dtype="bfloat16")
 
@@ -140,19 +121,13 @@ def make_requests(cfg: DisaggConfig, vocab_size: int, rep: int) -> list[BenchReq
 # -- clusters --------------------------------------------------------------------------
 
 
-def cluster_configs(cfg: DisaggConfig, model_dir: str | None) -> dict[str, ClusterConfig]:
-    common = ClusterConfig(model=model_dir, num_blocks=cfg.num_blocks, torch_threads=1, worker_cpus=cfg.worker_cpus,
+def cluster_configs(cfg: DisaggConfig) -> dict[str, ClusterConfig]:
+    common = ClusterConfig(num_blocks=cfg.num_blocks, torch_threads=1, worker_cpus=cfg.worker_cpus,
                            max_num_batched_tokens=cfg.max_num_batched_tokens, device=cfg.device, dtype=cfg.dtype)
     return {
         "colocated": replace(common, prefill=0, decode=0, mixed=2),
         "disaggregated": replace(common, prefill=1, decode=1, mixed=0),
     }
-
-
-def save_model(shape: ModelShape, path: Path, seed: int) -> None:
-    from pdserve.bench.offline import ModelSpec, save_random_model
-
-    save_random_model(ModelSpec(**asdict(shape)), path, seed)
 
 
 def parse_cpus(text: str) -> set[int]:
@@ -198,40 +173,33 @@ def describe(cfg: DisaggConfig, model: str, slo: Slo) -> list[str]:
 # -- the run ---------------------------------------------------------------------------------
 
 
-def run(cfg: DisaggConfig, log: Callable[[str], None] = print, json_path: str | None = None,
+def run(cfg: DisaggConfig, log: Callable[[str], None] = say, json_path: str | None = None,
         plot_path: str | None = None) -> tuple[str, list[str]]:
     """Both clusters up, interleaved repetitions; (last line, inconsistencies)."""
-    tmp = Path(tempfile.mkdtemp(prefix="pdserve-disagg-"))
-    try:
-        model_dir = None
-        if cfg.model is not None:
-            save_model(cfg.model, tmp / "model", cfg.seed)
-            model_dir = str(tmp / "model")
-        with ExitStack() as stack:
-            started = {name: stack.enter_context(local_cluster(c)) for name, c in cluster_configs(cfg, model_dir).items()}
-            if cfg.aux_cpus:
-                cpus = parse_cpus(cfg.aux_cpus)
-                for s in started.values():
-                    pin_process(s.pids["router"], cpus)
-                pin_process(os.getpid(), cpus)
-            clients = {name: stack.enter_context(Client(s.address, timeout=cfg.timeout)) for name, s in started.items()}
-            return _measure_all(cfg, started, clients, log, json_path, plot_path)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with clusters_up(cluster_configs(cfg), cfg.model, cfg.seed, cfg.timeout) as up:
+        if cfg.aux_cpus:
+            cpus = parse_cpus(cfg.aux_cpus)
+            for u in up.values():
+                pin_process(u.started.pids["router"], cpus)
+            pin_process(os.getpid(), cpus)
+        started = {name: u.started for name, u in up.items()}
+        clients = {name: u.client for name, u in up.items()}
+        return _measure_all(cfg, started, clients, log, json_path, plot_path)
 
 
 def _measure_all(cfg: DisaggConfig, started: dict[str, Started], clients: dict[str, Client], log: Callable[[str], None],
                  json_path: str | None, plot_path: str | None) -> tuple[str, list[str]]:
     info = served_model(clients["colocated"])
     load_at_start = os.getloadavg()
-    longest = BenchRequest(0, random_ids(cfg.long_prompt[1], info.vocab_size, random.Random(cfg.seed)),
-                           cfg.long_output[0], 0.0)
+    rng = random.Random(f"disagg-calibration-{cfg.seed}")  # a fresh prompt each time: no prefix cache hit
     alone: list[float] = []
     for name, client in clients.items():  # first forward passes, connections; then the unloaded TTFT
         warm_up(client, 2, cfg.timeout, info.vocab_size)
-        for _ in range(3 if name == "colocated" else 1):
+        for i in range(4 if name == "colocated" else 2):
+            longest = BenchRequest(0, random_ids(cfg.long_prompt[1], info.vocab_size, rng), cfg.long_output[0], 0.0)
             run = measure(client, [longest], concurrency=0, timeout=cfg.timeout, slo=Slo(), progress=False)
-            alone.append(run.summary.ttft.p50)
+            if i:  # the first long prefill of a worker also pays for its first large allocations
+                alone.append(run.summary.ttft.p50)
     slo = cfg.slo or Slo(ttft_ms=round(TTFT_SLO_FACTOR * statistics.median(alone[:3])), tpot_ms=TPOT_SLO_MS)
     log(f"unloaded TTFT of the longest prompt ({cfg.long_prompt[1]} tokens): colocated "
         f"{', '.join(f'{t:.0f}' for t in alone[:3])} ms, disaggregated {alone[3]:.0f} ms")

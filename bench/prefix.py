@@ -35,18 +35,13 @@ import argparse
 import math
 import os
 import random
-import shutil
 import signal
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
-from contextlib import ExitStack
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 
-from pdserve.bench.cluster import ClusterConfig, local_cluster
-from pdserve.bench.disagg import ModelShape, save_model
+from pdserve.bench.cluster import GPU_MODEL, ClusterConfig, ModelShape, clusters_up, say
 from pdserve.bench.metrics import Slo
 from pdserve.bench.repeat import Ratio, interleaved
 from pdserve.bench.serving import Measured, interrupt_on_sigterm, measure, served_model, warm_up, write_json
@@ -93,9 +88,7 @@ class PrefixConfig:
 
 QUICK = PrefixConfig(model=None, prompt_tokens=640, num_requests=8, cross_requests=10, cross_prefixes=3,
                      cross_capacity=2.5, num_blocks=256, repeats=2)
-GPU = PrefixConfig(model=ModelShape(hidden_size=2048, num_layers=16, num_heads=16, num_kv_heads=8,
-                                    intermediate_size=5632, vocab_size=32000, max_position_embeddings=8192),
-                   prompt_tokens=6144, num_requests=32, cross_requests=48, num_blocks=8192, device="cuda",
+GPU = PrefixConfig(model=GPU_MODEL, prompt_tokens=6144, num_requests=32, cross_requests=48, num_blocks=8192, device="cuda",
                    dtype="bfloat16")
 
 
@@ -112,8 +105,8 @@ def shared_prompt_requests(cfg: PrefixConfig, vocab: int, count: int, prefixes: 
             for i in range(count)]
 
 
-def clusters(cfg: PrefixConfig, model_dir: str | None) -> dict[str, ClusterConfig]:
-    common = ClusterConfig(model=model_dir, num_blocks=cfg.num_blocks, torch_threads=1, device=cfg.device,
+def clusters(cfg: PrefixConfig) -> dict[str, ClusterConfig]:
+    common = ClusterConfig(num_blocks=cfg.num_blocks, torch_threads=1, device=cfg.device,
                            dtype=cfg.dtype)
     cross = replace(common, prefill=2, num_blocks=cfg.cross_num_blocks)
     return {
@@ -134,19 +127,9 @@ def line(run: Measured) -> str:
             f"load {run.load_avg[0]:.2f}")
 
 
-def run(cfg: PrefixConfig, log: Callable[[str], None] = print, json_path: str | None = None) -> tuple[str, list[str]]:
-    tmp = Path(tempfile.mkdtemp(prefix="pdserve-prefix-"))
-    try:
-        model_dir = None
-        if cfg.model is not None:
-            save_model(cfg.model, tmp / "model", cfg.seed)
-            model_dir = str(tmp / "model")
-        with ExitStack() as stack:
-            started = {name: stack.enter_context(local_cluster(c)) for name, c in clusters(cfg, model_dir).items()}
-            clients = {name: stack.enter_context(Client(s.address, timeout=cfg.timeout)) for name, s in started.items()}
-            return _measure_all(cfg, clients, log, json_path)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+def run(cfg: PrefixConfig, log: Callable[[str], None] = say, json_path: str | None = None) -> tuple[str, list[str]]:
+    with clusters_up(clusters(cfg), cfg.model, cfg.seed, cfg.timeout) as up:
+        return _measure_all(cfg, {name: u.client for name, u in up.items()}, log, json_path)
 
 
 def _measure_all(cfg: PrefixConfig, clients: dict[str, Client], log: Callable[[str], None],

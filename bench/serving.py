@@ -404,6 +404,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-prefix-caching", action="store_true", help="workers without a prefix cache")
     g.add_argument("--prefill-policy", default=c.prefill_policy, help="router's prefill choice: prefix | round_robin")
     g.add_argument("--device", default=c.device, help="workers' torch device (cuda for the GPU mode)")
+    g.add_argument("--dtype", default=c.dtype, help="workers' dtype: float32 | float16 | bfloat16")
     g.add_argument("--startup-timeout", type=float, default=c.startup_timeout)
     return p
 
@@ -424,7 +425,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     cluster = ClusterConfig(model=args.model, prefill=args.prefill, decode=args.decode, mixed=args.mixed,
                             num_blocks=args.num_blocks, torch_threads=args.torch_threads, kv_connector=args.kv_connector,
                             worker_cpus=args.worker_cpus, enable_prefix_caching=not args.no_prefix_caching,
-                            prefill_policy=args.prefill_policy, device=args.device, startup_timeout=args.startup_timeout)
+                            prefill_policy=args.prefill_policy, device=args.device, dtype=args.dtype, startup_timeout=args.startup_timeout)
     return BenchConfig(workload, arrivals, Slo.parse(args.slo), cluster, args.addr, args.timeout, args.num_warmup,
                        args.progress, args.json_path, args.plot_path)
 
