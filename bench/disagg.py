@@ -23,20 +23,32 @@ The router and this load generator are not pinned (the kernel runs them where th
 is room; `--aux-cpus` pins both); the CPU seconds each process used are printed so
 their share is visible.
 
-Workload: the one disaggregation is for. A Poisson stream (`--request-rate`) of two
-kinds of requests: chat-like ones (short prompts, long outputs) that keep many
-sequences decoding, and, with probability `--long-fraction`, long prompts with
-short outputs that arrive while they decode. Greedy, `ignore_eos`, exact lengths.
-Each repetition draws a new workload (seed + repetition) and runs it on the
-colocated cluster, then on the disaggregated one (A B A B ...), so load that
-drifts over the run hits both; ratios are taken per repetition and reported as a
-median with min-max (bench/repeat.py).
+Workload: the one disaggregation is for. Two Poisson streams: chat-like requests
+(short prompts, longer outputs) that keep many sequences decoding, and long prompts
+with short outputs that arrive while they decode. Greedy, `ignore_eos`, exact
+lengths. Each repetition draws a new workload (seed + repetition) over
+`--duration` seconds of arrivals and runs it on the colocated cluster, then on the
+disaggregated one (A B A B ...), so load that drifts over the run hits both; ratios
+are taken per repetition and reported as a median with min-max (bench/repeat.py).
+
+Rates: set from service times measured on this machine before the repetitions
+(unless `--long-rate` / `--chat-rate` are given), so that both setups are loaded
+but stable whatever the machine's speed:
+
+    T_long   unloaded TTFT of the longest prompt the workload draws (colocated
+             cluster, median of 3 after a warm-up prefill)
+    TPOT_N   TPOT of --decoding chats started together on the disaggregated
+             decode worker, nothing else running
+    long prompts: prefill_load / T_long per second   -> the one prefill worker is
+             busy `--prefill-load` (60 %) of the time, each colocated worker half that
+    chats: decoding / (mean output * TPOT_N) per second -> by Little's law about
+             `--decoding` (16) sequences decode at once (8 per colocated worker)
 
 SLO (goodput: requests that met both bounds, per second of the run): `--slo`, or by
-default TPOT <= 100 ms (DistServe's chatbot SLO: faster than anyone reads) and TTFT
-<= 3x the unloaded TTFT of the longest prompt the workload can draw, measured on the
-colocated cluster before the repetitions (median of 3), so the bound follows the
-machine's speed instead of a number tuned to it. The header states the result.
+default relative to the same measurements: TTFT <= 3 x T_long and TPOT <= 2 x TPOT_N
+(a first token may wait behind two other long prompts; decoding may slow down to
+half speed). Goodput ratios at other SLO scales are printed too: how far the
+result depends on the SLO chosen is part of the result.
 
 The last line is `tpot_p99_ratio=X goodput_ratio=Y`: colocated TPOT p99 over
 disaggregated TPOT p99, and disaggregated goodput over colocated goodput (medians
@@ -57,7 +69,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 
 from pdserve.bench.cluster import GPU_MODEL, ClusterConfig, ModelShape, Started, clusters_up, pin_process, say
-from pdserve.bench.metrics import Slo
+from pdserve.bench.metrics import Slo, summarize
 from pdserve.bench.repeat import Ratio, interleaved
 from pdserve.bench.serving import Measured, interrupt_on_sigterm, measure, served_model, table, warm_up, write_json
 from pdserve.bench.workloads import ArrivalConfig, BenchRequest, random_ids, send_times
@@ -69,14 +81,16 @@ SYSTEMS = ("colocated", "disaggregated")
 @dataclass(frozen=True)
 class DisaggConfig:
     model: ModelShape | None = ModelShape()
-    num_requests: int = 140
-    request_rate: float = 3.5  # req/s, Poisson
-    long_fraction: float = 0.15
+    duration_s: float = 40.0  # of arrivals, per repetition and setup
+    prefill_load: float = 0.6  # busy fraction of the disaggregated prefill worker (calibrated rates)
+    decoding: int = 16  # sequences decoding at once, on average (calibrated rates)
+    long_rate: float | None = None  # long prompts per second; None: calibrated
+    chat_rate: float | None = None  # chats per second; None: calibrated
     long_prompt: tuple[int, int] = (1536, 1920)
     long_output: tuple[int, int] = (8, 16)
     short_prompt: tuple[int, int] = (16, 48)
     short_output: tuple[int, int] = (32, 64)
-    slo: Slo | None = None  # None: TPOT <= 100 ms, TTFT <= 3x the longest prompt's unloaded TTFT
+    slo: Slo | None = None  # None: TTFT <= 3 x T_long, TPOT <= 2 x TPOT_N
     repeats: int = 3
     seed: int = 0
     num_blocks: int = 2048
@@ -88,34 +102,86 @@ class DisaggConfig:
     timeout: float = 300.0
 
     def __post_init__(self) -> None:
-        if self.repeats < 1 or self.num_requests < 1 or not self.request_rate > 0:
-            raise ValueError("--repeats, --num-requests and --request-rate must be positive")
-        if not 0 <= self.long_fraction <= 1:
-            raise ValueError(f"--long-fraction: must be in [0, 1], got {self.long_fraction}")
+        if self.repeats < 1 or self.decoding < 1 or not self.duration_s > 0:
+            raise ValueError("--repeats, --decoding and --duration must be positive")
+        if not 0 < self.prefill_load < 1:
+            raise ValueError(f"--prefill-load: must be in (0, 1), got {self.prefill_load}")
+        for name in ("long_rate", "chat_rate"):
+            value = getattr(self, name)
+            if value is not None and not value >= 0:
+                raise ValueError(f"--{name.replace('_', '-')}: must be >= 0, got {value}")
 
 
-QUICK = DisaggConfig(model=None, num_requests=16, request_rate=8.0, long_fraction=0.25, long_prompt=(384, 512),
-                     long_output=(4, 8), short_prompt=(8, 32), short_output=(16, 24), repeats=2, num_blocks=512)
-GPU = DisaggConfig(model=GPU_MODEL, num_requests=400, request_rate=12.0, long_fraction=0.2, long_prompt=(4096, 6144),
-                   short_prompt=(32, 128), short_output=(128, 256), num_blocks=16384, max_num_batched_tokens=8192,
+QUICK = DisaggConfig(model=None, duration_s=3.0, long_prompt=(384, 512), long_output=(4, 8), short_prompt=(8, 32),
+                     short_output=(16, 24), decoding=8, repeats=2, num_blocks=512)
+GPU = DisaggConfig(model=GPU_MODEL, duration_s=30.0, long_prompt=(4096, 6144), short_prompt=(32, 128),
+                   short_output=(128, 256), decoding=64, num_blocks=16384, max_num_batched_tokens=8192,
                    worker_cpus="", device="cuda", dtype="bfloat16")
+TTFT_SLO_FACTOR = 3.0
+TPOT_SLO_FACTOR = 2.0
+SLO_SCALES = (0.5, 1.0, 1.5, 2.0, 3.0)
+
+
+@dataclass(frozen=True)
+class Load:
+    long_rate: float  # req/s
+    chat_rate: float
+    t_long_ms: float = math.nan  # what the rates and the default SLO were derived from
+    tpot_n_ms: float = math.nan
+
+    @property
+    def rate(self) -> float:
+        return self.long_rate + self.chat_rate
 
 
 # -- workload --------------------------------------------------------------------------
 
 
-def make_requests(cfg: DisaggConfig, vocab_size: int, rep: int) -> list[BenchRequest]:
-    """Short-prompt/long-output and long-prompt/short-output requests, interleaved at
-    random, Poisson arrivals; a function of (seed, repetition) only."""
+def make_requests(cfg: DisaggConfig, load: Load, vocab_size: int, rep: int) -> list[BenchRequest]:
+    """Chats and long prompts, Poisson arrivals of the two rates over `duration_s`
+    (one Poisson stream of the summed rate, each arrival a long prompt with
+    probability long_rate / rate); a function of (seed, repetition, load) only."""
     rng = random.Random(f"disagg-{cfg.seed}-{rep}")
-    times = send_times(cfg.num_requests, ArrivalConfig(cfg.request_rate), random.Random(f"disagg-times-{cfg.seed}-{rep}"))
+    count = max(1, round(load.rate * cfg.duration_s))
+    times = send_times(count, ArrivalConfig(load.rate), random.Random(f"disagg-times-{cfg.seed}-{rep}"))
     requests = []
     for i, t in enumerate(times):
-        long = rng.random() < cfg.long_fraction
+        long = rng.random() < load.long_rate / load.rate
         prompt_len = rng.randint(*(cfg.long_prompt if long else cfg.short_prompt))
         output = rng.randint(*(cfg.long_output if long else cfg.short_output))
         requests.append(BenchRequest(i, random_ids(prompt_len, vocab_size, rng), output, t))
     return requests
+
+
+def calibrate(cfg: DisaggConfig, clients: dict[str, Client], vocab: int, log: Callable[[str], None]) -> tuple[Load, Slo]:
+    """Measure T_long and TPOT_N (module docstring), after warming both clusters up;
+    derive the rates not given and the default SLO."""
+    rng = random.Random(f"disagg-calibration-{cfg.seed}")  # fresh prompts: no prefix cache hit
+
+    def alone(client: Client, prompt_len: int, output: int, count: int = 1) -> Measured:
+        requests = [BenchRequest(i, random_ids(prompt_len, vocab, rng), output, 0.0) for i in range(count)]
+        return measure(client, requests, concurrency=0, timeout=cfg.timeout, slo=Slo(), progress=False)
+
+    for client in clients.values():  # connections, first forward passes, first large allocations
+        warm_up(client, 2, cfg.timeout, vocab)
+        alone(client, cfg.long_prompt[1], cfg.long_output[0])
+    t_long = [alone(clients["colocated"], cfg.long_prompt[1], cfg.long_output[0]).summary.ttft.p50 for _ in range(3)]
+    batch = alone(clients["disaggregated"], cfg.short_prompt[1], cfg.short_output[1], count=cfg.decoding)
+    t_ms, tpot_ms = statistics.median(t_long), batch.summary.tpot.p50
+    mean_output = sum(cfg.short_output) / 2
+    load = Load(
+        long_rate=cfg.long_rate if cfg.long_rate is not None else cfg.prefill_load / (t_ms / 1e3),
+        chat_rate=cfg.chat_rate if cfg.chat_rate is not None else cfg.decoding / (mean_output * tpot_ms / 1e3),
+        t_long_ms=t_ms, tpot_n_ms=tpot_ms,
+    )
+    slo = cfg.slo or Slo(ttft_ms=round(TTFT_SLO_FACTOR * t_ms), tpot_ms=round(TPOT_SLO_FACTOR * tpot_ms, 1))
+    log(f"calibration: T_long (TTFT of a lone {cfg.long_prompt[1]}-token prompt) "
+        f"{', '.join(f'{t:.0f}' for t in t_long)} ms; TPOT_N ({cfg.decoding} chats decoding together) {tpot_ms:.1f} ms")
+    why_long = "given" if cfg.long_rate is not None else f"prefill worker {cfg.prefill_load:.0%} busy"
+    why_chat = "given" if cfg.chat_rate is not None else f"~{cfg.decoding} decoding at once"
+    log(f"rates: long prompts {load.long_rate:.3f}/s ({why_long}), chats {load.chat_rate:.3f}/s ({why_chat}); "
+        f"{round(load.rate * cfg.duration_s)} requests per repetition")
+    return load, slo
 
 
 # -- clusters --------------------------------------------------------------------------
@@ -153,18 +219,14 @@ def median_rep(ratios: Sequence[float]) -> int:
     return order[(len(order) - 1) // 2]
 
 
-TPOT_SLO_MS = 100.0
-TTFT_SLO_FACTOR = 3.0
-
-
-def describe(cfg: DisaggConfig, model: str, slo: Slo) -> list[str]:
+def describe(cfg: DisaggConfig, model: str, load: Load, slo: Slo) -> list[str]:
     return [
         f"model: {model}; device {cfg.device} {cfg.dtype}; per worker: 1 torch thread, {cfg.num_blocks} KV blocks, "
         f"{cfg.max_num_batched_tokens} tokens per step (chunked prefill); worker CPUs '{cfg.worker_cpus or 'unpinned'}', "
         f"router + load generator CPUs '{cfg.aux_cpus or 'unpinned'}'",
-        f"workload: {cfg.num_requests} requests, Poisson {cfg.request_rate:g} req/s; {1 - cfg.long_fraction:.0%} "
-        f"chat-like ({cfg.short_prompt[0]}-{cfg.short_prompt[1]} prompt, {cfg.short_output[0]}-{cfg.short_output[1]} "
-        f"output tokens), {cfg.long_fraction:.0%} long prompts ({cfg.long_prompt[0]}-{cfg.long_prompt[1]} prompt, "
+        f"workload: {cfg.duration_s:g} s of Poisson arrivals at {load.rate:.2f} req/s: chats at {load.chat_rate:.2f}/s "
+        f"({cfg.short_prompt[0]}-{cfg.short_prompt[1]} prompt, {cfg.short_output[0]}-{cfg.short_output[1]} output "
+        f"tokens), long prompts at {load.long_rate:.2f}/s ({cfg.long_prompt[0]}-{cfg.long_prompt[1]} prompt, "
         f"{cfg.long_output[0]}-{cfg.long_output[1]} output tokens); greedy, ignore_eos; seed {cfg.seed} + repetition",
         f"SLO for goodput: {slo}; {cfg.repeats} repetitions, interleaved (colocated, disaggregated, ...)",
     ]
@@ -191,19 +253,8 @@ def _measure_all(cfg: DisaggConfig, started: dict[str, Started], clients: dict[s
                  json_path: str | None, plot_path: str | None) -> tuple[str, list[str]]:
     info = served_model(clients["colocated"])
     load_at_start = os.getloadavg()
-    rng = random.Random(f"disagg-calibration-{cfg.seed}")  # a fresh prompt each time: no prefix cache hit
-    alone: list[float] = []
-    for name, client in clients.items():  # first forward passes, connections; then the unloaded TTFT
-        warm_up(client, 2, cfg.timeout, info.vocab_size)
-        for i in range(4 if name == "colocated" else 2):
-            longest = BenchRequest(0, random_ids(cfg.long_prompt[1], info.vocab_size, rng), cfg.long_output[0], 0.0)
-            run = measure(client, [longest], concurrency=0, timeout=cfg.timeout, slo=Slo(), progress=False)
-            if i:  # the first long prefill of a worker also pays for its first large allocations
-                alone.append(run.summary.ttft.p50)
-    slo = cfg.slo or Slo(ttft_ms=round(TTFT_SLO_FACTOR * statistics.median(alone[:3])), tpot_ms=TPOT_SLO_MS)
-    log(f"unloaded TTFT of the longest prompt ({cfg.long_prompt[1]} tokens): colocated "
-        f"{', '.join(f'{t:.0f}' for t in alone[:3])} ms, disaggregated {alone[3]:.0f} ms")
-    for line in describe(cfg, f"{info.name} (vocab {info.vocab_size}, max_model_len {info.max_model_len})", slo):
+    load, slo = calibrate(cfg, clients, info.vocab_size, log)
+    for line in describe(cfg, f"{info.name} (vocab {info.vocab_size}, max_model_len {info.max_model_len})", load, slo):
         log(line)
     log(f"load average at start: {' '.join(f'{x:.2f}' for x in load_at_start)}")
     cpu_before = {name: s.cpu_seconds() for name, s in started.items()}
@@ -211,7 +262,7 @@ def _measure_all(cfg: DisaggConfig, started: dict[str, Started], clients: dict[s
 
     def system(name: str) -> Callable[[int], Measured]:
         def once(rep: int) -> Measured:
-            requests = make_requests(cfg, info.vocab_size, rep)
+            requests = make_requests(cfg, load, info.vocab_size, rep)
             result = measure(clients[name], requests, concurrency=0, timeout=cfg.timeout, slo=slo, label=name)
             log(f"[{rep + 1}/{cfg.repeats}] {one_line(result)}")
             return result
@@ -231,11 +282,19 @@ def _measure_all(cfg: DisaggConfig, started: dict[str, Started], clients: dict[s
             f"{c.summary.tpot.p99 / d.summary.tpot.p99:6.2f}      {d.summary.goodput:6.2f} / {c.summary.goodput:6.2f} req/s")
     log(f"tpot_p99_ratio (colocated / disaggregated): {tpot}")
     log(f"goodput_ratio (disaggregated / colocated): {goodput}")
+    log("goodput ratio at other SLO scales (both bounds multiplied; 1 = the SLO above):")
+    for scale in SLO_SCALES:
+        scaled = Slo(slo.ttft_ms * scale if slo.ttft_ms else None, slo.tpot_ms * scale if slo.tpot_ms else None)
+        good = {name: [summarize(r.start, r.results, scaled) for r in runs[name]] for name in SYSTEMS}
+        ratio = Ratio.paired([g.goodput for g in good["disaggregated"]], [g.goodput for g in good["colocated"]])
+        met = {name: sum(g.good for g in good[name]) / sum(g.completed for g in good[name]) for name in SYSTEMS}
+        log(f"  x{scale:<4g} {scaled}: {ratio}; SLO met by {met['colocated']:.0%} colocated, "
+            f"{met['disaggregated']:.0%} disaggregated")
     log(_cpu_report(started, cpu_before, time.process_time() - me_before))
     problems = [f"{r.label} repetition {i + 1}: {p}" for name in SYSTEMS for i, r in enumerate(runs[name])
                 for p in r.problems()]
     if json_path:
-        write_json(json_path, {"config": {**asdict(cfg), "slo": str(slo)},
+        write_json(json_path, {"config": {**asdict(cfg), "slo": str(slo), "load": asdict(load)},
                                "tpot_p99_ratio": asdict(tpot), "goodput_ratio": asdict(goodput),
                                "runs": {name: [r.to_dict() for r in runs[name]] for name in SYSTEMS}})
     if plot_path:
@@ -260,13 +319,15 @@ def _cpu_report(started: dict[str, Started], before: dict[str, dict[str, float]]
 def parse_args(argv: Sequence[str] | None) -> tuple[DisaggConfig, argparse.Namespace]:
     p = argparse.ArgumentParser(prog="python -m pdserve.bench.disagg", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="embedded model, small workload, 2 repetitions (< 1 minute)")
+    p.add_argument("--quick", action="store_true", help="embedded model, 3 s of arrivals, 2 repetitions (< 1 minute)")
     p.add_argument("--gpu", action="store_true", help="GPU preset: ~1B-parameter model in bf16 on cuda")
     p.add_argument("--repeats", type=int)
-    p.add_argument("--num-requests", type=int)
-    p.add_argument("--request-rate", type=float)
-    p.add_argument("--long-fraction", type=float)
-    p.add_argument("--slo", help="ttft:MS,tpot:MS")
+    p.add_argument("--duration", type=float, dest="duration_s", help="seconds of arrivals per repetition")
+    p.add_argument("--prefill-load", type=float, help="calibrated rates: busy fraction of the prefill worker (0.6)")
+    p.add_argument("--decoding", type=int, help="calibrated rates: sequences decoding at once (16)")
+    p.add_argument("--long-rate", type=float, help="long prompts per second (default: calibrated)")
+    p.add_argument("--chat-rate", type=float, help="chats per second (default: calibrated)")
+    p.add_argument("--slo", help="ttft:MS,tpot:MS (default: relative to the calibration)")
     p.add_argument("--seed", type=int)
     p.add_argument("--worker-cpus", help="one CPU list per worker, ';'-separated ('' unpinned)")
     p.add_argument("--aux-cpus", help="pin the router and the load generator to these CPUs")
@@ -275,11 +336,11 @@ def parse_args(argv: Sequence[str] | None) -> tuple[DisaggConfig, argparse.Names
     p.add_argument("--plot", dest="plot_path", metavar="FILE.png")
     args = p.parse_args(argv)
     base = QUICK if args.quick else GPU if args.gpu else DisaggConfig()
-    given = {"repeats": args.repeats, "num_requests": args.num_requests, "request_rate": args.request_rate,
-             "long_fraction": args.long_fraction, "seed": args.seed, "worker_cpus": args.worker_cpus,
-             "aux_cpus": args.aux_cpus, "max_num_batched_tokens": args.max_num_batched_tokens,
-             "slo": Slo.parse(args.slo) if args.slo else None}
+    given = {name: getattr(args, name) for name in ("repeats", "duration_s", "prefill_load", "decoding", "long_rate",
+                                                     "chat_rate", "seed", "worker_cpus", "aux_cpus",
+                                                     "max_num_batched_tokens")}
     try:
+        given["slo"] = Slo.parse(args.slo) if args.slo else None
         cfg = replace(base, **{k: v for k, v in given.items() if v is not None})
     except ValueError as e:
         p.error(str(e))

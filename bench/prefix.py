@@ -127,13 +127,14 @@ def line(run: Measured) -> str:
             f"load {run.load_avg[0]:.2f}")
 
 
-def run(cfg: PrefixConfig, log: Callable[[str], None] = say, json_path: str | None = None) -> tuple[str, list[str]]:
+def run(cfg: PrefixConfig, log: Callable[[str], None] = say, json_path: str | None = None,
+        plot_path: str | None = None) -> tuple[str, list[str]]:
     with clusters_up(clusters(cfg), cfg.model, cfg.seed, cfg.timeout) as up:
-        return _measure_all(cfg, {name: u.client for name, u in up.items()}, log, json_path)
+        return _measure_all(cfg, {name: u.client for name, u in up.items()}, log, json_path, plot_path)
 
 
 def _measure_all(cfg: PrefixConfig, clients: dict[str, Client], log: Callable[[str], None],
-                 json_path: str | None) -> tuple[str, list[str]]:
+                 json_path: str | None, plot_path: str | None) -> tuple[str, list[str]]:
     info = served_model(clients["cache on"])
     log(f"model: {info.name} (vocab {info.vocab_size}); device {cfg.device} {cfg.dtype}; 1 torch thread per worker")
     log(f"prompts: {cfg.prompt_tokens} tokens = {cfg.shared_tokens} shared ({cfg.shared_fraction:.0%}) + "
@@ -171,6 +172,12 @@ def _measure_all(cfg: PrefixConfig, clients: dict[str, Client], log: Callable[[s
     if json_path:
         write_json(json_path, {"config": asdict(cfg), "ttft_ratio": asdict(cache), "routing_ratio": asdict(routing),
                                "runs": {name: [r.to_dict() for r in rs] for name, rs in runs.items()}})
+    if plot_path:
+        from pdserve.bench.plot import Run, plot_runs
+
+        last = cfg.repeats - 1
+        plot_runs([Run(name, rs[last].start, rs[last].results) for name, rs in runs.items()], plot_path,
+                  title=f"TTFT with a {cfg.shared_fraction:.0%} shared system prompt, repetition {last + 1}")
     return f"ttft_ratio={cache.median:.3f}", problems
 
 
@@ -185,6 +192,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[PrefixConfig, argparse.Names
     p.add_argument("--prompt-tokens", type=int)
     p.add_argument("--seed", type=int)
     p.add_argument("--json", dest="json_path", metavar="FILE")
+    p.add_argument("--plot", dest="plot_path", metavar="FILE.png")
     args = p.parse_args(argv)
     base = QUICK if args.quick else GPU if args.gpu else PrefixConfig()
     given = {"repeats": args.repeats, "num_requests": args.num_requests, "cross_requests": args.cross_requests,
@@ -201,7 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, interrupt_on_sigterm)
     start = time.perf_counter()
     try:
-        last, problems = run(cfg, json_path=args.json_path)
+        last, problems = run(cfg, json_path=args.json_path, plot_path=args.plot_path)
     except KeyboardInterrupt:
         print("bench.prefix: interrupted", file=sys.stderr)
         return 130

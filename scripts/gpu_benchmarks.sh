@@ -43,7 +43,7 @@ for name in $ONLY; do
             --request-rate 16 --slo ttft:1000,tpot:50 --json "$OUT/serving.json" --plot "$OUT/serving.png"
         ;;
     disagg) run disagg -m pdserve.bench.disagg --gpu --json "$OUT/disagg.json" --plot "$OUT/disagg.png" ;;
-    prefix) run prefix -m pdserve.bench.prefix --gpu --json "$OUT/prefix.json" ;;
+    prefix) run prefix -m pdserve.bench.prefix --gpu --json "$OUT/prefix.json" --plot "$OUT/prefix.png" ;;
     *) echo "unknown benchmark $name" ;;
     esac
 done
