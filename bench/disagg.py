@@ -37,18 +37,21 @@ but stable whatever the machine's speed:
 
     T_long   unloaded TTFT of the longest prompt the workload draws (colocated
              cluster, median of 3 after a warm-up prefill)
-    TPOT_N   TPOT of --decoding chats started together on the disaggregated
-             decode worker, nothing else running
-    long prompts: prefill_load / T_long per second   -> the one prefill worker is
+    C, TPOT_N  output tokens/s and TPOT of `--decoding` (32) chats started together
+             on the disaggregated decode worker, nothing else running: what one
+             core can decode when it does nothing else
+    long prompts: prefill_load / T_long per second -> the one prefill worker is
              busy `--prefill-load` (60 %) of the time, each colocated worker half that
-    chats: decoding / (mean output * TPOT_N) per second -> by Little's law about
-             `--decoding` (16) sequences decode at once (8 per colocated worker)
+    chats: decode_load * C / mean output per second -> the one decode worker needs
+             `--decode-load` (50 %) of its decode capacity, each colocated worker
+             a quarter of its own, before prefills interfere
 
 SLO (goodput: requests that met both bounds, per second of the run): `--slo`, or by
-default relative to the same measurements: TTFT <= 3 x T_long and TPOT <= 2 x TPOT_N
-(a first token may wait behind two other long prompts; decoding may slow down to
-half speed). Goodput ratios at other SLO scales are printed too: how far the
-result depends on the SLO chosen is part of the result.
+default relative to the same measurements: TTFT <= 3 x T_long (a first token may
+wait behind two other long prompts) and TPOT <= TPOT_N (decoding may be as slow as
+one core decoding `--decoding` sequences, about twice the batch the rates lead to).
+Goodput ratios at other SLO scales are printed too: how far the result depends on
+the SLO chosen is part of the result.
 
 The last line is `tpot_p99_ratio=X goodput_ratio=Y`: colocated TPOT p99 over
 disaggregated TPOT p99, and disaggregated goodput over colocated goodput (medians
@@ -83,14 +86,15 @@ class DisaggConfig:
     model: ModelShape | None = ModelShape()
     duration_s: float = 40.0  # of arrivals, per repetition and setup
     prefill_load: float = 0.6  # busy fraction of the disaggregated prefill worker (calibrated rates)
-    decoding: int = 16  # sequences decoding at once, on average (calibrated rates)
+    decode_load: float = 0.5  # fraction of one core's decode capacity the chats need (calibrated rates)
+    decoding: int = 32  # chats decoding together when the decode capacity is measured
     long_rate: float | None = None  # long prompts per second; None: calibrated
     chat_rate: float | None = None  # chats per second; None: calibrated
     long_prompt: tuple[int, int] = (1536, 1920)
     long_output: tuple[int, int] = (8, 16)
     short_prompt: tuple[int, int] = (16, 48)
     short_output: tuple[int, int] = (32, 64)
-    slo: Slo | None = None  # None: TTFT <= 3 x T_long, TPOT <= 2 x TPOT_N
+    slo: Slo | None = None  # None: TTFT <= 3 x T_long, TPOT <= TPOT_N
     repeats: int = 3
     seed: int = 0
     num_blocks: int = 2048
@@ -104,8 +108,9 @@ class DisaggConfig:
     def __post_init__(self) -> None:
         if self.repeats < 1 or self.decoding < 1 or not self.duration_s > 0:
             raise ValueError("--repeats, --decoding and --duration must be positive")
-        if not 0 < self.prefill_load < 1:
-            raise ValueError(f"--prefill-load: must be in (0, 1), got {self.prefill_load}")
+        for name in ("prefill_load", "decode_load"):
+            if not 0 < getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')}: must be in (0, 1), got {getattr(self, name)}")
         for name in ("long_rate", "chat_rate"):
             value = getattr(self, name)
             if value is not None and not value >= 0:
@@ -113,12 +118,12 @@ class DisaggConfig:
 
 
 QUICK = DisaggConfig(model=None, duration_s=3.0, long_prompt=(384, 512), long_output=(4, 8), short_prompt=(8, 32),
-                     short_output=(16, 24), decoding=8, repeats=2, num_blocks=512)
+                     short_output=(16, 24), decoding=16, repeats=2, num_blocks=512)
 GPU = DisaggConfig(model=GPU_MODEL, duration_s=30.0, long_prompt=(4096, 6144), short_prompt=(32, 128),
-                   short_output=(128, 256), decoding=64, num_blocks=16384, max_num_batched_tokens=8192,
+                   short_output=(128, 256), decoding=128, num_blocks=16384, max_num_batched_tokens=8192,
                    worker_cpus="", device="cuda", dtype="bfloat16")
 TTFT_SLO_FACTOR = 3.0
-TPOT_SLO_FACTOR = 2.0
+TPOT_SLO_FACTOR = 1.0
 SLO_SCALES = (0.5, 1.0, 1.5, 2.0, 3.0)
 
 
@@ -128,6 +133,7 @@ class Load:
     chat_rate: float
     t_long_ms: float = math.nan  # what the rates and the default SLO were derived from
     tpot_n_ms: float = math.nan
+    decode_tok_s: float = math.nan
 
     @property
     def rate(self) -> float:
@@ -167,18 +173,19 @@ def calibrate(cfg: DisaggConfig, clients: dict[str, Client], vocab: int, log: Ca
         alone(client, cfg.long_prompt[1], cfg.long_output[0])
     t_long = [alone(clients["colocated"], cfg.long_prompt[1], cfg.long_output[0]).summary.ttft.p50 for _ in range(3)]
     batch = alone(clients["disaggregated"], cfg.short_prompt[1], cfg.short_output[1], count=cfg.decoding)
-    t_ms, tpot_ms = statistics.median(t_long), batch.summary.tpot.p50
+    t_ms, tpot_ms, capacity = statistics.median(t_long), batch.summary.tpot.p50, batch.summary.output_throughput
     mean_output = sum(cfg.short_output) / 2
     load = Load(
         long_rate=cfg.long_rate if cfg.long_rate is not None else cfg.prefill_load / (t_ms / 1e3),
-        chat_rate=cfg.chat_rate if cfg.chat_rate is not None else cfg.decoding / (mean_output * tpot_ms / 1e3),
-        t_long_ms=t_ms, tpot_n_ms=tpot_ms,
+        chat_rate=cfg.chat_rate if cfg.chat_rate is not None else cfg.decode_load * capacity / mean_output,
+        t_long_ms=t_ms, tpot_n_ms=tpot_ms, decode_tok_s=capacity,
     )
     slo = cfg.slo or Slo(ttft_ms=round(TTFT_SLO_FACTOR * t_ms), tpot_ms=round(TPOT_SLO_FACTOR * tpot_ms, 1))
     log(f"calibration: T_long (TTFT of a lone {cfg.long_prompt[1]}-token prompt) "
-        f"{', '.join(f'{t:.0f}' for t in t_long)} ms; TPOT_N ({cfg.decoding} chats decoding together) {tpot_ms:.1f} ms")
+        f"{', '.join(f'{t:.0f}' for t in t_long)} ms; {cfg.decoding} chats decoding together on one worker: "
+        f"TPOT_N {tpot_ms:.1f} ms, C = {capacity:.0f} output tok/s")
     why_long = "given" if cfg.long_rate is not None else f"prefill worker {cfg.prefill_load:.0%} busy"
-    why_chat = "given" if cfg.chat_rate is not None else f"~{cfg.decoding} decoding at once"
+    why_chat = "given" if cfg.chat_rate is not None else f"{cfg.decode_load:.0%} of C"
     log(f"rates: long prompts {load.long_rate:.3f}/s ({why_long}), chats {load.chat_rate:.3f}/s ({why_chat}); "
         f"{round(load.rate * cfg.duration_s)} requests per repetition")
     return load, slo
@@ -324,7 +331,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[DisaggConfig, argparse.Names
     p.add_argument("--repeats", type=int)
     p.add_argument("--duration", type=float, dest="duration_s", help="seconds of arrivals per repetition")
     p.add_argument("--prefill-load", type=float, help="calibrated rates: busy fraction of the prefill worker (0.6)")
-    p.add_argument("--decoding", type=int, help="calibrated rates: sequences decoding at once (16)")
+    p.add_argument("--decode-load", type=float, help="calibrated rates: share of one core's decode capacity (0.5)")
+    p.add_argument("--decoding", type=int, help="chats decoding together when the capacity is measured (32)")
     p.add_argument("--long-rate", type=float, help="long prompts per second (default: calibrated)")
     p.add_argument("--chat-rate", type=float, help="chats per second (default: calibrated)")
     p.add_argument("--slo", help="ttft:MS,tpot:MS (default: relative to the calibration)")
@@ -336,7 +344,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[DisaggConfig, argparse.Names
     p.add_argument("--plot", dest="plot_path", metavar="FILE.png")
     args = p.parse_args(argv)
     base = QUICK if args.quick else GPU if args.gpu else DisaggConfig()
-    given = {name: getattr(args, name) for name in ("repeats", "duration_s", "prefill_load", "decoding", "long_rate",
+    given = {name: getattr(args, name) for name in ("repeats", "duration_s", "prefill_load", "decode_load", "decoding",
+                                                     "long_rate",
                                                      "chat_rate", "seed", "worker_cpus", "aux_cpus",
                                                      "max_num_batched_tokens")}
     try:

@@ -43,7 +43,7 @@ def plot_runs(runs: Sequence[Run], path: str | Path, title: str = "") -> None:
         raise RuntimeError("plots need matplotlib: pip install 'pdserve[bench]'") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import ScalarFormatter
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
 
     fig, (ttft, tpot, rate) = plt.subplots(1, 3, figsize=(15, 4.2))
     for run in runs:
@@ -57,6 +57,7 @@ def plot_runs(runs: Sequence[Run], path: str | Path, title: str = "") -> None:
         ax.set_title(f"{name} CDF")
         ax.set_xscale("log")
         ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.grid(True, which="both", alpha=0.3)
     rate.set_xlabel("time since start (s)")
     rate.set_ylabel("output tokens/s")
