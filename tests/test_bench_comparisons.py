@@ -69,3 +69,11 @@ def test_prefix_quick_reports_cache_and_routing_ratios(tmp_path: Path) -> None:
     for run in data["runs"]["cache on"]:  # all but the first request of a repetition hit the shared prompt
         shared = round(cfg["prompt_tokens"] * cfg["shared_fraction"]) // 16 * 16
         assert run["summary"]["cached_tokens"] >= (cfg["num_requests"] - 1) * shared
+
+
+def test_kvtransfer_quick_reports_paired_ratios() -> None:
+    proc = run_bench(["-m", "pdserve.bench.kvtransfer", "--quick"])
+    lines = proc.stdout.strip().splitlines()
+    match = re.fullmatch(r"ratio_vs_raw_zmq=(\S+)", lines[-1])
+    assert match and math.isfinite(float(match[1])) and float(match[1]) > 0, lines[-1]
+    assert re.search(r"zmq_tcp / raw_tcp GB/s per repetition: \S+ \(min \S+, max \S+, k=10\)", proc.stdout)
