@@ -180,6 +180,8 @@ def calibrate(cfg: DisaggConfig, clients: dict[str, Client], vocab: int, log: Ca
         chat_rate=cfg.chat_rate if cfg.chat_rate is not None else cfg.decode_load * capacity / mean_output,
         t_long_ms=t_ms, tpot_n_ms=tpot_ms, decode_tok_s=capacity,
     )
+    if not load.rate > 0:  # nan when a calibration request failed
+        raise RuntimeError(f"calibration gave no usable rates: {load}")
     slo = cfg.slo or Slo(ttft_ms=round(TTFT_SLO_FACTOR * t_ms), tpot_ms=round(TPOT_SLO_FACTOR * tpot_ms, 1))
     log(f"calibration: T_long (TTFT of a lone {cfg.long_prompt[1]}-token prompt) "
         f"{', '.join(f'{t:.0f}' for t in t_long)} ms; {cfg.decoding} chats decoding together on one worker: "
@@ -365,6 +367,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("bench.disagg: interrupted", file=sys.stderr)
         return 130
+    except (ConnectionError, RuntimeError, OSError, ValueError) as e:  # a cluster that did not start, ...
+        print(f"bench.disagg: {e}", file=sys.stderr)
+        return 1
     for problem in problems:
         print(f"INCONSISTENT: {problem}")
     print(f"benchmark wall time: {time.perf_counter() - start:.0f} s")

@@ -43,7 +43,7 @@ def plot_runs(runs: Sequence[Run], path: str | Path, title: str = "") -> None:
         raise RuntimeError("plots need matplotlib: pip install 'pdserve[bench]'") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import NullFormatter, ScalarFormatter
+    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
 
     fig, (ttft, tpot, rate) = plt.subplots(1, 3, figsize=(15, 4.2))
     for run in runs:
@@ -56,6 +56,7 @@ def plot_runs(runs: Sequence[Run], path: str | Path, title: str = "") -> None:
         ax.set_ylabel("fraction of requests")
         ax.set_title(f"{name} CDF")
         ax.set_xscale("log")
+        ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
         ax.xaxis.set_major_formatter(ScalarFormatter())
         ax.xaxis.set_minor_formatter(NullFormatter())
         ax.grid(True, which="both", alpha=0.3)

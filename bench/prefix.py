@@ -213,6 +213,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("bench.prefix: interrupted", file=sys.stderr)
         return 130
+    except (ConnectionError, RuntimeError, OSError, ValueError) as e:  # a cluster that did not start, ...
+        print(f"bench.prefix: {e}", file=sys.stderr)
+        return 1
     for problem in problems:
         print(f"INCONSISTENT: {problem}")
     print(f"benchmark wall time: {time.perf_counter() - start:.0f} s")
