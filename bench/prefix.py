@@ -1,6 +1,6 @@
 """What the prefix cache saves: TTFT with a long shared system prompt, through the cluster.
 
-    python -m pdserve.bench.prefix            # about 5 minutes on 2 CPU cores
+    python -m pdserve.bench.prefix            # about 6 minutes on 2 CPU cores
     python -m pdserve.bench.prefix --quick    # under a minute: the smoke test
     python -m pdserve.bench.prefix --gpu      # one GPU (scripts/gpu_benchmarks.md)
 
