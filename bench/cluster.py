@@ -11,6 +11,7 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -133,9 +134,10 @@ class Up:
 @contextlib.contextmanager
 def clusters_up(configs: Mapping[str, ClusterConfig], model: ModelShape | None, seed: int,
                 timeout: float) -> Iterator[dict[str, Up]]:
-    """Every cluster started (one after the other) before the block runs, all serving
-    one model: `model` saved to a temporary directory, or the embedded one for None;
-    all stopped, and the model removed, on the way out."""
+    """Every cluster started (all at once: most of a start is waiting for imports and
+    registrations) before the block runs, all serving one model: `model` saved to a
+    temporary directory, or the embedded one for None; all stopped, and the model
+    removed, on the way out (also when one of them failed to start)."""
     tmp = Path(tempfile.mkdtemp(prefix="pdserve-bench-model-"))
     try:
         model_dir = None
@@ -143,13 +145,26 @@ def clusters_up(configs: Mapping[str, ClusterConfig], model: ModelShape | None, 
             save_model(model, tmp / "model", seed)
             model_dir = str(tmp / "model")
         with contextlib.ExitStack() as stack:
-            up = {}
-            for name, cfg in configs.items():
-                started = stack.enter_context(local_cluster(replace(cfg, model=model_dir)))
-                up[name] = Up(started, stack.enter_context(Client(started.address, timeout=timeout)))
-            yield up
+            with ThreadPoolExecutor(max_workers=len(configs), thread_name_prefix="cluster-start") as pool:
+                futures = {name: pool.submit(_enter, local_cluster(replace(cfg, model=model_dir)))
+                           for name, cfg in configs.items()}
+            started, failure = {}, None
+            for name, future in futures.items():
+                try:
+                    cm, started[name] = future.result()
+                except BaseException as e:  # the others are stopped by the stack, then this is raised
+                    failure = failure or e
+                    continue
+                stack.push(cm.__exit__)
+            if failure is not None:
+                raise failure
+            yield {name: Up(s, stack.enter_context(Client(s.address, timeout=timeout))) for name, s in started.items()}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _enter(cm: contextlib.AbstractContextManager[Started]) -> tuple[contextlib.AbstractContextManager[Started], Started]:
+    return cm, cm.__enter__()
 
 
 def say(line: str) -> None:
