@@ -7,6 +7,7 @@
     pdserve router|prefill|decode|mixed [flags]   one service
     pdserve generate [--addr A] [--api-key K] [--tls-ca CA] PROMPT
                                          stream a completion from a running router
+    pdserve bench [--addr A] [flags]     load generator + latency report (pdserve bench --help)
 
 Every flag also reads PDSERVE_<NAME> from the environment (e.g. PDSERVE_NUM_BLOCKS).
 """
@@ -150,10 +151,19 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--cache-salt", default="", help="prefix-cache salt: requests with another salt share no "
                                                       "cached blocks with this one")
     gen.set_defaults(func=_generate)
+
+    # Listed here for --help; main() hands everything after `bench` to bench.serving's own parser.
+    sub.add_parser("bench", add_help=False,
+                   help="open-loop load generator against a router: TTFT/TPOT/ITL, goodput (pdserve bench --help)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # `pdserve bench` is `python -m pdserve.bench.serving`
+        from pdserve.bench.serving import main as bench
+
+        return bench(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         code = args.func(args)

@@ -1,7 +1,10 @@
 """KV transfer benchmark: our transports against raw ZeroMQ, and layer-wise overlap.
 
-Run it with `python -m pdserve.bench.kvtransfer` (about 30 s on 2 CPU cores) or
-`python -m pdserve.bench.kvtransfer --quick` (a shorter prompt and fewer repetitions).
+Run it with `python -m pdserve.bench.kvtransfer` (about 30 s on 2 CPU cores),
+`python -m pdserve.bench.kvtransfer --quick` (a shorter prompt and fewer repetitions) or
+`python -m pdserve.bench.kvtransfer --gpu` (both engines' KV on cuda: pages are staged
+through host memory on both sides, the raw ceiling copies them to the host too; no
+gloo; see scripts/gpu_benchmarks.md).
 
 Everything happens in one run, between two processes on this machine (one torch
 thread each):
@@ -27,7 +30,8 @@ thread each):
      land in the reserved blocks through our receiver (validation, `recv_into`
      straight into the KV tensor) and are acked; timed from the first send to the ack.
    GB/s is KV bytes / time (1 GB = 1e9 bytes), the median over repetitions; raw and
-   ours alternate within each repetition, so drifting load hits both alike.
+   ours alternate within each repetition (bench/repeat.py), so drifting load hits
+   both alike, and ratios are taken per repetition: median with min-max.
 4. Layer-wise streaming: fresh prompts are prefilled (a) with `PrefillConnector`
    streaming each layer's pages as soon as the layer is written, and (b) without,
    sending every page after the prefill (`export_held`). In both, `exposed` is the
@@ -37,7 +41,8 @@ thread each):
    streaming on shared cores shows there).
 
 The last line is machine-readable: `ratio_vs_raw_zmq=X curve_vs_plain=Y`: our ZeroMQ
-tcp GB/s over raw ZeroMQ tcp GB/s, and ours with CURVE over ours without.
+tcp GB/s over raw ZeroMQ tcp GB/s, and ours with CURVE over ours without (each the
+median of per-repetition ratios).
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ from pathlib import Path
 import torch
 import zmq
 
+from pdserve.bench.repeat import Ratio, interleaved
 from pdserve.engine import SamplingParams
 from pdserve.engine.config import CacheConfig, SchedulerConfig
 from pdserve.engine.engine import EngineConfig, LLMEngine
@@ -84,6 +90,7 @@ class BenchConfig:
     reps: int = 30
     overlap_reps: int = 5
     seed: int = 0
+    device: str = "cpu"
 
     @property
     def num_blocks(self) -> int:
@@ -95,8 +102,11 @@ def parse_args(argv: Sequence[str] | None) -> BenchConfig:
     p.add_argument("--quick", action="store_true", help="shorter prompt, fewer repetitions")
     p.add_argument("--prompt-len", type=int, default=None)
     p.add_argument("--reps", type=int, default=None)
+    p.add_argument("--gpu", action="store_true", help="KV caches on cuda (no gloo)")
     args = p.parse_args(argv)
     cfg = BenchConfig(prompt_len=1024, reps=10, overlap_reps=2) if args.quick else BenchConfig()
+    if args.gpu:
+        cfg = BenchConfig(**{**cfg.__dict__, "device": "cuda"})
     if args.prompt_len is not None or args.reps is not None:
         cfg = BenchConfig(**{**cfg.__dict__, **{k: v for k, v in
                                                (("prompt_len", args.prompt_len), ("reps", args.reps)) if v is not None}})
@@ -123,7 +133,7 @@ def save_random_model(cfg: BenchConfig, path: Path) -> None:
 def engine_config(model_dir: Path, cfg: BenchConfig, num_blocks: int) -> EngineConfig:
     # No prefix caching: every repetition must move (and compute) every block.
     return EngineConfig(
-        model=str(model_dir),
+        model=str(model_dir), device=cfg.device,
         cache=CacheConfig(block_size=cfg.block_size, num_blocks=num_blocks, enable_prefix_caching=False),
         scheduler=SchedulerConfig(max_num_batched_tokens=cfg.prompt_len, max_model_len=cfg.prompt_len + 64),
     )
@@ -154,8 +164,9 @@ def decode_process(conn, model_dir: str, cfg: BenchConfig, ipc_dir: str, curve: 
         "zmq_tcp": ZmqReceiver(kv, "tcp://127.0.0.1:0"),
         "zmq_curve": ZmqReceiver(kv, "tcp://127.0.0.1:0", ZmqConfig(curve=curve)),
         "zmq_ipc": ZmqReceiver(kv, f"ipc://{ipc_dir}/kv.sock"),
-        "gloo": TorchDistReceiver(kv, "tcp://127.0.0.1:0"),
     }
+    if kv.device.type == "cpu":  # gloo moves host tensors only
+        receivers["gloo"] = TorchDistReceiver(kv, "tcp://127.0.0.1:0")
     connectors = {name: DecodeConnector(engine, r) for name, r in receivers.items()}
     ctx = zmq.Context()
     stop = threading.Event()
@@ -236,11 +247,11 @@ def prefill_and_hold(engine: LLMEngine, prompt: list[int]) -> HeldPrompt:
 
 def time_raw(sock: zmq.Socket, kv: torch.Tensor, held: HeldPrompt, header_bytes: int) -> float:
     """The same frames as ours, raw: one message per layer, then an end marker."""
-    layer_frames = [[run.view(torch.uint8).reshape(-1).numpy() for _, run in page_runs(kv, layer, 0, len(held.block_ids), held.block_ids)]
-                    for layer in range(kv.shape[0])]
+    runs = [[run for _, run in page_runs(kv, layer, 0, len(held.block_ids), held.block_ids)] for layer in range(kv.shape[0])]
     header = b"h" * header_bytes
     start = time.perf_counter()
-    for frames in layer_frames:
+    for layer in runs:  # a GPU cache's pages are copied to the host first, inside the timing (as ours must)
+        frames = [run.cpu().view(torch.uint8).reshape(-1).numpy() for run in layer]
         sock.send_multipart([header, *frames], copy=False)
     sock.send(b"end")
     if not sock.poll(int(WAIT_S * 1000)):
@@ -364,8 +375,10 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = print) -> str:
             f"{held.nbytes / cfg.num_layers / runs / 2**20:.2f} MiB (raw: a frame per run; ours: frames of at most "
             f"{ZmqConfig().max_frame_bytes / 2**20:g} MiB); {cfg.reps} repetitions, medians")
 
-        senders = {"zmq_tcp": ZmqSender(), "zmq_ipc": ZmqSender(), "gloo": TorchDistSender(),
+        senders = {"zmq_tcp": ZmqSender(), "zmq_ipc": ZmqSender(),
                    "zmq_curve": ZmqSender(ZmqConfig(curve=CurveConfig(client_public, client_secret)))}
+        if cfg.device == "cpu":
+            senders["gloo"] = TorchDistSender()
         raw_socks = {}
         for name in ("raw_tcp", "raw_ipc"):
             sock = ctx.socket(zmq.DEALER)
@@ -373,19 +386,23 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = print) -> str:
             sock.connect(decode.endpoints[name])
             raw_socks[name] = sock
         header_bytes = 160  # about our pages header
-        times: dict[str, list[float]] = {
-            name: [] for name in ("raw_tcp", "zmq_tcp", "zmq_curve", "raw_ipc", "zmq_ipc", "gloo")}
         counter = 0
-        for rep in range(cfg.reps + 1):  # repetition 0 warms up (connections, gloo pairing)
-            for name in times:
+
+        def timing(name: str) -> Callable[[int], float]:
+            def once(_rep: int) -> float:
+                nonlocal counter
                 if name.startswith("raw"):
-                    t = time_raw(raw_socks[name], kv, held, header_bytes)
-                else:
-                    counter += 1
-                    target = decode.reserve(name, f"tput-{counter}", held.prompt)
-                    t = time_ours(senders[name], kv, held, target)
-                if rep:
-                    times[name].append(t)
+                    return time_raw(raw_socks[name], kv, held, header_bytes)
+                counter += 1
+                target = decode.reserve(name, f"tput-{counter}", held.prompt)
+                return time_ours(senders[name], kv, held, target)
+
+            return once
+
+        systems = {name: timing(name) for name in ("raw_tcp", "zmq_tcp", "zmq_curve", "raw_ipc", "zmq_ipc", "gloo")
+                   if name.startswith("raw") or name in senders}
+        interleaved(systems, 1)  # warm-up: connections, gloo pairing
+        times = interleaved(systems, cfg.reps)
         rates = {name: gbps(held.nbytes, median(ts)) for name, ts in times.items()}
         notes = {
             "raw_tcp": "ceiling: same bytes, a frame per run, raw DEALER->ROUTER, no parsing, no copy on receive",
@@ -400,11 +417,11 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = print) -> str:
             log(f"  {name:8s} {rate:6.2f} GB/s  (range {spread}, {median(times[name]) * 1e3:7.1f} ms)  {notes[name]}")
         # Raw and ours run back to back in each repetition: the ratio per repetition
         # cancels load that drifts over the run (other processes on the machine).
-        paired = median([r / o for r, o in zip(times["raw_tcp"], times["zmq_tcp"])])
-        curve = median([p / c for p, c in zip(times["zmq_tcp"], times["zmq_curve"])])
-        log(f"  zmq_tcp / raw_tcp: {rates['zmq_tcp'] / rates['raw_tcp']:.3f} (medians), {paired:.3f} (median of "
-            f"per-repetition ratios); zmq_ipc / raw_ipc: {rates['zmq_ipc'] / rates['raw_ipc']:.3f}; "
-            f"zmq_curve / zmq_tcp: {curve:.3f} (median of per-repetition ratios)")
+        # Rates are bytes / time, so ours / raw GB/s is raw time / ours time.
+        tcp = Ratio.paired(times["raw_tcp"], times["zmq_tcp"])
+        ipc = Ratio.paired(times["raw_ipc"], times["zmq_ipc"])
+        curve = Ratio.paired(times["zmq_tcp"], times["zmq_curve"])
+        log(f"  zmq_tcp / raw_tcp GB/s per repetition: {tcp}; zmq_ipc / raw_ipc: {ipc}; zmq_curve / zmq_tcp: {curve}")
 
         connector = PrefillConnector(engine, senders["zmq_tcp"])
         plain, stream, serial = [], [], []
@@ -425,7 +442,7 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = print) -> str:
             f"-> overlap {overlap:.1f} %")
         engine.release("held")
         engine.check_integrity()
-        return f"ratio_vs_raw_zmq={rates['zmq_tcp'] / rates['raw_tcp']:.3f} curve_vs_plain={curve:.3f}"
+        return f"ratio_vs_raw_zmq={tcp.median:.3f} curve_vs_plain={curve.median:.3f}"
     finally:
         for sender in senders.values():
             sender.close()

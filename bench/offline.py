@@ -1,7 +1,8 @@
 """Offline throughput benchmark: pdserve's `engine.LLM` against two transformers baselines.
 
-Run it with `python -m pdserve.bench.offline` (about 5-10 minutes on 2 CPU cores) or
-`python -m pdserve.bench.offline --quick` (a tiny model and 8 requests, well under a minute).
+Run it with `python -m pdserve.bench.offline` (about 6-8 minutes on 2 CPU cores),
+`python -m pdserve.bench.offline --quick` (a tiny model and 8 requests, well under a minute)
+or `python -m pdserve.bench.offline --gpu` (on cuda: scripts/gpu_benchmarks.md).
 
 Everything happens in one process and one run:
 
@@ -13,7 +14,13 @@ Everything happens in one process and one run:
 3. Three systems run the same workload on the same weights, each after a short warm-up
    and timed with `time.perf_counter` around the generation only (model loading and KV
    cache allocation are outside the timed region for all three). Both paged caches are
-   sized to hold the whole workload at once, so neither system preempts:
+   sized to hold the whole workload at once, so neither system preempts. This is
+   repeated `--repeats` times (3), interleaved: each repetition draws a new workload
+   (seed + repetition, so no prefix cache can reuse an earlier one) and runs ours,
+   HF generate, HF continuous batching on it, one after the other; every ratio is
+   taken within a repetition and reported as the median with its min-max
+   (bench/repeat.py), so a stray process on the machine moves one repetition, not
+   the figure:
 
    * `engine.LLM` (ours), one `SamplingParams(max_tokens=n_i, temperature=0, ignore_eos=True)`
      per request.
@@ -37,7 +44,7 @@ Everything happens in one process and one run:
 
 The last line printed is machine-readable:
 `ratio_vs_hf_generate=X ratio_vs_hf_generate_batch=Y roofline_fraction=Z`
-(a skipped system prints `nan`).
+(medians over repetitions; a skipped system prints `nan`).
 """
 
 from __future__ import annotations
@@ -58,6 +65,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+
+from pdserve.bench.repeat import Ratio, interleaved
 
 if TYPE_CHECKING:
     from transformers import ContinuousBatchingConfig, PreTrainedModel
@@ -116,7 +125,7 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class WorkloadSpec:
-    num_requests: int = 48
+    num_requests: int = 24
     prompt_len: tuple[int, int] = (32, 384)  # inclusive range, uniform
     new_tokens: tuple[int, int] = (32, 96)  # inclusive range, uniform
     seed: int = 0
@@ -135,6 +144,8 @@ class BenchConfig:
     roofline_min_seconds: float = 0.5  # per GEMM shape, split over 3 best-of repeats
     workload_kind: str = "mixed"  # or "parallel": bench/parallel.py
     quick: bool = False
+    repeats: int = 3
+    device: str = "cpu"
     run_hf_generate: bool = True
     run_hf_batch: bool = True
 
@@ -166,8 +177,11 @@ def make_requests(
     return requests
 
 
-def make_workload(spec: WorkloadSpec, vocab_size: int) -> list[Request]:
-    return make_requests(spec.num_requests, spec.prompt_len, spec.new_tokens, vocab_size, random.Random(spec.seed))
+def make_workload(spec: WorkloadSpec, vocab_size: int, rep: int = 0) -> list[Request]:
+    """Repetition 0 is the seed's workload (as before repetitions existed); later ones
+    draw their own, so nothing an earlier repetition cached can be reused."""
+    rng = random.Random(spec.seed if rep == 0 else f"{spec.seed}-rep-{rep}")
+    return make_requests(spec.num_requests, spec.prompt_len, spec.new_tokens, vocab_size, rng)
 
 
 def make_warmup(vocab_size: int, seed: int) -> list[Request]:
@@ -229,12 +243,12 @@ class MatmulResult:
     gflops: float
 
 
-def matmul_gflops(m: int, k: int, n: int, min_seconds: float, repeats: int = 3) -> float:
+def matmul_gflops(m: int, k: int, n: int, min_seconds: float, repeats: int = 3, device: str = "cpu") -> float:
     """Best-of-`repeats` fp32 GFLOP/s of `torch.matmul([m, k], [k, n])` after a warm-up."""
     gen = torch.Generator().manual_seed(m * 1_000_003 + k * 1009 + n)
-    a = torch.randn(m, k, generator=gen)
-    b = torch.randn(k, n, generator=gen)
-    out = torch.empty(m, n)
+    a = torch.randn(m, k, generator=gen).to(device)
+    b = torch.randn(k, n, generator=gen).to(device)
+    out = torch.empty(m, n, device=device)
     for _ in range(3):
         torch.matmul(a, b, out=out)
     best = 0.0
@@ -243,11 +257,17 @@ def matmul_gflops(m: int, k: int, n: int, min_seconds: float, repeats: int = 3) 
         while True:
             torch.matmul(a, b, out=out)
             iters += 1
+            _sync(device)
             elapsed = time.perf_counter() - start
             if elapsed >= min_seconds / repeats:
                 break
         best = max(best, 2 * m * k * n * iters / elapsed / 1e9)
     return best
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
 
 
 def roofline_shapes(model: ModelSpec, batched_tokens: int, decode_rows: int) -> list[tuple[int, int, int]]:
@@ -265,8 +285,8 @@ def roofline_shapes(model: ModelSpec, batched_tokens: int, decode_rows: int) -> 
     return shapes
 
 
-def measure_roofline(shapes: Sequence[tuple[int, int, int]], min_seconds: float) -> list[MatmulResult]:
-    return [MatmulResult(m, k, n, matmul_gflops(m, k, n, min_seconds)) for m, k, n in shapes]
+def measure_roofline(shapes: Sequence[tuple[int, int, int]], min_seconds: float, device: str = "cpu") -> list[MatmulResult]:
+    return [MatmulResult(m, k, n, matmul_gflops(m, k, n, min_seconds, device=device)) for m, k, n in shapes]
 
 
 # -- model ---------------------------------------------------------------------------
@@ -297,12 +317,12 @@ def save_random_model(spec: ModelSpec, path: Path, seed: int) -> None:
     gc.collect()
 
 
-def load_hf_model(path: Path) -> PreTrainedModel:
+def load_hf_model(path: Path, device: str = "cpu") -> PreTrainedModel:
     """The checkpoint as a transformers model, with EOS disabled in its generation config:
     `generate` fills unset options from it, and a None EOS means no EOS stopping criterion."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").to(device).eval()
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = PAD_ID
     return model
@@ -339,18 +359,24 @@ def kv_blocks_needed(requests: Sequence[Request], block_size: int) -> int:
     return sum(-(-(len(r.prompt) + r.max_new_tokens) // block_size) for r in requests)
 
 
-def run_ours(model_dir: Path, requests: Sequence[Request], warmup: Sequence[Request], cfg: BenchConfig) -> RunResult:
-    from pdserve.engine import LLM, SamplingParams
+def load_ours(model_dir: Path, num_blocks: int, cfg: BenchConfig):
+    from pdserve.engine import LLM
 
-    llm = LLM(
+    return LLM(
         model=str(model_dir),
         block_size=cfg.block_size,
-        num_blocks=kv_blocks_needed([*requests, *warmup], cfg.block_size) + 16,
+        num_blocks=num_blocks,
         enable_prefix_caching=True,
         max_num_seqs=256,
         max_num_batched_tokens=cfg.max_num_batched_tokens,
         dtype="float32",
+        device=cfg.device,
     )
+
+
+def run_ours(llm, requests: Sequence[Request], warmup: Sequence[Request]) -> RunResult:
+    """One timed pass over `requests` on a loaded engine (its pool holds them all at once)."""
+    from pdserve.engine import SamplingParams
 
     def generate(reqs: Sequence[Request]) -> list[list[int]]:
         params = [SamplingParams(max_tokens=r.max_new_tokens, temperature=0.0, ignore_eos=True) for r in reqs]
@@ -359,10 +385,7 @@ def run_ours(model_dir: Path, requests: Sequence[Request], warmup: Sequence[Requ
 
     generate(warmup)
     wall, tokens = timed(lambda: generate(requests))
-    stats = llm.stats()
-    del llm
-    gc.collect()
-    return RunResult("pdserve engine.LLM", wall, _truncate(tokens, requests), {"stats": stats})
+    return RunResult("pdserve engine.LLM", wall, _truncate(tokens, requests), {"stats": llm.stats()})
 
 
 def _truncate(tokens: Sequence[Sequence[int]], requests: Sequence[Request]) -> tuple[tuple[int, ...], ...]:
@@ -379,6 +402,7 @@ def hf_generate_batch(model: PreTrainedModel, batch: Sequence[Request]) -> list[
     for row, r in enumerate(batch):
         ids[row, width - len(r.prompt) :] = torch.tensor(r.prompt)
         mask[row, width - len(r.prompt) :] = 1
+    ids, mask = ids.to(model.device), mask.to(model.device)
     gen_config = GenerationConfig(
         max_new_tokens=max(r.max_new_tokens for r in batch),
         do_sample=False,
@@ -535,6 +559,9 @@ def parse_args(argv: Sequence[str] | None) -> BenchConfig:
     )
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--check-requests", type=int, default=4, help="requests re-run through unpadded HF generate")
+    parser.add_argument("--repeats", type=int, default=None, help="interleaved repetitions (3; 2 with --quick)")
+    parser.add_argument("--device", default="cpu", help="torch device of every system (cuda: the GPU mode)")
+    parser.add_argument("--gpu", action="store_true", help="GPU mode: --device cuda and 64 requests")
     parser.add_argument("--skip-hf-generate", action="store_true")
     parser.add_argument("--skip-hf-batch", action="store_true")
     args = parser.parse_args(argv)
@@ -542,6 +569,8 @@ def parse_args(argv: Sequence[str] | None) -> BenchConfig:
         parser.error("--hf-batch-size must be >= 1")
     model, workload = (QUICK_MODEL, QUICK_WORKLOAD) if args.quick else (ModelSpec(), WorkloadSpec())
     workload = replace(workload, seed=args.seed)
+    if args.gpu:
+        workload = replace(workload, num_requests=64)
     if args.num_requests is not None:
         if args.num_requests < 1:
             parser.error("--num-requests must be >= 1")
@@ -558,6 +587,8 @@ def parse_args(argv: Sequence[str] | None) -> BenchConfig:
         run_hf_batch=not args.skip_hf_batch,
         workload_kind=args.workload,
         quick=args.quick,
+        repeats=max(1, args.repeats or (2 if args.quick else 3)),
+        device="cuda" if args.gpu else args.device,
     )
 
 
@@ -577,7 +608,7 @@ def print_header(cfg: BenchConfig, requests: Sequence[Request], flops: int) -> N
         f"new_tokens {w.new_tokens[0]}..{w.new_tokens[1]}: {prompt_tokens(requests)} prompt + "
         f"{output_tokens(requests)} output tokens, {flops / 1e9:.1f} GFLOP useful work"
     )
-    log(f"torch {torch.__version__} threads={torch.get_num_threads()} {machine_load()}")
+    log(f"torch {torch.__version__} device={cfg.device} threads={torch.get_num_threads()} repeats={cfg.repeats} {machine_load()}")
 
 
 def machine_load() -> str:
@@ -610,27 +641,34 @@ def phase(name: str) -> Iterator[None]:
     log(f"[phase] {name}: {time.perf_counter() - start:.1f} s")
 
 
-def run_systems(cfg: BenchConfig, requests: Sequence[Request]) -> tuple[dict[str, RunResult], list[list[int]]]:
-    """Run every enabled system on a fresh checkpoint; also return the unpadded HF reference tokens
-    of the first `num_check_requests` requests."""
+SYSTEMS = ("ours", "hf_generate", "hf_batch")
+
+
+def run_systems(
+    cfg: BenchConfig, workloads: Sequence[Sequence[Request]]
+) -> tuple[dict[str, list[RunResult]], list[list[int]]]:
+    """Every enabled system on one fresh checkpoint, once per workload, interleaved
+    (ours, HF generate, HF batch, ours, ...); also the unpadded HF reference tokens of
+    the first `num_check_requests` requests of the last workload."""
     warmup = make_warmup(cfg.model.vocab_size, cfg.seed)
-    results: dict[str, RunResult] = {}
     with temporary_dir("pdserve-bench-") as model_dir:
         with phase("save random checkpoint"):
             save_random_model(cfg.model, model_dir, cfg.seed)
-        with phase("ours (load, warm-up, timed run)"):
-            results["ours"] = run_ours(model_dir, requests, warmup, cfg)
-        with phase("load HF model"):
-            hf_model = load_hf_model(model_dir)
+        with phase("load ours and the HF model"):
+            blocks = max(kv_blocks_needed([*w, *warmup], cfg.block_size) for w in workloads) + 16
+            llm = load_ours(model_dir, blocks, cfg)
+            hf_model = load_hf_model(model_dir, cfg.device)
+        systems: dict[str, Callable[[int], RunResult]] = {"ours": lambda rep: run_ours(llm, workloads[rep], warmup)}
         if cfg.run_hf_generate:
-            with phase("HF generate (warm-up, timed run)"):
-                results["hf_generate"] = run_hf_generate(hf_model, requests, warmup, cfg.hf_batch_size)
+            systems["hf_generate"] = lambda rep: run_hf_generate(hf_model, workloads[rep], warmup, cfg.hf_batch_size)
         if cfg.run_hf_batch:
-            with phase("HF continuous batching (cache, warm-up, timed run)"):
-                results["hf_batch"] = run_hf_batch(hf_model, requests, warmup, cfg)
-        with phase(f"HF reference for {min(cfg.num_check_requests, len(requests))} requests"):
-            reference = [hf_generate_batch(hf_model, [r])[0] for r in requests[: cfg.num_check_requests]]
-        del hf_model
+            systems["hf_batch"] = lambda rep: run_hf_batch(hf_model, workloads[rep], warmup, cfg)
+        with phase(f"{cfg.repeats} interleaved repetitions of {', '.join(systems)}"):
+            results = interleaved(systems, cfg.repeats, log)
+        last = workloads[-1]
+        with phase(f"HF reference for {min(cfg.num_check_requests, len(last))} requests"):
+            reference = [hf_generate_batch(hf_model, [r])[0] for r in last[: cfg.num_check_requests]]
+        del llm, hf_model
         gc.collect()
     return results, reference
 
@@ -642,45 +680,53 @@ def run(cfg: BenchConfig) -> str:
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     bench_start = time.perf_counter()
-    requests = make_workload(cfg.workload, cfg.model.vocab_size)
-    flops = workload_flops(cfg.model, requests)
-    print_header(cfg, requests, flops)
+    workloads = [make_workload(cfg.workload, cfg.model.vocab_size, rep) for rep in range(cfg.repeats)]
+    flops = [workload_flops(cfg.model, w) for w in workloads]
+    print_header(cfg, workloads[0], flops[0])
 
     with phase("roofline"):
-        shapes = roofline_shapes(cfg.model, cfg.max_num_batched_tokens, len(requests))
-        matmuls = measure_roofline(shapes, cfg.roofline_min_seconds)
+        shapes = roofline_shapes(cfg.model, cfg.max_num_batched_tokens, len(workloads[0]))
+        matmuls = measure_roofline(shapes, cfg.roofline_min_seconds, cfg.device)
     for mm in matmuls:
         log(f"matmul fp32 [{mm.m} x {mm.k}] @ [{mm.k} x {mm.n}]: {mm.gflops:8.2f} GFLOP/s")
     roofline = max(mm.gflops for mm in matmuls)
     log(f"roofline (best matmul): {roofline:.2f} GFLOP/s")
 
-    results, reference = run_systems(cfg, requests)
+    results, reference = run_systems(cfg, workloads)
+
+    tps = {key: [throughput(res, workloads[rep], flops[rep], roofline) for rep, res in enumerate(runs)]
+           for key, runs in results.items()}
+    for rep in range(cfg.repeats):
+        log(f"\nrepetition {rep + 1}/{cfg.repeats}: {output_tokens(workloads[rep])} output tokens, "
+            f"{flops[rep] / 1e9:.1f} GFLOP")
+        for key, runs in results.items():
+            print_system(runs[rep], tps[key][rep], workloads[rep])
 
     log("")
-    tps = {key: throughput(res, requests, flops, roofline) for key, res in results.items()}
-    for key, res in results.items():
-        print_system(res, tps[key], requests)
-
-    log("")
-    ours = results["ours"]
+    ours, last = results["ours"][-1], workloads[-1]
     log(
-        f"correctness: ours == HF generate (unpadded, greedy) for "
+        f"correctness (last repetition): ours == HF generate (unpadded, greedy) for "
         f"{count_matches(ours.tokens, reference)}/{len(reference)} checked requests"
     )
-    for key, res in results.items():
+    for key, runs in results.items():
         if key != "ours":
-            matches = count_matches(ours.tokens, res.tokens)
-            log(f"correctness: ours == {res.name} for {matches}/{len(requests)} requests")
+            matches = count_matches(ours.tokens, runs[-1].tokens)
+            log(f"correctness (last repetition): ours == {runs[-1].name} for {matches}/{len(last)} requests")
 
-    def ratio(key: str) -> float:
-        return tps["ours"].output_tok_s / tps[key].output_tok_s if key in tps else float("nan")
+    def ratio(key: str) -> Ratio:
+        if key not in tps:
+            return Ratio.of([])
+        return Ratio.paired([t.output_tok_s for t in tps["ours"]], [t.output_tok_s for t in tps[key]])
 
-    x, y, z = ratio("hf_generate"), ratio("hf_batch"), tps["ours"].roofline_fraction
-    log(f"throughput ratio ours / HF generate: {fmt_ratio(x)}   ours / HF generate_batch: {fmt_ratio(y)}")
+    x, y = ratio("hf_generate"), ratio("hf_batch")
+    z = Ratio.of([t.roofline_fraction for t in tps["ours"]])
+    log(f"throughput ratio ours / HF generate: {x}")
+    log(f"throughput ratio ours / HF generate_batch: {y}")
+    log(f"roofline fraction of ours: {z}")
     log(f"benchmark wall time: {time.perf_counter() - bench_start:.1f} s")
     return (
-        f"ratio_vs_hf_generate={fmt_ratio(x)} ratio_vs_hf_generate_batch={fmt_ratio(y)} "
-        f"roofline_fraction={fmt_ratio(z)}"
+        f"ratio_vs_hf_generate={fmt_ratio(x.median)} ratio_vs_hf_generate_batch={fmt_ratio(y.median)} "
+        f"roofline_fraction={fmt_ratio(z.median)}"
     )
 
 

@@ -46,7 +46,7 @@ from pdserve.services.common.credentials import ClusterAuth
 from pdserve.services.common.flags import check, flag, to_argv
 from pdserve.services.common.server import LAUNCHER_PID_ENV
 from pdserve.services.router.config import RouterConfig
-from pdserve.services.worker.config import DEFAULT_KV_CONNECTOR, WorkerConfig
+from pdserve.services.worker.config import DEFAULT_KV_CONNECTOR, WorkerConfig, parse_cpus
 
 if TYPE_CHECKING:
     from pdserve.launch.prometheus import Prometheus
@@ -54,7 +54,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Worker settings the launcher decides per worker, never taken from the template.
-PER_WORKER = ("role", "port", "router", "worker_id", "advertise_host", "address_file", "metrics_port")
+PER_WORKER = ("role", "port", "router", "worker_id", "advertise_host", "address_file", "metrics_port",
+              "cpu_affinity")
 POLL = 0.1
 
 
@@ -68,12 +69,20 @@ class LaunchConfig:
                                          "mode 0700 (default: a private temporary directory, removed at exit)")
     prometheus: bool = flag(False, "also start a Prometheus server scraping every service's /metrics "
                                    "(needs `prometheus` on PATH)")
+    worker_cpus: str = flag("", "pin workers to CPUs, one CPU list per worker in start order (prefill, mixed, "
+                                "decode), separated by ';', e.g. '0;1' (cycled if shorter; '': not pinned)")
 
     def __post_init__(self) -> None:
         for role in ("prefill", "decode", "mixed"):
             check(getattr(self, role) >= 0, role, "must be >= 0", getattr(self, role))
         check(self.decode + self.mixed >= 1, "decode", "need at least one decode or mixed worker", self.decode)
         check(self.startup_timeout > 0, "startup_timeout", "must be > 0", self.startup_timeout)
+        for cpus in self.cpu_lists:
+            parse_cpus(cpus)
+
+    @property
+    def cpu_lists(self) -> list[str]:
+        return [part.strip() for part in self.worker_cpus.split(";") if part.strip()]
 
 
 @dataclass(frozen=True)
@@ -101,6 +110,7 @@ class LocalCluster:
         self._auth = ClusterAuth(self.credentials.for_client())
         self._logs: list[IO] = []
         self._next_index: dict[str, int] = {}
+        self._spawned = 0
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -215,9 +225,12 @@ class LocalCluster:
         index = self._next_index.get(role, 0)
         self._next_index[role] = index + 1
         worker_id = f"{role}-{index}"
+        cpus = self.spec.launch.cpu_lists
         config = replace(self.spec.worker, role=role, port=0, metrics_port=0, router=self.internal_address,
                          worker_id=worker_id, kv_connector=self.kv_connector(role),
-                         credentials=self.credentials.for_role(role))
+                         credentials=self.credentials.for_role(role),
+                         cpu_affinity=cpus[self._spawned % len(cpus)] if cpus else self.spec.worker.cpu_affinity)
+        self._spawned += 1  # workers started, for the next one's CPUs
         self._spawn(worker_id, [role, *to_argv(config, skip=("role",))])
         return worker_id
 

@@ -28,7 +28,12 @@ def test_quick_benchmark_prints_positive_ratios() -> None:
     for name in ("x", "y", "z"):
         value = float(match[name])
         assert math.isfinite(value) and value > 0, f"{name}={match[name]}"
-    assert re.search(r"correctness: ours == HF generate \(unpadded, greedy\) for \d+/\d+", proc.stdout)
+    assert re.search(r"correctness \(last repetition\): ours == HF generate \(unpadded, greedy\) for \d+/\d+",
+                     proc.stdout)
+    # the systems ran interleaved, twice, and each ratio is a median with its range
+    order = re.findall(r"^\[repeat (\d)/2\] (\w+)$", proc.stdout, re.MULTILINE)
+    assert order == [(r, s) for r in "12" for s in ("ours", "hf_generate", "hf_batch")], order
+    assert re.search(r"^throughput ratio ours / HF generate: \S+ \(min \S+, max \S+, k=2\)$", proc.stdout, re.MULTILINE)
 
 
 def test_parallel_workload_reports_block_saving() -> None:

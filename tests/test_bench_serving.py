@@ -1,8 +1,11 @@
-"""Smoke test of the online serving benchmark: `python -m pdserve.bench.serving --quick` end to
-end (it starts and stops its own small local cluster)."""
+"""The serving benchmark end to end: `pdserve bench --quick` starts its own small
+cluster, and its JSON report must hold together (every request accounted for, the
+tokens asked for, goodput <= throughput, percentiles ordered), its plot must be a
+PNG. Also: workers pinned by the launcher really run on their CPUs."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -10,24 +13,78 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from pdserve.bench.metrics import inconsistencies
+
 REPO = Path(__file__).resolve().parent.parent
 LAST_LINE = re.compile(r"^ttft_p50_ms=(?P<ttft>\d+\.\d{2}) tpot_p50_ms=(?P<tpot>\d+\.\d{2})$")
 
 
-def test_quick_serving_benchmark_reports_positive_latencies_and_no_errors() -> None:
+def bench_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench.serving", "--quick"],
-        cwd=REPO, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=180,
-    )
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO.parent), str(REPO), os.environ.get("PYTHONPATH")]))
+    return env
+
+
+def run_bench(args: list[str], timeout: float = 900) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, *args], cwd=REPO, env=bench_env(), stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    lines = proc.stdout.strip().splitlines()
-    match = LAST_LINE.match(lines[-1])
-    assert match, f"unexpected last line: {lines[-1]!r}"
-    for name in ("ttft", "tpot"):
-        value = float(match[name])
-        assert math.isfinite(value) and value > 0, f"{name}={match[name]}"
-    assert re.search(r"^failed requests:\s+0$", proc.stdout, re.MULTILINE), proc.stdout
-    assert re.search(r"^successful requests:\s+16$", proc.stdout, re.MULTILINE), proc.stdout
-    assert "error x" not in proc.stdout
+    return proc
+
+
+def test_quick_serving_benchmark_report_is_consistent(tmp_path: Path) -> None:
+    report, plot = tmp_path / "run.json", tmp_path / "run.png"
+    proc = run_bench(["-m", "pdserve", "bench", "--quick", "--workload", "prefix", "--prefix-count", "2",
+                      "--request-rate", "20", "--burstiness", "0.5", "--slo", "ttft:2000,tpot:200",
+                      "--json", str(report), "--plot", str(plot)])
+    match = LAST_LINE.match(proc.stdout.strip().splitlines()[-1])
+    assert match, proc.stdout[-500:]
+    assert all(math.isfinite(float(match[k])) and float(match[k]) > 0 for k in ("ttft", "tpot"))
+    assert "INCONSISTENT" not in proc.stdout and "error x" not in proc.stdout
+    assert re.search(r"^Successful requests:\s+16$", proc.stdout, re.MULTILINE), proc.stdout
+
+    data = json.loads(report.read_text())
+    summary, requests = data["summary"], data["requests"]
+    assert inconsistencies(summary, requests) == []
+    # the same properties, checked here without the benchmark's own code
+    assert summary["num_requests"] == len(requests) == 16 and summary["failed"] == 0
+    assert sorted(r["index"] for r in requests) == list(range(16))
+    assert all(r["output_tokens"] == r["requested_tokens"] == 16 == len(r["token_times"]) for r in requests)
+    assert all(r["prompt_tokens"] == r["requested_prompt_tokens"] for r in requests)
+    assert summary["output_tokens"] == 16 * 16
+    assert summary["good"] <= summary["completed"] and summary["goodput"] <= summary["request_throughput"]
+    for name in ("ttft", "tpot", "itl", "e2e"):
+        d = summary[name]
+        assert 0 < d["p50"] <= d["p90"] <= d["p99"], (name, d)
+    assert summary["slo"] == "ttft<=2000ms, tpot<=200ms"
+    assert data["config"]["arrivals"] == {"request_rate": 20.0, "burstiness": 0.5, "concurrency": 0}
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_rejects_bad_flags_naming_them() -> None:
+    proc = subprocess.run([sys.executable, "-m", "pdserve", "bench", "--slo", "ttft=1", "--addr", "127.0.0.1:1"],
+                          cwd=REPO, env=bench_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--slo" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "pdserve.bench.serving", "--workload", "trace", "--addr", "127.0.0.1:1"],
+                          cwd=REPO, env=bench_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--dataset" in proc.stderr
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
+def test_launcher_pins_each_worker_and_all_its_threads(tmp_path: Path) -> None:
+    from pdserve.launch.local import ClusterSpec, LaunchConfig, LocalCluster
+    from pdserve.services.router.config import RouterConfig
+    from pdserve.services.worker.config import WorkerConfig
+
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    spec = ClusterSpec(RouterConfig(port=0), WorkerConfig(num_blocks=64),
+                       LaunchConfig(prefill=1, decode=1, worker_cpus=f"{cpus[0]};{cpus[1]}"))
+    with LocalCluster(spec, log_dir=tmp_path) as cluster:
+        for worker, cpu in (("prefill-0", cpus[0]), ("decode-0", cpus[1])):
+            pid = cluster.processes[worker].pid
+            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+            assert len(tids) > 3  # engine, gRPC, torch threads...
+            assert {frozenset(os.sched_getaffinity(t)) for t in tids} == {frozenset({cpu})}, worker
+        assert len(os.sched_getaffinity(cluster.processes["router"].pid)) >= 2  # the router is not pinned

@@ -9,6 +9,8 @@ from pdserve.engine.llm import DEFAULT_MODEL
 from pdserve.services.common.credentials import ClusterCredentials
 from pdserve.services.common.flags import check, flag
 
+PREFILL_POLICIES = ("prefix", "round_robin")
+
 
 @dataclass(frozen=True)
 class RouterConfig:
@@ -34,6 +36,8 @@ class RouterConfig:
     max_n: int = flag(8, "largest n and beam_width accepted")
     local_prefill_threshold: int = flag(64, "uncached prompts shorter than this prefill on the decode worker")
     prefill_queue_weight: int = flag(256, "prefill choice: one queued request costs this many cached tokens")
+    prefill_policy: str = flag("prefix", "prefill worker choice: prefix (longest cached prefix, balanced by "
+                                         "queue) | round_robin (in turn, ignoring caches: a baseline)")
     heartbeat_interval: float = flag(1.0, "seconds between worker heartbeats")
     worker_timeout: float = flag(3.0, "drop a worker not heard from for this many seconds")
     stats_interval: float = flag(1.0, "seconds between Stats polls (load, cached block hashes)")
@@ -65,6 +69,8 @@ class RouterConfig:
               self.metrics_port)
         check(self.max_n >= 1, "max_n", "must be >= 1", self.max_n)
         check(self.local_prefill_threshold >= 0, "local_prefill_threshold", "must be >= 0", self.local_prefill_threshold)
+        check(self.prefill_policy in PREFILL_POLICIES, "prefill_policy", f"must be one of {PREFILL_POLICIES}",
+              self.prefill_policy)
         check(self.max_attempts >= 1, "max_attempts", "must be >= 1", self.max_attempts)
         check(self.max_concurrent_requests >= 1, "max_concurrent_requests", "must be >= 1", self.max_concurrent_requests)
         for name in ("heartbeat_interval", "worker_timeout", "stats_interval", "request_timeout"):

@@ -3,7 +3,8 @@
     decode:  fewest requests in flight from this router, then the longest cached
              prefix of the prompt, then the most free KV blocks
     prefill: longest cached prefix of the prompt (block hashes the worker reported
-             caching) minus `queue_weight` tokens per request queued on it
+             caching) minus `queue_weight` tokens per request queued on it;
+             or, as a baseline, round robin (--prefill-policy round_robin)
     local prefill on the decode worker when the prompt's part the decode worker
     has not cached is shorter than `threshold` tokens (conditional disaggregation)
 """
@@ -50,6 +51,12 @@ def pick_prefill(
         return (hit - queue_weight * (w.inflight + w.waiting), w.free_blocks, w.worker_id)
 
     return max(loads, key=score, default=None)
+
+
+def pick_round_robin(loads: Sequence[Load], turn: int) -> Load | None:
+    """The `turn`-th worker (mod their number) in worker-id order."""
+    ordered = sorted(loads, key=lambda w: w.worker_id)
+    return ordered[turn % len(ordered)] if ordered else None
 
 
 def prefill_locally(prompt_len: int, decode_cached_tokens: int, threshold: int) -> bool:

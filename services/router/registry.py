@@ -74,6 +74,7 @@ class WorkerRegistry:
         self._stop = threading.Event()
         self._probe = threading.Event()
         self._monitor = threading.Thread(target=self._watch, name="worker-monitor", daemon=True)
+        self._prefill_turn = 0  # round_robin: prefill choices made so far
 
     # -- membership ---------------------------------------------------------------------
 
@@ -152,10 +153,12 @@ class WorkerRegistry:
             handles = {
                 h.worker_id: h for h in self._workers.values() if h.can_prefill_remote and h.worker_id not in exclude
             }
-            chosen = policy.pick_prefill(
-                [h.load() for h in handles.values()], block_hashes, self.config.block_size,
-                self.config.prefill_queue_weight,
-            )
+            loads = [h.load() for h in handles.values()]
+            if self.config.prefill_policy == "round_robin":
+                chosen = policy.pick_round_robin(loads, self._prefill_turn)
+                self._prefill_turn += 1
+            else:
+                chosen = policy.pick_prefill(loads, block_hashes, self.config.block_size, self.config.prefill_queue_weight)
             return self._book(handles, chosen)
 
     def has_remote_prefill(self) -> bool:

@@ -19,6 +19,20 @@ ROLES = ("prefill", "decode", "mixed")
 DEFAULT_KV_CONNECTOR = "pdserve.services.worker.kv_connectors:zmq_connector"
 
 
+def parse_cpus(text: str) -> set[int]:
+    """'0', '0,2' or '0-3,6' -> CPU ids. Raises ValueError naming cpu_affinity."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        try:
+            first, last = int(lo), int(hi if sep else lo)
+        except ValueError:
+            raise ValueError(f"cpu_affinity: expected CPU ids like '0,2-3', got {text!r}") from None
+        check(0 <= first <= last, "cpu_affinity", "needs ranges LOW-HIGH of CPU ids >= 0", text)
+        cpus.update(range(first, last + 1))
+    return cpus
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     role: str = flag("mixed", "prefill | decode | mixed", cli=False)
@@ -44,6 +58,8 @@ class WorkerConfig:
     attention_backend: str = flag("auto", "auto | torch | triton")
     seed: int = flag(0, "seed of the sampler's shared generator")
     torch_threads: int = flag(1, "torch intra-op threads (0: torch's default)")
+    cpu_affinity: str | None = flag(None, "pin every thread of this process to these CPUs, e.g. '0' or '0,2-3' "
+                                          "(os.sched_setaffinity; unset: not pinned)")
     # serving
     kv_connector: str | None = flag(None, "KV transfer connector 'module:factory', '' for none (unset: `pdserve up` "
                                           f"gives prefill and decode workers {DEFAULT_KV_CONNECTOR}, others get none)")
@@ -68,9 +84,15 @@ class WorkerConfig:
               self.metrics_port)
         check(self.max_n >= 1, "max_n", "must be >= 1", self.max_n)
         check(self.torch_threads >= 0, "torch_threads", "must be >= 0", self.torch_threads)
+        if self.cpu_affinity is not None:
+            parse_cpus(self.cpu_affinity)  # raises ValueError naming the field
         check(self.grpc_threads is None or self.grpc_threads >= 4, "grpc_threads", "must be >= 4", self.grpc_threads)
         for name in ("reservation_timeout", "held_lease", "request_timeout", "register_timeout"):
             check(getattr(self, name) > 0, name, "must be > 0", getattr(self, name))
+
+    @property
+    def cpus(self) -> set[int] | None:
+        return parse_cpus(self.cpu_affinity) if self.cpu_affinity is not None else None
 
     @property
     def model_name(self) -> str:

@@ -102,9 +102,29 @@ class Worker:
         )
 
 
+def pin(cpus: set[int]) -> None:
+    """Pin every thread of this process to `cpus`; threads started later inherit it.
+    (sched_setaffinity(0) would move only the calling thread, and imports may have
+    started others, e.g. torch's.)"""
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        tids = [0]
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, cpus)
+        except ProcessLookupError:  # a thread that has just ended
+            pass
+        except OSError as e:
+            raise ValueError(f"cpu_affinity: cannot pin to {sorted(cpus)}: {e}") from None
+
+
 def run(config: WorkerConfig) -> int:
     """Serve until SIGINT/SIGTERM."""
     service_log.configure(config.log_level, config.id)
+    if config.cpus is not None:
+        pin(config.cpus)
+        log.info("pinned to CPUs %s", sorted(config.cpus))
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
     stop = shutdown_event()

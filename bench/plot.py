@@ -1,0 +1,74 @@
+"""PNG plots of serving runs (matplotlib, headless): CDFs of TTFT and TPOT, and
+output tokens per second over time, one line per run so that systems measured in
+the same benchmark can be compared at a glance."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from pdserve.bench.metrics import RequestResult
+
+
+@dataclass(frozen=True)
+class Run:
+    label: str
+    start: float  # perf_counter of the run's start
+    results: Sequence[RequestResult]
+
+
+def _cdf(values: Sequence[float]) -> tuple[list[float], list[float]]:
+    xs = sorted(v for v in values if not math.isnan(v))
+    return xs, [(i + 1) / len(xs) for i in range(len(xs))]
+
+
+def _tokens_per_second(run: Run, bins: int = 40) -> tuple[list[float], list[float]]:
+    times = [t - run.start for r in run.results if r.ok for t in r.token_times]
+    if not times:
+        return [], []
+    width = max(max(times) / bins, 1e-3)
+    counts = [0] * (int(max(times) / width) + 1)
+    for t in times:
+        counts[int(t / width)] += 1
+    return [(i + 0.5) * width for i in range(len(counts))], [c / width for c in counts]
+
+
+def plot_runs(runs: Sequence[Run], path: str | Path, title: str = "") -> None:
+    """Three panels: TTFT CDF, TPOT CDF, output tokens/s over time."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise RuntimeError("plots need matplotlib: pip install 'pdserve[bench]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
+
+    fig, (ttft, tpot, rate) = plt.subplots(1, 3, figsize=(15, 4.2))
+    for run in runs:
+        ok = [r for r in run.results if r.ok]
+        ttft.plot(*_cdf([r.ttft * 1e3 for r in ok]), label=run.label, drawstyle="steps-post")
+        tpot.plot(*_cdf([r.tpot * 1e3 for r in ok]), label=run.label, drawstyle="steps-post")
+        rate.plot(*_tokens_per_second(run), label=run.label)
+    for ax, xlabel, name in ((ttft, "TTFT (ms)", "TTFT"), (tpot, "TPOT (ms)", "TPOT")):
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("fraction of requests")
+        ax.set_title(f"{name} CDF")
+        ax.set_xscale("log")
+        ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.grid(True, which="both", alpha=0.3)
+    rate.set_xlabel("time since start (s)")
+    rate.set_ylabel("output tokens/s")
+    rate.set_title("output throughput over time")
+    rate.grid(True, alpha=0.3)
+    for ax in (ttft, tpot, rate):
+        ax.legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,78 @@
+"""Repeat the systems of a benchmark k times, interleaved, and report ratios as a
+median with their min-max.
+
+One timing per system, taken in a fixed order, lets one stray process on a shared
+machine move a ratio by 2x. Here every repetition runs each system once, in the
+same order (A B A B ...), so load that drifts over the run hits every system alike;
+a ratio is computed per repetition (A_i / B_i, both taken seconds apart) and the
+median of those is reported with its range:
+
+    runs = interleaved({"ours": run_ours, "hf": run_hf}, repeats=3, log=print)
+    ratio = Ratio.of([o.tok_s / h.tok_s for o, h in zip(runs["ours"], runs["hf"])])
+    print(f"ours/hf {ratio}")                      # 3.357 (min 3.101, max 3.512, k=3)
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def interleaved(
+    systems: Mapping[str, Callable[[int], T]], repeats: int, log: Callable[[str], None] | None = None
+) -> dict[str, list[T]]:
+    """Call every system once per repetition, in the mapping's order, `repeats`
+    times; `systems[name](rep)` gets the repetition's index (0-based), e.g. to draw
+    that repetition's workload. Returns each system's results in repetition order."""
+    if repeats < 1:
+        raise ValueError(f"repeats: must be >= 1, got {repeats}")
+    results: dict[str, list[T]] = {name: [] for name in systems}
+    for rep in range(repeats):
+        for name, run in systems.items():
+            if log is not None:
+                log(f"[repeat {rep + 1}/{repeats}] {name}")
+            results[name].append(run(rep))
+    return results
+
+
+@dataclass(frozen=True)
+class Ratio:
+    """The median of per-repetition ratios, with their min and max."""
+
+    median: float
+    lo: float
+    hi: float
+    k: int
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> "Ratio":
+        finite = [v for v in values if not math.isnan(v)]
+        if not finite:
+            return cls(math.nan, math.nan, math.nan, len(values))
+        return cls(statistics.median(finite), min(finite), max(finite), len(values))
+
+    @classmethod
+    def paired(cls, numerators: Sequence[float], denominators: Sequence[float]) -> "Ratio":
+        """Ratio.of(n_i / d_i): each repetition's systems against each other."""
+        if len(numerators) != len(denominators):
+            raise ValueError(f"paired: {len(numerators)} numerators, {len(denominators)} denominators")
+        return cls.of([safe_div(n, d) for n, d in zip(numerators, denominators)])
+
+    def __str__(self) -> str:
+        return f"{fmt(self.median)} (min {fmt(self.lo)}, max {fmt(self.hi)}, k={self.k})"
+
+
+def safe_div(n: float, d: float) -> float:
+    """n / d, nan when either is nan or d is 0 (a system with nothing to show)."""
+    if math.isnan(n) or math.isnan(d) or d == 0:
+        return math.nan
+    return n / d
+
+
+def fmt(x: float) -> str:
+    return "nan" if math.isnan(x) else f"{x:.3f}"
