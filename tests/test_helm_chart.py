@@ -206,34 +206,32 @@ def schema_keys(*path: str) -> set[str]:
     return set(schema_props(*path))
 
 
-# Flags the chart sets from the deployment itself, not from a values key.
-CHART_SET = {
-    "router": {"model", "served_model_name", "host", "port"},
-    "worker": {"model", "served_model_name", "host", "port", "router", "worker_id", "advertise_host"},
-}
 # Flags with no use in a pod: a launcher's handshake.
 NOT_RENDERED = {"address_file"}
 
 
-def chart_fields(component: str) -> set[str]:
-    """Config fields the chart can render for `component`."""
-    engine = {snake(k) for k in schema_keys("engine")}
+def values_fields(component: str) -> set[str]:
+    """Config fields that values keys of `component` set (camelCase -> snake_case)."""
     if component == "router":
-        shared = {"block_size", "max_model_len", "max_n"} & engine
-        return CHART_SET["router"] | shared | {snake(k) for k in schema_keys("router", "config")}
-    return CHART_SET["worker"] | engine | {snake(k) for k in schema_keys(component, "config")}
+        return {"block_size", "max_model_len", "max_n"} | {snake(k) for k in schema_keys("router", "config")}
+    return {snake(k) for k in schema_keys("engine") | schema_keys(component, "config")}
+
+
+def rendered_fields(argv: list[str]) -> set[str]:
+    return {re.sub(r"^no-", "", a[2:]).replace("-", "_") for a in argv if a.startswith("--")}
 
 
 @pytest.mark.parametrize("component", COMPONENTS)
-def test_chart_renders_exactly_the_cli_flags(component: str) -> None:
-    """Every values key is a flag the CLI has, and every flag the CLI has is either
-    rendered by the chart or knowingly left out: a flag added to a config dataclass
-    fails here until the chart renders it."""
+def test_chart_renders_every_cli_flag_and_no_other(component: str) -> None:
+    """Every values key is a flag the CLI has, and every flag the CLI has is rendered
+    by the chart (with every option on), set by a values key, or knowingly left out:
+    a field added to a config dataclass fails here until the chart renders it."""
     fields = {f.name for f in _cli_fields(CONFIGS[component])}
-    rendered = chart_fields(component)
-    assert not rendered - fields, f"the chart renders flags `pdserve {component}` lacks: {sorted(rendered - fields)}"
-    assert not fields - rendered - NOT_RENDERED, (
-        f"flags of `pdserve {component}` the chart does not render yet: {sorted(fields - rendered - NOT_RENDERED)}")
+    keys = values_fields(component)
+    assert keys <= fields, f"values keys that are no flag of `pdserve {component}`: {sorted(keys - fields)}"
+    argv, _ = pod_argv(render(every_option_values()), component)
+    missing = fields - rendered_fields(argv) - keys - NOT_RENDERED
+    assert not missing, f"flags of `pdserve {component}` the chart does not render yet: {sorted(missing)}"
 
 
 def test_schema_types_match_the_config_fields() -> None:
@@ -456,7 +454,7 @@ MODEL_SOURCES = {
     "pvc": {"source": "pvc", "pvc": {"claimName": "weights", "subPath": "hf"}, "dir": "llama"},
     "hostPath": {"source": "hostPath", "hostPath": {"path": "/mnt/models"}, "dir": "llama"},
     "image": {"source": "image", "image": {"repository": "models/llama", "tag": "3-8b"}},
-    "url": {"source": "url", "url": {"url": "s3://bucket/llama", "credentialsSecret": "s3"}, "dir": "llama"},
+    "url": {"source": "url", "url": {"url": "s3://bucket/models", "credentialsSecret": "s3"}, "dir": "llama"},
 }
 
 
@@ -487,7 +485,7 @@ def test_model_sources(source: str, monkeypatch, capsys) -> None:
                 assert copier["command"] == ["cp", "-R", "/model/.", "/models/"]
             else:
                 env = {e["name"]: e.get("value") for e in copier["env"]}
-                assert env["MODEL_URL"] == "s3://bucket/llama" and env["MODEL_DIR"] == "/models"
+                assert env["MODEL_URL"] == "s3://bucket/models" and env["MODEL_DIR"] == "/models"
                 assert copier["envFrom"] == [{"secretRef": {"name": "s3"}}]
 
 
