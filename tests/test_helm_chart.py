@@ -1,0 +1,711 @@
+"""The Helm chart (deploy/helm/pdserve): lint, render, validate, and read what it renders.
+
+No cluster and no helm binary: the Helm SDK renders the chart in this process
+(tests/chart_helpers.py), every rendered object is validated offline against the
+Kubernetes schemas (and the prometheus-operator CRDs), and the arguments each pod
+would run go through the real `pdserve` argument parsers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import typing
+from pathlib import Path
+
+import helm_python as helm
+import jsonschema
+import pytest
+import yaml
+
+from chart_helpers import (
+    CHART,
+    K8S_LATEST,
+    K8S_OLDEST,
+    NAMESPACE,
+    REPO,
+    load_values,
+    matches,
+    name,
+    of_kind,
+    one,
+    pod_spec,
+    render,
+    validate,
+)
+from pdserve import cli
+from pdserve.engine.llm import DEFAULT_MODEL
+from pdserve.kvtransfer.zmq import CurveConfig
+from pdserve.services.common.flags import ENV_PREFIX, _cli_fields, from_namespace
+from pdserve.services.router.config import RouterConfig
+from pdserve.services.worker import kv_connectors
+from pdserve.services.worker.config import WorkerConfig
+
+sys.path.insert(0, str(REPO / "scripts"))
+import sync_chart_files  # noqa: E402
+
+EXAMPLE = CHART / "examples" / "two-node-pools.yaml"
+SCHEMA = json.loads((CHART / "values.schema.json").read_text())
+POOLS = ("prefill", "decode")
+COMPONENTS = ("router", *POOLS)
+CONFIGS = {"router": RouterConfig, "prefill": WorkerConfig, "decode": WorkerConfig}
+# What a pod's downward-API variables hold when the test expands $(VAR) in its args.
+FIELD_REFS = {"metadata.name": "{pod}", "status.podIP": "10.1.2.3"}
+
+
+@pytest.fixture(scope="module")
+def default() -> list[dict]:
+    return render()
+
+
+@pytest.fixture(scope="module")
+def example() -> list[dict]:
+    return render(load_values(EXAMPLE), name="llm")
+
+
+def workload(objects: list[dict], component: str, release: str = "demo") -> dict:
+    kind = "Deployment" if component == "router" else "StatefulSet"
+    return one(objects, kind, name(component, release))
+
+
+def container(objects: list[dict], component: str, release: str = "demo") -> dict:
+    (c,) = pod_spec(workload(objects, component, release))["containers"]
+    return c
+
+
+# -- lint and render ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("values", [None, EXAMPLE], ids=["default", "two-node-pools"])
+def test_lint_strict_finds_nothing(values: Path | None) -> None:
+    report = helm.lint(CHART, load_values(values) if values else None, strict=True, namespace=NAMESPACE,
+                       kube_version=f"v{K8S_LATEST}")
+    problems = [m for m in report["messages"] if m["severity"] >= 2]  # 1 is INFO ("icon is recommended")
+    assert not problems and not report["errors"], report
+
+
+def test_renders_every_component_with_defaults(default: list[dict]) -> None:
+    kinds = sorted({(o["kind"], o["metadata"]["name"]) for o in default})
+    assert ("Deployment", name("router")) in kinds
+    for pool in POOLS:
+        assert ("StatefulSet", name(pool)) in kinds and ("Service", name(pool)) in kinds
+        assert one(default, "Service", name(pool))["spec"]["clusterIP"] == "None"  # headless
+    for kind in ("PodDisruptionBudget", "NetworkPolicy", "Secret", "ServiceAccount"):
+        assert of_kind(default, kind), kind
+    # monitoring objects are behind their toggles
+    for kind in ("ServiceMonitor", "PrometheusRule", "ConfigMap", "HorizontalPodAutoscaler"):
+        assert not of_kind(default, kind), kind
+
+
+@pytest.mark.parametrize("version", [K8S_LATEST, K8S_OLDEST])
+@pytest.mark.parametrize("case", ["default", "two-node-pools", "every-option"])
+def test_every_rendered_object_validates(case: str, version: str, default, example) -> None:
+    objects = {"default": default, "two-node-pools": example}.get(case) or render(every_option_values())
+    assert objects
+    for obj in objects:
+        try:
+            validate(obj, version)
+        except jsonschema.ValidationError as e:
+            where = "/".join(map(str, e.absolute_path))
+            pytest.fail(f"{obj['kind']}/{obj['metadata']['name']} (Kubernetes {version}) at {where}: {e.message}", pytrace=False)
+
+
+def every_option_values() -> dict:
+    """Values that turn on every optional object and path of the chart at once."""
+    values = load_values(EXAMPLE)
+    values["credentials"] = {"kvCurve": {"existingSecret": "curve"}, "apiKeys": {"generate": True},
+                             "tls": {"existingSecret": "public-tls"}}
+    values["prefill"]["autoscaling"] = {"enabled": True, "minReplicas": 2, "maxReplicas": 6,
+                                        "behavior": {"scaleDown": {"stabilizationWindowSeconds": 300}}}
+    values["router"]["podDisruptionBudget"] = {"minAvailable": 1}
+    values["networkPolicy"]["publicFrom"] = [{"ipBlock": {"cidr": "10.0.0.0/8"}}]
+    values["imagePullSecrets"] = [{"name": "registry"}]
+    return values
+
+
+# -- values.schema.json: bad values fail at install time, naming the value ------------------
+
+BAD_VALUES = {
+    "negative replicas": ({"prefill": {"replicas": -1}}, "/prefill/replicas"),
+    "no decode worker": ({"decode": {"replicas": 0}}, "/decode/replicas"),
+    "two routers": ({"router": {"replicas": 2}}, "/router/replicas"),
+    "GPU count not a number": ({"decode": {"resources": {"limits": {"nvidia.com/gpu": "two"}}}}, "/decode/resources/limits/nvidia.com~1gpu"),
+    "fractional GPU": ({"prefill": {"resources": {"requests": {"nvidia.com/gpu": 0.5}}}}, "/prefill/resources/requests/nvidia.com~1gpu"),
+    "bad memory quantity": ({"router": {"resources": {"limits": {"memory": "lots"}}}}, "/router/resources/limits/memory"),
+    "unknown dtype": ({"engine": {"dtype": "float8"}}, "/engine/dtype"),
+    "unknown attention backend": ({"decode": {"engine": {"attentionBackend": "flash"}}}, "/decode/engine/attentionBackend"),
+    "missing model source": ({"model": {"source": None}}, "'source'"),
+    "unknown model source": ({"model": {"source": "ftp"}}, "/model/source"),
+    "pvc without a claim": ({"model": {"source": "pvc"}}, "/model/pvc/claimName"),
+    "hostPath not absolute": ({"model": {"source": "hostPath", "hostPath": {"path": "data"}}}, "/model/hostPath/path"),
+    "image without a tag": ({"model": {"source": "image", "image": {"repository": "models/llama"}}}, "/model/image/tag"),
+    "url without a url": ({"model": {"source": "url"}}, "/model/url/url"),
+    "model dir escapes": ({"model": {"source": "hostPath", "hostPath": {"path": "/data"}, "dir": "../etc"}}, "/model/dir"),
+    "flag the CLI lacks": ({"engine": {"maxNumSeq": 8}}, "'maxNumSeq'"),
+    "pool block size": ({"prefill": {"engine": {"blockSize": 32}}}, "'blockSize'"),
+    "block size as text": ({"engine": {"blockSize": "16"}}, "/engine/blockSize"),
+    "zero timeout": ({"router": {"config": {"workerTimeout": 0}}}, "/router/config/workerTimeout"),
+    "unknown log level": ({"decode": {"config": {"logLevel": "LOUD"}}}, "/decode/config/logLevel"),
+    "bad kv connector": ({"prefill": {"config": {"kvConnector": "no colon"}}}, "/prefill/config/kvConnector"),
+    "port out of range": ({"router": {"ports": {"grpc": 70000}}}, "/router/ports/grpc"),
+    "unknown image variant": ({"image": {"variant": "rocm"}}, "/image/variant"),
+    "misspelt top-level block": ({"prefil": {"replicas": 2}}, "'prefil'"),
+    "probe period zero": ({"decode": {"probes": {"startup": {"periodSeconds": 0}}}}, "/decode/probes/startup/periodSeconds"),
+    "bad scrape interval": ({"serviceMonitor": {"interval": "often"}}, "/serviceMonitor/interval"),
+}
+
+
+@pytest.mark.parametrize("values,names", BAD_VALUES.values(), ids=BAD_VALUES.keys())
+def test_bad_values_fail_through_the_schema_naming_the_value(values: dict, names: str) -> None:
+    with pytest.raises(helm.HelmValuesError) as caught:
+        render(values)
+    message = str(caught.value)
+    assert "values don't meet the specifications of the schema" in message, message
+    assert names in message, message
+
+
+def test_autoscaling_bounds_are_checked_when_rendering() -> None:
+    with pytest.raises(helm.HelmError, match=r"decode\.autoscaling: minReplicas \(5\) exceeds maxReplicas \(2\)"):
+        render({"decode": {"autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}}})
+
+
+def test_defaults_and_the_example_pass_the_schema() -> None:
+    with helm.Chart.load(CHART) as chart:
+        chart.validate_schema({})
+        chart.validate_schema(load_values(EXAMPLE))
+
+
+# -- the flags each pod runs are the CLI's ---------------------------------------------------
+
+
+def camel(field: str) -> str:
+    head, *rest = field.split("_")
+    return head + "".join(part.title() for part in rest)
+
+
+def snake(key: str) -> str:
+    return re.sub(r"([A-Z])", r"_\1", key).lower()
+
+
+def schema_props(*path: str) -> dict[str, dict]:
+    """The properties of the values block at `path` (following $refs)."""
+    node = SCHEMA
+    for key in path:
+        node = node["properties"][key]
+        if "$ref" in node:
+            node = SCHEMA["definitions"][node["$ref"].split("/")[-1]]
+    return node["properties"]
+
+
+def schema_keys(*path: str) -> set[str]:
+    return set(schema_props(*path))
+
+
+# Flags with no use in a pod: a launcher's handshake.
+NOT_RENDERED = {"address_file"}
+
+
+def values_fields(component: str) -> set[str]:
+    """Config fields that values keys of `component` set (camelCase -> snake_case)."""
+    if component == "router":
+        return {"block_size", "max_model_len", "max_n"} | {snake(k) for k in schema_keys("router", "config")}
+    return {snake(k) for k in schema_keys("engine") | schema_keys(component, "config")}
+
+
+def rendered_fields(argv: list[str]) -> set[str]:
+    return {re.sub(r"^no-", "", a[2:]).replace("-", "_") for a in argv if a.startswith("--")}
+
+
+@pytest.mark.parametrize("component", COMPONENTS)
+def test_chart_renders_every_cli_flag_and_no_other(component: str) -> None:
+    """Every values key is a flag the CLI has, and every flag the CLI has is rendered
+    by the chart (with every option on), set by a values key, or knowingly left out:
+    a field added to a config dataclass fails here until the chart renders it."""
+    fields = {f.name for f in _cli_fields(CONFIGS[component])}
+    keys = values_fields(component)
+    assert keys <= fields, f"values keys that are no flag of `pdserve {component}`: {sorted(keys - fields)}"
+    argv, _ = pod_argv(render(every_option_values()), component)
+    missing = fields - rendered_fields(argv) - keys - NOT_RENDERED
+    assert not missing, f"flags of `pdserve {component}` the chart does not render yet: {sorted(missing)}"
+
+
+def test_schema_types_match_the_config_fields() -> None:
+    """A values key's JSON type is its dataclass field's type (int -> integer, ...)."""
+    kinds = {int: "integer", float: "number", str: "string", bool: "boolean"}
+    blocks = [(("engine",), WorkerConfig), (("router", "config"), RouterConfig), (("prefill", "config"), WorkerConfig),
+              (("decode", "config"), WorkerConfig)]
+    for block, cls in blocks:
+        hints = typing.get_type_hints(cls)
+        for key, prop in schema_props(*block).items():
+            hint = hints[snake(key)]
+            args = typing.get_args(hint)
+            want = {kinds[a] for a in args if a is not type(None)} if args else {kinds[hint]}
+            if type(None) in args:
+                want.add("null")
+            got = set(prop["type"]) if isinstance(prop["type"], list) else {prop["type"]}
+            assert got == want, f"{'.'.join(block)}.{key}: schema says {sorted(got)}, {cls.__name__}.{snake(key)} is {hint}"
+
+
+def pod_argv(objects: list[dict], component: str, release: str = "demo") -> tuple[list[str], dict[str, str]]:
+    """The container's args with $(VAR) expanded as the kubelet would, and its literal
+    PDSERVE_* environment."""
+    c = container(objects, component, release)
+    pod = f"{name(component, release)}-0"
+    env: dict[str, str] = {}
+    for var in c["env"]:
+        if "value" in var:
+            env[var["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), var["value"])
+        elif "fieldRef" in var.get("valueFrom", {}):
+            env[var["name"]] = FIELD_REFS[var["valueFrom"]["fieldRef"]["fieldPath"]].format(pod=pod)
+
+    def expand(arg: str) -> str:
+        for ref in re.findall(r"\$\((\w+)\)", arg):
+            assert ref in env, f"{component}: args use $({ref}), which the container's env does not define"
+        return re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], arg)
+
+    argv = [expand(a) for a in c["args"]]
+    return argv, {k: v for k, v in env.items() if k.startswith(ENV_PREFIX)}
+
+
+def parse(argv: list[str], env: dict[str, str], monkeypatch: pytest.MonkeyPatch, capsys) -> object:
+    """Parse `argv` with the real `pdserve` parser under the pod's PDSERVE_* env."""
+    for key in list(os.environ):
+        if key.startswith(ENV_PREFIX):
+            monkeypatch.delenv(key)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    try:
+        return cli.build_parser().parse_args(argv)
+    except SystemExit:
+        pytest.fail(f"`pdserve {' '.join(argv)}` does not parse: {capsys.readouterr().err}", pytrace=False)
+
+
+@pytest.mark.parametrize("case", ["default", "two-node-pools", "every-option"])
+@pytest.mark.parametrize("component", COMPONENTS)
+def test_pod_args_parse_with_the_real_cli(component: str, case: str, default, example, monkeypatch, capsys) -> None:
+    release = "llm" if case == "two-node-pools" else "demo"
+    values = {"default": {}, "two-node-pools": load_values(EXAMPLE)}.get(case)
+    if values is None:
+        values = every_option_values()
+        objects = render(values)
+    else:
+        objects = default if case == "default" else example
+    argv, env = pod_argv(objects, component, release)
+    assert argv[0] == component
+    ns = parse(argv, env, monkeypatch, capsys)
+    assert ns.command == component
+    # The config the process would build: its own checks run (model dir swapped for
+    # one that exists here).
+    overrides = {"model": DEFAULT_MODEL} if component == "router" else {"model": DEFAULT_MODEL, "role": component}
+    config = from_namespace(CONFIGS[component], ns, **overrides)
+    c = container(objects, component, release)
+    grpc_port = next(p["containerPort"] for p in c["ports"] if p["name"] == "grpc")
+    assert (config.host, config.port) == ("0.0.0.0", grpc_port)
+    assert ns.model == model_path(values)
+    engine = {**(values.get("engine") or {}), **((values.get(component) or {}).get("engine") or {})}
+    for key, value in engine.items():
+        if snake(key) in {f.name for f in _cli_fields(CONFIGS[component])}:
+            assert getattr(config, snake(key)) == value, key
+    if component != "router":
+        assert config.worker_id == f"{name(component, release)}-0"
+        assert config.advertise_host == FIELD_REFS["status.podIP"]
+        assert env["PDSERVE_KV_HOST"] == FIELD_REFS["status.podIP"]
+        host, port = config.router.rsplit(":", 1)
+        svc = one(objects, "Service", name("router-internal", release))
+        assert host == f"{svc['metadata']['name']}.{NAMESPACE}.svc"
+        assert int(port) in [p["port"] for p in svc["spec"]["ports"]]
+
+
+def model_path(values: dict) -> str:
+    model = values.get("model") or {}
+    if model.get("source", "embedded") == "embedded":
+        return "/opt/pdserve/models/pdserve-tiny-code"
+    return "/models/" + model["dir"] if model.get("dir") else "/models"
+
+
+def test_every_values_key_reaches_the_cli(monkeypatch, capsys) -> None:
+    """Each key of the engine and config blocks, set away from its default, comes out
+    of the parser as that value (camelCase -> --kebab-case, numbers intact)."""
+    samples = {"integer": 8589934592, "number": 2.5, "boolean": False}
+    strings = {"dtype": "bfloat16", "attentionBackend": "triton", "logLevel": "DEBUG", "device": "cuda:1",
+               "kvConnector": "pdserve.services.worker.kv_connectors:zmq_ipc_connector"}
+    blocks = {"engine": ("engine",), "router": ("router", "config"), "prefill": ("prefill", "config"),
+              "decode": ("decode", "config")}
+    settings: dict[str, dict] = {}
+    for block, path in blocks.items():
+        settings[block] = {}
+        for key, prop in schema_props(*path).items():
+            kind = prop["type"] if isinstance(prop["type"], str) else next(k for k in prop["type"] if k != "null")
+            settings[block][key] = strings[key] if key in strings else samples[kind]
+    settings["engine"].update(blockSize=32, maxModelLen=128, maxN=4, torchThreads=3)
+    for pool in POOLS:
+        settings[pool]["grpcThreads"] = 64
+    values = {"engine": settings["engine"], **{c: {"config": settings[c]} for c in COMPONENTS}}
+    objects = render(values)
+    for component in COMPONENTS:
+        argv, env = pod_argv(objects, component)
+        ns = parse(argv, env, monkeypatch, capsys)
+        fields = {f.name for f in _cli_fields(CONFIGS[component])}
+        for key, value in {**settings["engine"], **settings[component]}.items():
+            if snake(key) in fields:
+                assert getattr(ns, snake(key)) == value, f"{component}: {key}"
+
+
+def test_pdserve_env_the_chart_sets_is_read_by_pdserve(example) -> None:
+    """Every PDSERVE_* variable in a pod is a flag's or one kvtransfer reads: the chart
+    sets nothing the code ignores."""
+    known = {kv_connectors.HOST_ENV, kv_connectors.IPC_DIR_ENV}
+    known |= {f"PDSERVE_KV_CURVE_{k}" for k in ("SECRET_CERT", "PUBLIC_KEY", "SECRET_KEY", "SERVER_KEY",
+                                                "AUTHORIZED_KEYS", "AUTHORIZED_DIR")}
+    objects = render(every_option_values())
+    for component in COMPONENTS:
+        fields = {ENV_PREFIX + f.name.upper() for f in _cli_fields(CONFIGS[component])}
+        for var in container(objects, component)["env"]:
+            if var["name"].startswith(ENV_PREFIX):
+                assert var["name"] in fields | known, f"{component}: {var['name']} is read by nothing"
+
+
+def test_curve_keys_from_the_secret_make_a_working_config() -> None:
+    """The env the chart maps from the CURVE Secret is what CurveConfig.from_env reads:
+    one keypair, the receivers' public key known to senders, only that key admitted."""
+    import zmq
+
+    public, secret = zmq.curve_keypair()
+    data = {"public.key": public.decode(), "secret.key": secret.decode()}
+    c = container(render({"credentials": {"kvCurve": {"existingSecret": "curve"}}}), "decode")
+    env = {v["name"]: data[v["valueFrom"]["secretKeyRef"]["key"]] for v in c["env"]
+           if v.get("valueFrom", {}).get("secretKeyRef", {}).get("name") == "curve"}
+    curve = CurveConfig.from_env(env)
+    assert curve is not None
+    assert (curve.public_key, curve.secret_key, curve.server_key) == (public, secret, public)
+    assert curve.authorized_keys == frozenset({public})
+    assert "PDSERVE_KV_CURVE_SECRET_KEY" not in {v["name"] for v in container(render(), "decode")["env"]}
+
+
+# -- placement, probes, termination ---------------------------------------------------------
+
+
+def test_pools_get_their_own_node_selectors_tolerations_and_gpus(example) -> None:
+    values = load_values(EXAMPLE)
+    for pool in POOLS:
+        spec = pod_spec(workload(example, pool, "llm"))
+        assert spec["nodeSelector"] == values[pool]["nodeSelector"]
+        assert spec["tolerations"] == values[pool]["tolerations"]
+        resources = container(example, pool, "llm")["resources"]
+        assert resources["requests"]["nvidia.com/gpu"] == values[pool]["resources"]["requests"]["nvidia.com/gpu"]
+        assert resources["limits"]["nvidia.com/gpu"] == values[pool]["resources"]["limits"]["nvidia.com/gpu"]
+    prefill, decode = (pod_spec(workload(example, p, "llm")) for p in POOLS)
+    assert prefill["nodeSelector"] != decode["nodeSelector"]
+    assert decode["affinity"] == values["decode"]["affinity"]
+    router = pod_spec(workload(example, "router", "llm"))
+    assert "nodeSelector" not in router and "tolerations" not in router  # no GPU, kept off the tainted pools
+    assert "nvidia.com/gpu" not in json.dumps(container(example, "router", "llm")["resources"])
+
+
+@pytest.mark.parametrize("component", COMPONENTS)
+def test_probes_use_grpc_health_and_the_startup_probe_covers_model_loading(component: str, default) -> None:
+    c = container(default, component)
+    grpc_port = next(p["containerPort"] for p in c["ports"] if p["name"] == "grpc")
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert set(c[probe]) & {"grpc", "exec", "httpGet", "tcpSocket"} == {"grpc"}, probe
+        assert c[probe]["grpc"]["port"] == grpc_port
+        assert c[probe]["grpc"].get("service", "") == ""  # the server's overall health
+    startup = c["startupProbe"]
+    budget = startup["periodSeconds"] * startup["failureThreshold"]
+    assert budget >= (600 if component != "router" else 60), f"{component}: {budget}s to load the model"
+
+
+@pytest.mark.parametrize("component", COMPONENTS)
+def test_graceful_termination(component: str, default) -> None:
+    spec = pod_spec(workload(default, component))
+    c = container(default, component)
+    sleep = c["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert 0 < sleep < spec["terminationGracePeriodSeconds"]
+
+
+def test_pod_disruption_budgets_select_each_component(default) -> None:
+    for component in COMPONENTS:
+        pdb = one(default, "PodDisruptionBudget", name(component))
+        labels = workload(default, component)["spec"]["template"]["metadata"]["labels"]
+        assert matches(pdb["spec"]["selector"]["matchLabels"], labels)
+        assert pdb["spec"]["maxUnavailable"] == 1
+    pdb = one(render({"decode": {"podDisruptionBudget": {"minAvailable": "50%"}}}), "PodDisruptionBudget", name("decode"))
+    assert pdb["spec"] == {"minAvailable": "50%", "selector": pdb["spec"]["selector"]}
+
+
+def test_autoscaler_per_pool_on_a_custom_metric(example) -> None:
+    hpa = one(example, "HorizontalPodAutoscaler", name("decode", "llm"))
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": name("decode", "llm")}
+    (metric,) = hpa["spec"]["metrics"]
+    assert metric["type"] == "Pods" and metric["pods"]["metric"]["name"] == "pdserve_kv_cache_usage_perc"
+    assert "replicas" not in workload(example, "decode", "llm")["spec"]  # the autoscaler owns it
+    assert workload(example, "prefill", "llm")["spec"]["replicas"] == 2
+    assert not [h for h in of_kind(example, "HorizontalPodAutoscaler") if h["metadata"]["name"] == name("prefill", "llm")]
+
+
+# -- model sources --------------------------------------------------------------------------
+
+MODEL_SOURCES = {
+    "pvc": {"source": "pvc", "pvc": {"claimName": "weights", "subPath": "hf"}, "dir": "llama"},
+    "hostPath": {"source": "hostPath", "hostPath": {"path": "/mnt/models"}, "dir": "llama"},
+    "image": {"source": "image", "image": {"repository": "models/llama", "tag": "3-8b"}},
+    "url": {"source": "url", "url": {"url": "s3://bucket/models", "credentialsSecret": "s3"}, "dir": "llama"},
+}
+
+
+@pytest.mark.parametrize("source", MODEL_SOURCES)
+def test_model_sources(source: str, monkeypatch, capsys) -> None:
+    objects = render({"model": MODEL_SOURCES[source]})
+    for obj in objects:
+        validate(obj)
+    for component in COMPONENTS:
+        spec = pod_spec(workload(objects, component))
+        (volume,) = [v for v in spec["volumes"] if v["name"] == "model"]
+        (mount,) = [m for m in container(objects, component)["volumeMounts"] if m["name"] == "model"]
+        assert mount["mountPath"] == "/models" and mount["readOnly"]
+        argv, env = pod_argv(objects, component)
+        assert parse(argv, env, monkeypatch, capsys).model == model_path({"model": MODEL_SOURCES[source]})
+        init = spec.get("initContainers", [])
+        if source == "pvc":
+            assert volume["persistentVolumeClaim"] == {"claimName": "weights", "readOnly": True}
+            assert mount["subPath"] == "hf" and not init
+        elif source == "hostPath":
+            assert volume["hostPath"]["path"] == "/mnt/models" and not init
+        else:
+            assert "emptyDir" in volume
+            (copier,) = init
+            assert {"name": "model", "mountPath": "/models"} in copier["volumeMounts"]
+            if source == "image":
+                assert copier["image"] == "models/llama:3-8b"
+                assert copier["command"] == ["cp", "-R", "/model/.", "/models/"]
+            else:
+                env = {e["name"]: e.get("value") for e in copier["env"]}
+                assert env["MODEL_URL"] == "s3://bucket/models" and env["MODEL_DIR"] == "/models"
+                assert copier["envFrom"] == [{"secretRef": {"name": "s3"}}]
+
+
+def test_embedded_model_needs_no_volume(default) -> None:
+    for component in COMPONENTS:
+        assert "model" not in {v["name"] for v in pod_spec(workload(default, component))["volumes"]}
+
+
+# -- services, credentials, network policy ---------------------------------------------------
+
+
+def test_public_service_exposes_only_the_public_port(default) -> None:
+    public = one(default, "Service", name("router"))
+    assert [p["name"] for p in public["spec"]["ports"]] == ["grpc"]
+    internal = one(default, "Service", name("router-internal"))
+    assert internal["spec"]["type"] == "ClusterIP"
+    assert {p["name"] for p in internal["spec"]["ports"]} == {"internal", "metrics"}
+
+
+def test_credentials_generated_on_install(default) -> None:
+    secret = one(default, "Secret", name("cluster"))
+    import base64
+
+    data = {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
+    assert set(data) == {"token", "ca.crt", "tls.crt", "tls.key"}
+    assert len(data["token"]) >= 32 and data["token"].isalnum()
+    assert data["ca.crt"].startswith("-----BEGIN CERTIFICATE-----") and data["tls.key"].startswith("-----BEGIN RSA PRIVATE KEY-----")
+    for component in COMPONENTS:
+        volumes = {v["name"]: v for v in pod_spec(workload(default, component))["volumes"]}
+        assert volumes["cluster-credentials"]["secret"]["secretName"] == name("cluster")
+    # Rendered twice, they differ: nothing is baked into the chart.
+    assert one(render(), "Secret", name("cluster"))["data"]["token"] != secret["data"]["token"]
+
+
+def test_existing_secrets_by_name() -> None:
+    objects = render({"credentials": {"cluster": {"existingSecret": "my-cluster"}, "apiKeys": {"existingSecret": "my-keys"},
+                                      "tls": {"existingSecret": "my-tls"}, "kvCurve": {"existingSecret": "my-curve"}}})
+    assert not of_kind(objects, "Secret")  # nothing generated
+    router = {v["name"]: v["secret"]["secretName"] for v in pod_spec(workload(objects, "router"))["volumes"] if "secret" in v}
+    assert router == {"cluster-credentials": "my-cluster", "api-keys": "my-keys", "tls": "my-tls"}
+    decode = {v["name"]: v["secret"]["secretName"] for v in pod_spec(workload(objects, "decode"))["volumes"] if "secret" in v}
+    assert decode == {"cluster-credentials": "my-cluster"}  # workers never see the public port's keys
+    curve = {v["valueFrom"]["secretKeyRef"]["name"] for v in container(objects, "decode")["env"] if "valueFrom" in v
+             and "secretKeyRef" in v["valueFrom"]}
+    assert curve == {"my-curve"}
+    generated = render({"credentials": {"apiKeys": {"generate": True}}})
+    keys = one(generated, "Secret", name("api-keys"))
+    assert set(keys["data"]) == {"api-keys"}
+
+
+def test_network_policy_on_by_default(default) -> None:
+    workers = one(default, "NetworkPolicy", name("workers"))
+    release = {"app.kubernetes.io/name": "pdserve", "app.kubernetes.io/instance": "demo"}
+    for pool in POOLS:
+        labels = workload(default, pool)["spec"]["template"]["metadata"]["labels"]
+        assert matches(workers["spec"]["podSelector"]["matchLabels"], labels)
+    assert not matches(workers["spec"]["podSelector"]["matchLabels"] | {"app.kubernetes.io/component": "router"},
+                       {"app.kubernetes.io/component": "prefill"})
+    assert workers["spec"]["podSelector"]["matchExpressions"] == [
+        {"key": "app.kubernetes.io/component", "operator": "In", "values": ["prefill", "decode"]}]
+    everything, metrics = workers["spec"]["ingress"]
+    assert everything == {"from": [{"podSelector": {"matchLabels": release}}]}  # gRPC and KV ports
+    assert metrics["ports"] == [{"port": "metrics", "protocol": "TCP"}]
+    router = one(default, "NetworkPolicy", name("router"))
+    internal_rules = [r for r in router["spec"]["ingress"] if r.get("from") == [{"podSelector": {"matchLabels": release}}]]
+    assert internal_rules, "the router's internal port is open to the release's pods only"
+    assert not of_kind(render({"networkPolicy": {"enabled": False}}), "NetworkPolicy")
+
+
+# -- monitoring ------------------------------------------------------------------------------
+
+
+def test_service_monitor_selects_every_metrics_port(example) -> None:
+    (monitor,) = of_kind(example, "ServiceMonitor")
+    assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+    (endpoint,) = monitor["spec"]["endpoints"]
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    services = [s for s in of_kind(example, "Service") if any(p["name"] == endpoint["port"] for p in s["spec"]["ports"])]
+    assert services and all(matches(selector, s["metadata"]["labels"]) for s in services)
+    # every pod's metrics port is behind one of those Services
+    for component in COMPONENTS:
+        labels = workload(example, component, "llm")["spec"]["template"]["metadata"]["labels"]
+        assert any(matches(s["spec"]["selector"], labels) for s in services), component
+        assert "metrics" in {p["name"] for p in container(example, component, "llm")["ports"]}
+    # and it selects nothing else of the release
+    for service in of_kind(example, "Service"):
+        if service not in services:
+            assert not matches(selector, service["metadata"]["labels"]), service["metadata"]["name"]
+
+
+@pytest.mark.parametrize(("field", "port_name"), [("metrics_port", "metrics"), ("internal_port", "internal")])
+def test_ports_are_what_the_processes_serve(field: str, port_name: str, default, monkeypatch, capsys) -> None:
+    """Once the CLI has the flag (issue 10's --metrics-port, issue 9's --internal-port),
+    each pod passes it the port its container declares."""
+    components = [c for c in COMPONENTS if field in {f.name for f in _cli_fields(CONFIGS[c])}]
+    if not components:
+        pytest.skip(f"--{field.replace('_', '-')} is not a flag of pdserve yet: the chart declares the port, "
+                    "wiring it is left to the merge")
+    for component in components:
+        argv, env = pod_argv(default, component)
+        declared = {p["name"]: p["containerPort"] for p in container(default, component)["ports"]}
+        assert getattr(parse(argv, env, monkeypatch, capsys), field) == declared[port_name], component
+
+
+def chart_copy(tmp_path: Path, files: dict[str, bytes]) -> Path:
+    """The chart with `files` under files/ instead of what sync_chart_files copied."""
+    chart = tmp_path / "pdserve"
+    shutil.copytree(CHART, chart, ignore=shutil.ignore_patterns("files"))
+    for relative, data in files.items():
+        (chart / "files" / relative).parent.mkdir(parents=True, exist_ok=True)
+        (chart / "files" / relative).write_bytes(data)
+    return chart
+
+
+DASHBOARD = REPO / "deploy" / "grafana" / "pdserve.json"
+RULES = REPO / "deploy" / "prometheus" / "pdserve-rules.yaml"
+# Stand-ins, to prove the templates before the real files exist: quoting, <>&,
+# non-ASCII, {{ }} (Grafana and Prometheus templates that Helm must not touch).
+SAMPLE_DASHBOARD = ('{\n  "title": "pdserve <TTFT & TPOT> \u2013 p99",\n  "panels": [{"targets": [{"expr": '
+                    '"histogram_quantile(0.99, sum by (le) (rate(pdserve:time_to_first_token_seconds_bucket'
+                    '{model_name=\\"$model_name\\"}[5m])))", "legendFormat": "{{role}}"}]}],\n  "tags": ["\\\\"]\n}\n').encode()
+SAMPLE_RULES = b"""groups:
+  - name: pdserve
+    rules:
+      - record: pdserve:ttft_seconds:p99
+        expr: histogram_quantile(0.99, sum by (le, model_name) (rate(pdserve:time_to_first_token_seconds_bucket[5m])))
+      - alert: PdserveTTFTHigh
+        expr: pdserve:ttft_seconds:p99 > 2
+        for: 5m
+        labels: {severity: warning}
+        annotations:
+          summary: "TTFT p99 of {{ $labels.model_name }} is {{ $value }}s"
+"""
+
+
+def monitoring_object(real: bool, source: Path, sample: bytes, kind: str, values: dict, tmp_path: Path) -> tuple[dict, bytes]:
+    """The one `kind` object rendered with `values`, from the chart's copy of `source`
+    (real) or from a chart copy holding `sample` instead; and the bytes it came from."""
+    if real and not source.is_file():
+        pytest.skip(f"{source.relative_to(REPO)} does not exist yet (issue 10)")
+    data = source.read_bytes() if real else sample
+    relative = sync_chart_files.COPIES[source.relative_to(REPO)]
+    chart = CHART if real else chart_copy(tmp_path, {str(relative): data})
+    (obj,) = of_kind(render(values, chart=chart), kind)
+    validate(obj)
+    return obj, data
+
+
+@pytest.mark.parametrize("real", [True, False], ids=["deploy-file", "stand-in"])
+def test_dashboard_config_map_holds_the_dashboard_byte_for_byte(real: bool, tmp_path: Path) -> None:
+    values = {"grafanaDashboard": {"enabled": True, "annotations": {"grafana_folder": "LLM"}}}
+    config_map, source = monitoring_object(real, DASHBOARD, SAMPLE_DASHBOARD, "ConfigMap", values, tmp_path)
+    assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert config_map["data"]["pdserve.json"].encode() == source
+
+
+@pytest.mark.parametrize("real", [True, False], ids=["deploy-file", "stand-in"])
+def test_prometheus_rule_holds_the_rules(real: bool, tmp_path: Path) -> None:
+    values = {"prometheusRule": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}}}
+    rule, source = monitoring_object(real, RULES, SAMPLE_RULES, "PrometheusRule", values, tmp_path)
+    assert rule["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    assert rule["spec"] == yaml.safe_load(source)
+
+
+def test_monitoring_toggles_fail_clearly_without_their_files(tmp_path: Path) -> None:
+    chart = chart_copy(tmp_path, {})
+    with pytest.raises(helm.HelmError, match=r"grafanaDashboard\.enabled: the chart has no files/grafana/pdserve\.json"):
+        render({"grafanaDashboard": {"enabled": True}}, chart=chart)
+    with pytest.raises(helm.HelmError, match=r"prometheusRule\.enabled: the chart has no files/prometheus/pdserve-rules\.yaml"):
+        render({"prometheusRule": {"enabled": True}}, chart=chart)
+
+
+def test_custom_resources_are_checked_against_the_crds() -> None:
+    """The CRD validation is not a formality: a typo in the ServiceMonitor fails."""
+    (monitor,) = of_kind(render({"serviceMonitor": {"enabled": True}}), "ServiceMonitor")
+    validate(monitor)
+    monitor["spec"]["endpoints"][0]["intervall"] = "15s"
+    with pytest.raises(jsonschema.ValidationError, match="intervall"):
+        validate(monitor)
+
+
+# -- the chart's copies of deploy/ files ----------------------------------------------------
+
+
+def test_chart_copies_of_monitoring_files_are_current() -> None:
+    problems = sync_chart_files.stale()
+    assert not problems, f"run `python scripts/sync_chart_files.py`: {problems}"
+
+
+def test_sync_script_copies_updates_and_removes(tmp_path: Path) -> None:
+    (tmp_path / "deploy" / "grafana").mkdir(parents=True)
+    (tmp_path / "deploy" / "grafana" / "pdserve.json").write_bytes(SAMPLE_DASHBOARD)
+    script = [sys.executable, str(REPO / "scripts" / "sync_chart_files.py"), "--repo", str(tmp_path)]
+    check = subprocess.run([*script, "--check"], capture_output=True, text=True)
+    assert check.returncode == 1 and "grafana/pdserve.json: differs" in check.stderr
+    subprocess.run(script, check=True, capture_output=True)
+    copy = tmp_path / "deploy" / "helm" / "pdserve" / "files" / "grafana" / "pdserve.json"
+    assert copy.read_bytes() == SAMPLE_DASHBOARD
+    assert subprocess.run([*script, "--check"]).returncode == 0
+    (tmp_path / "deploy" / "grafana" / "pdserve.json").unlink()  # the source goes: so does the copy
+    assert subprocess.run([*script, "--check"], capture_output=True).returncode == 1
+    subprocess.run(script, check=True, capture_output=True)
+    assert not copy.exists() and not (tmp_path / "deploy" / "helm" / "pdserve" / "files").exists()
+
+
+# -- image and README ------------------------------------------------------------------------
+
+
+def test_default_image_is_the_one_the_readme_builds(default) -> None:
+    images = {container(default, c)["image"] for c in COMPONENTS}
+    assert images == {"pdserve:0.1.0-cpu"}
+    readme = (CHART / "README.md").read_text()
+    assert "docker build --build-arg VARIANT=cpu -t pdserve:0.1.0-cpu ." in readme
+    example_images = {container(render(load_values(EXAMPLE), name="llm"), c, "llm")["image"] for c in COMPONENTS}
+    assert example_images == {"registry.example.com/pdserve:0.1.0-cuda"}
+
+
+def test_chart_readme_documents_every_values_block() -> None:
+    readme = (CHART / "README.md").read_text()
+    for key in SCHEMA["properties"]:
+        if key != "global":
+            assert f"`{key}" in readme, key
