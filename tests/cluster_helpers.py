@@ -32,11 +32,12 @@ def child_env() -> dict[str, str]:
 class UpProcess:
     """`pdserve up ...` as a child process; `address` once it printed `ready <address>`."""
 
-    def __init__(self, args: list[str], log_path: Path, timeout: float = 240.0) -> None:
+    def __init__(self, args: list[str], log_path: Path, timeout: float = 240.0, env: dict[str, str] | None = None) -> None:
         self.log = open(log_path, "wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pdserve", "up", "--port", "0", *args],
-            cwd=REPO, env=child_env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=self.log, text=True,
+            cwd=REPO, env=env or child_env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=self.log,
+            text=True,
         )
         self.lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
