@@ -10,9 +10,9 @@ registration, pool sizes, `pdserve up`.
 A launcher only says how one worker starts (`_start_worker`), how it stops
 (`_stop_worker`) and which of its workers failed to come up (`_failed_workers`).
 Every worker's settings come from one function, `render_worker`, and the router's
-from `render_router`: what the launcher decides per worker is set there and nowhere
-else, so anything every launcher must hand its services (cluster credentials, say)
-has one place to go.
+from `render_router`, and the launcher dials its services in one method (`_channel`):
+what the launcher decides per worker is set there and nowhere else, so anything
+every launcher must hand its services (cluster credentials, say) has one place to go.
 
 Pool sizes: the launcher tells the router its sizes at start and then reads the
 router's targets every POLL_TARGETS seconds (`Registry.Scale` with `manager` set);
@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO
@@ -112,7 +113,7 @@ def is_wildcard(host: str) -> bool:
     return host.strip("[]") in ("0.0.0.0", "::", "")
 
 
-class Cluster:
+class Cluster(ABC):
     """A router (child process) and workers started by a subclass."""
 
     name = "cluster"
@@ -134,17 +135,17 @@ class Cluster:
 
     # -- what a launcher provides -------------------------------------------------------
 
+    @abstractmethod
     def _start_worker(self, worker_id: str, config: WorkerConfig) -> None:
         """Start one worker (without waiting for it to register)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _stop_worker(self, worker_id: str, grace: float) -> None:
         """Stop one worker for good (idempotent)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _failed_workers(self) -> dict[str, str]:
         """Workers that cannot come up: worker id -> why."""
-        raise NotImplementedError
 
     def _this_host(self) -> str:
         """How workers reach this machine when the router listens on every interface."""
@@ -186,7 +187,7 @@ class Cluster:
     def stop(self, grace: float = 5.0) -> None:
         """Stop every worker and then the router: SIGTERM, SIGKILL after `grace` s."""
         self._stop_all_workers(grace)
-        stop_processes(self.processes, grace)
+        stop_processes(dict(self.processes), grace)
         for f in self._logs:
             f.close()
         self._logs.clear()
@@ -207,7 +208,7 @@ class Cluster:
 
     def exited(self) -> dict[str, int]:
         """Child processes that have exited, with their exit codes."""
-        return {name: p.returncode for name, p in self.processes.items() if p.poll() is not None}
+        return {name: p.returncode for name, p in list(self.processes.items()) if p.poll() is not None}
 
     def live_workers(self, timeout: float = RPC_TIMEOUT) -> list[pb.WorkerInfo]:
         with self._router_channel() as channel:
@@ -255,7 +256,7 @@ class Cluster:
         try:
             address = {w.worker_id: w.address for w in self.live_workers()}.get(worker_id)
             if address:
-                with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+                with self._channel(address) as channel:
                     reply = pb_grpc.WorkerStub(channel).Drain(pb.DrainRequest(grace_seconds=grace), timeout=grace + 30)
                 log.info("%s drained: %s (%d left)", worker_id, reply.drained, reply.remaining)
         except grpc.RpcError as e:
@@ -271,7 +272,11 @@ class Cluster:
     # -- children -----------------------------------------------------------------------
 
     def _router_channel(self) -> grpc.Channel:
-        return grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        return self._channel(self.address)
+
+    def _channel(self, address: str) -> grpc.Channel:
+        """The one place the launcher dials a service of its cluster."""
+        return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
 
     def _add(self, role: str) -> str:
         with self._lock:

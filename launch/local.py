@@ -39,7 +39,7 @@ class LocalCluster(Cluster):
         self._spawn(worker_id, [config.role, *to_argv(config, skip=("role",))])
 
     def _stop_worker(self, worker_id: str, grace: float) -> None:
-        proc = self.processes.get(worker_id)
+        proc = self.processes.pop(worker_id, None)  # stopped on purpose: no "exited" report
         if proc is not None:
             stop_processes({worker_id: proc}, grace)
 

@@ -20,7 +20,9 @@ registers under the same worker id, and the router routes to it again.
 Placement: a prefill worker's bundle asks for one unit of `--ray-prefill-resource`
 (default `pdserve_prefill`), a decode or mixed worker's for one unit of
 `--ray-decode-resource` (`pdserve_decode`); '' drops the requirement. Nodes offer
-them with `ray start --resources '{"pdserve_prefill": 8}'`.
+them with `ray start --resources '{"pdserve_prefill": 8}'`; a cluster none of whose
+nodes offers either default resource (a bare `ray start --head`) takes workers
+anywhere.
 `--ray-{prefill,decode}-accelerator-type H100` adds Ray's accelerator-type
 requirement. Each worker gets `--ray-gpus-per-worker` GPUs (default: 1 with
 `--device cuda`, else 0), in a STRICT_PACK placement group (all on one node) whose
@@ -28,10 +30,13 @@ first bundle holds the actor; the others wait for tensor-parallel ranks.
 
 Connection: `--address auto` joins the cluster `ray start` started on this machine,
 `--address HOST:PORT` any cluster's GCS; without it a one-machine cluster is started
-(and stopped with the launcher) that offers both pdserve resources. Clusters with
-token authentication: the token is read from RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or
-~/.ray/auth_token (`ray get-auth-token`), and a token found there turns token mode
-on for an explicit HOST:PORT too (Ray does that by itself only for `auto`).
+(and stopped with the launcher) that offers both pdserve resources, with token
+authentication and a token of its own in the launch's private directory. Clusters
+with token authentication: the token is read from RAY_AUTH_TOKEN,
+RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token (`ray get-auth-token`), and a token found
+there turns token mode on for an explicit HOST:PORT too (Ray does that by itself
+only for `auto`; `_enable_token_auth` is the step Ray takes then: the mode in the
+environment, and Ray's config, read when ray was imported, reloaded to see it).
 
 Stopping stops only what this launcher started: its actors (asked to stop, then
 killed without restart), their placement groups, the router, and the Ray cluster if
@@ -43,12 +48,14 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import sys
 import threading
 from dataclasses import replace
 from pathlib import Path
 
 import ray
+from ray._private.authentication.authentication_token_setup import _enable_token_auth
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -113,7 +120,7 @@ class RayCluster(Cluster):
 
     def start(self, stop: threading.Event | None = None) -> str:
         self.connect()
-        self._warn_missing_resources()
+        self._check_resources()
         return super().start(stop)
 
     def stop(self, grace: float = 5.0) -> None:
@@ -133,29 +140,50 @@ class RayCluster(Cluster):
             return
         address = self.ray_config.address
         if address is None:
+            if AUTH_MODE_ENV not in os.environ and not token_available():
+                self._private_token()
             resources = {r: LOCAL_RESOURCE_UNITS for r in (self.ray_config.ray_prefill_resource,
                                                            self.ray_config.ray_decode_resource) if r}
-            ray.init(resources=resources, logging_level=logging.WARNING)
+            ray.init(address="local", resources=resources, logging_level=logging.WARNING)
         else:
             if address != "auto" and AUTH_MODE_ENV not in os.environ and token_available():
-                # What Ray does by itself for "auto": the mode in the environment, and
-                # Ray's config (read when ray was imported) reloaded to see it.
-                from ray._private.authentication.authentication_token_setup import _enable_token_auth
-
-                _enable_token_auth()
+                _enable_token_auth()  # what Ray does by itself for "auto" only
             ray.init(address=address, logging_level=logging.WARNING)
         self._connected_here = True
 
-    def _warn_missing_resources(self) -> None:
+    def _private_token(self) -> None:
+        """Token auth for the cluster this launch starts, with a token of its own in its
+        private directory (Ray would otherwise write ~/.ray/auth_token, readable by all)."""
+        path = Path(self._tmp.name) / "ray_auth_token"
+        path.touch(mode=0o600)
+        path.write_text(secrets.token_hex(32))
+        os.environ["RAY_AUTH_TOKEN_PATH"] = str(path)
+        _enable_token_auth()
+
+    def _check_resources(self) -> None:
+        """A cluster that offers neither of the default pool resources (a bare `ray
+        start --head`) places workers anywhere; a resource named by a flag, or one
+        the cluster offers on some node, is required (workers wait for such a node)."""
         offered = ray.cluster_resources()
+        defaults = RayConfig()
+        unused = {name: "" for name in ("ray_prefill_resource", "ray_decode_resource")
+                  if getattr(self.ray_config, name) == getattr(defaults, name)
+                  and getattr(defaults, name) not in offered}
+        if len(unused) == 2:
+            log.warning("no node offers %s or %s: workers go to any node with room (mark node groups with "
+                        "`ray start --resources`)", defaults.ray_prefill_resource, defaults.ray_decode_resource)
+            self.ray_config = replace(self.ray_config, **unused)
+        machines = {node["NodeManagerAddress"] for node in ray.nodes() if node["Alive"]}
+        if len(machines) > 1 and not is_wildcard(self.spec.worker.host):
+            log.warning("the Ray cluster spans %d machines but workers listen on %s only: use --host 0.0.0.0",
+                        len(machines), self.spec.worker.host)
         for role in ("prefill", "decode", "mixed"):
             if not getattr(self.spec.launch, role):
                 continue
             for name in self.ray_config.bundles(role, self.spec.worker.device)[0]:
                 if name not in offered:
-                    log.warning("no node of the Ray cluster offers %r, which %s workers need (ray start "
-                                "--resources, or --ray-%s-resource): they wait for one", name, role,
-                                "prefill" if role == "prefill" else "decode")
+                    log.warning("no node of the Ray cluster offers %r, which %s workers need: they wait for one",
+                                name, role)
 
     def _this_host(self) -> str:
         return ray.util.get_node_ip_address()
