@@ -99,9 +99,11 @@ def ray_cluster(tmp_path_factory, request):
             ray.shutdown()
             cluster.shutdown()
             reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-            if reporter is not None:
-                reporter.write_line(f"\n[ray] tests/test_ray_launcher.py: Ray cluster up in {started:.0f}s, "
-                                    f"module wall time {time.monotonic() - began:.0f}s")
+            capture = request.config.pluginmanager.get_plugin("capturemanager")
+            if reporter is not None and capture is not None:
+                with capture.global_and_fixture_disabled():  # to the terminal, not into the captured output
+                    reporter.write_line(f"\n[ray] tests/test_ray_launcher.py: Ray cluster up in {started:.0f}s, "
+                                        f"module wall time {time.monotonic() - began:.0f}s")
 
 
 @pytest.fixture(scope="module")
@@ -144,6 +146,7 @@ def assert_placed(router: str, nodes: dict[str, str], prefill: int, decode: int)
     for w in workers:
         actor = by_pid[w.pid]  # the worker's process is its actor's
         assert actor.node_id == nodes["prefill" if w.role == pb.ROLE_PREFILL else "decode"], w.worker_id
+        assert actor.repr_name == f"WorkerActor({w.worker_id})"
     assert not [a for a in by_pid.values() if a.node_id == nodes["head"]]
     groups = placement_group_table()  # the state API's placement groups lack the strategy
     for actor in by_pid.values():
