@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q --upgrade pip
 	# torch first and pinned exactly: the CPU wheel on disk, not a CUDA build.
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test,bench]'
+	$(PIP) install -q -e '.[test,bench,ray]'
 	touch $(STAMP)
 
 install: $(STAMP)

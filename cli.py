@@ -4,9 +4,13 @@
     pdserve up [--decode M] [--prefill N] [--mixed K] [--port P] [--prometheus] [router/worker flags]
                                          a local cluster; prints `ready <address> internal <registry>`
                                          (and `prometheus <url>` with --prometheus)
+    pdserve up --launcher ray [--address auto|HOST:PORT] [--ray-* flags] [...]
+                                         the same on a Ray cluster (workers as actors)
     pdserve router|prefill|decode|mixed [flags]   one service
     pdserve generate [--addr A] [--api-key K] [--tls-ca CA] PROMPT
                                          stream a completion from a running router
+    pdserve scale --address ROUTER [--prefill N] [--decode M] [--mixed K]
+                                         resize the pools of a cluster `pdserve up` runs
     pdserve bench [--addr A] [flags]     load generator + latency report (pdserve bench --help)
 
 Every flag also reads PDSERVE_<NAME> from the environment (e.g. PDSERVE_NUM_BLOCKS).
@@ -49,8 +53,20 @@ def _worker(args: argparse.Namespace) -> int:
     return run(from_namespace(WorkerConfig, args, role=args.command))
 
 
+def worker_config(argv: list[str]):
+    """The WorkerConfig that `pdserve ROLE ARGV...` runs (what a Ray actor is handed)."""
+    from pdserve.services.common.flags import from_namespace
+    from pdserve.services.worker.config import WorkerConfig
+
+    args = build_parser().parse_args(argv)
+    if args.command not in ("prefill", "decode", "mixed"):
+        raise ValueError(f"role: expected prefill, decode or mixed, got {args.command!r}")
+    return from_namespace(WorkerConfig, args, role=args.command)
+
+
 def _up(args: argparse.Namespace) -> int:
-    from pdserve.launch.local import ClusterSpec, LaunchConfig, up
+    from pdserve.launch.cluster import ClusterSpec, LaunchConfig, up
+    from pdserve.launch.ray_config import RayConfig
     from pdserve.services.common.flags import from_namespace
     from pdserve.services.router.config import RouterConfig
     from pdserve.services.worker.config import WorkerConfig
@@ -60,7 +76,54 @@ def _up(args: argparse.Namespace) -> int:
         worker=from_namespace(WorkerConfig, args, role="decode"),
         launch=from_namespace(LaunchConfig, args),
     )
-    return up(spec)
+    ray_config = from_namespace(RayConfig, args)
+    if spec.launch.launcher == "ray":
+        from pdserve.launch.ray import RayCluster
+
+        return up(RayCluster(spec, ray_config))
+    from pdserve.launch.local import LocalCluster
+
+    return up(LocalCluster(spec))
+
+
+def _scale(args: argparse.Namespace) -> int:
+    import time
+
+    import grpc
+
+    from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
+    from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+    from pdserve.services.common.credentials import ClusterAuth, ClusterCredentials
+    from pdserve.services.common.flags import from_namespace
+    from pdserve.services.router.pools import POOLS
+
+    target = {pool: getattr(args, pool) for pool in POOLS if getattr(args, pool) is not None}
+    for pool, size in target.items():
+        if size < 0:
+            raise ValueError(f"{pool}: must be >= 0, got {size}")
+    give_up = time.monotonic() + (args.wait or 0.0)
+    try:
+        auth = ClusterAuth(from_namespace(ClusterCredentials, args))
+        with auth.channel(args.address) as channel:
+            stub = pb_grpc.RegistryStub(channel)
+            reply = stub.Scale(pb.ScaleRequest(target=pb.PoolSizes(**target)), timeout=args.timeout)
+            while args.wait and not _pools_match(reply) and time.monotonic() < give_up:
+                time.sleep(0.2)
+                reply = stub.Scale(pb.ScaleRequest(), timeout=args.timeout)
+    except grpc.RpcError as e:
+        print(f"pdserve: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    for pool in POOLS:
+        want = str(getattr(reply.target, pool)) if reply.target.HasField(pool) else "-"
+        print(f"{pool}: target {want} live {getattr(reply.live, pool)} draining {getattr(reply.draining, pool)}")
+    return 0 if not args.wait or _pools_match(reply) else 1
+
+
+def _pools_match(reply) -> bool:
+    from pdserve.services.router.pools import POOLS
+
+    return all(getattr(reply.live, p) == getattr(reply.target, p) and getattr(reply.draining, p) == 0
+               for p in POOLS if reply.target.HasField(p))
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -99,9 +162,11 @@ def _generate(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from pdserve.engine.llm import DEFAULT_MODEL
+    from pdserve.launch.cluster import PER_WORKER, LaunchConfig
     from pdserve.launch.credentials import LAUNCH_MADE
-    from pdserve.launch.local import PER_WORKER, LaunchConfig
+    from pdserve.launch.ray_config import RayConfig
     from pdserve.services.common.flags import add_flags
+    from pdserve.services.common.credentials import ClusterCredentials
     from pdserve.services.router.config import RouterConfig
     from pdserve.services.worker.config import WorkerConfig
 
@@ -119,8 +184,10 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--device", default="cpu")
     off.set_defaults(func=_offline)
 
-    up = sub.add_parser("up", help="start router + workers locally; prints `ready <address> internal <registry>`")
+    up = sub.add_parser("up", help="start router + workers (local processes or Ray actors); "
+                                   "prints `ready <address> internal <registry>`")
     add_flags(up, LaunchConfig)
+    add_flags(up, RayConfig)
     made = set(LAUNCH_MADE)  # fresh for every launch: no flags for them
     taken = add_flags(up, RouterConfig, skip={"address_file"} | made)  # shared names (model, block_size, ...) go to both
     add_flags(up, WorkerConfig, skip=taken | set(PER_WORKER) | made)
@@ -152,6 +219,18 @@ def build_parser() -> argparse.ArgumentParser:
                                                       "cached blocks with this one")
     gen.set_defaults(func=_generate)
 
+    scale = sub.add_parser("scale", help="resize the worker pools of a cluster `pdserve up` runs")
+    scale.add_argument("--address", default="127.0.0.1:50052",
+                       help="the router's internal (Registry) address: `ready`'s second one")
+    # The Registry is internal: the cluster's credentials (`pdserve up --secrets-dir DIR`
+    # keeps them: --cluster-token-file DIR/cluster-token).
+    add_flags(scale, ClusterCredentials, skip={"kv_curve_cert", "kv_curve_authorized"})
+    for pool in ("prefill", "decode", "mixed"):
+        scale.add_argument(f"--{pool}", type=int, default=None, help=f"target number of {pool} workers")
+    scale.add_argument("--wait", type=float, default=0.0,
+                       help="seconds to wait for the live pools to match (exit 1 if they do not)")
+    scale.add_argument("--timeout", type=float, default=10.0, help="deadline of each call in seconds")
+    scale.set_defaults(func=_scale)
     # Listed here for --help; main() hands everything after `bench` to bench.serving's own parser.
     sub.add_parser("bench", add_help=False,
                    help="open-loop load generator against a router: TTFT/TPOT/ITL, goodput (pdserve bench --help)")

@@ -94,3 +94,41 @@ def generate(directory: str | Path, base: ClusterCredentials = ClusterCredential
         if role in SENDERS:
             _private_file(senders / f"{role}.key", Path(public).read_bytes())
     return LaunchCredentials(root, base)
+
+
+# -- carrying credentials to a service on another machine (the Ray launcher) -----------
+
+FILE_FIELDS = ("cluster_ca", "cluster_cert", "cluster_key", "cluster_token_file", "kv_curve_cert")
+
+
+def pack(credentials: ClusterCredentials) -> dict[str, dict[str, str]]:
+    """The files a `ClusterCredentials` names, as text: {field: {file name: content}}
+    (a directory field, `kv_curve_authorized`, carries each of its *.key files). For a
+    service that starts where the launcher's files are not (a Ray actor on another
+    node): plain strings, written back by `unpack` into a private directory there."""
+    packed: dict[str, dict[str, str]] = {}
+    for name in FILE_FIELDS:
+        path = getattr(credentials, name)
+        if path is not None:
+            packed[name] = {Path(path).name: Path(path).read_text()}
+    if credentials.kv_curve_authorized is not None:
+        packed["kv_curve_authorized"] = {p.name: p.read_text() for p in Path(credentials.kv_curve_authorized).glob("*.key")}
+    return packed
+
+
+def unpack(packed: dict[str, dict[str, str]], directory: str | Path,
+           base: ClusterCredentials = ClusterCredentials()) -> ClusterCredentials:
+    """Write what `pack` carried into `directory` (made private, files 0600) and
+    return `base` with every carried field pointing at its new file."""
+    root = _private_dir(Path(directory))
+    paths: dict[str, str] = {}
+    for name, files in packed.items():
+        if name not in (*FILE_FIELDS, "kv_curve_authorized"):
+            raise ValueError(f"credentials: unknown field {name!r}")
+        folder = _private_dir(root / name)
+        for file_name, content in files.items():
+            if Path(file_name).name != file_name or file_name in ("", ".", ".."):
+                raise ValueError(f"credentials.{name}: bad file name {file_name!r}")
+            _private_file(folder / file_name, content.encode())
+        paths[name] = str(folder) if name == "kv_curve_authorized" else str(folder / next(iter(files)))
+    return dataclasses.replace(base, **paths)

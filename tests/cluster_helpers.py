@@ -41,8 +41,8 @@ class UpProcess:
         self.secrets = log_path.parent / "secrets"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pdserve", "up", "--port", "0", "--secrets-dir", str(self.secrets), *args],
-            cwd=REPO, env={**child_env(), **(env or {})}, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=self.log, text=True,
+            cwd=REPO, env={**child_env(), **(env or {})}, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=self.log,
+            text=True,
         )
         self.lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()

@@ -42,7 +42,7 @@ from pdserve.kvtransfer.connector import TransferTarget
 from pdserve.kvtransfer.nccl import SignedStore, listening_store
 from pdserve.kvtransfer.wire import VERSION, PageLayout, prompt_digest
 from pdserve.kvtransfer.zmq import ZmqReceiver
-from pdserve.launch.credentials import LaunchCredentials, generate
+from pdserve.launch.credentials import LaunchCredentials, generate, pack, unpack
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from pdserve.services.common.credentials import TOKEN_METADATA, ClusterAuth, ClusterCredentials
@@ -665,7 +665,7 @@ def test_no_module_that_reads_from_a_socket_unpickles():
             readers[path.relative_to(REPO).as_posix()] = path
     # The finder must see the network paths it is meant to guard.
     assert {"kvtransfer/zmq.py", "kvtransfer/nccl.py", "services/router/main.py", "services/worker/main.py",
-            "services/router/registry.py", "launch/local.py"} <= set(readers)
+            "services/router/registry.py", "launch/cluster.py"} <= set(readers)
     problems = {name: unsafe_uses(path.read_text()) for name, path in readers.items()}
     assert {name: found for name, found in problems.items() if found} == {}
 
@@ -687,3 +687,18 @@ def test_each_launch_makes_fresh_private_credentials(tmp_path):
     assert again.token_file.read_text() != two.token_file.read_text()
     with pytest.raises(ValueError, match="cluster_token_file"):
         generate(tmp_path / "three", one.for_router())
+
+
+def test_credentials_travel_as_contents_to_a_private_directory(tmp_path):
+    """What the Ray launcher hands an actor on another node: the files' contents,
+    written back privately there, giving the same token and CURVE keys."""
+    launch = generate(tmp_path / "launch")
+    carried = unpack(pack(launch.for_role("decode")), tmp_path / "actor")
+    for path in [tmp_path / "actor", *(tmp_path / "actor").rglob("*")]:
+        assert (path.stat().st_mode & 0o777) == (0o700 if path.is_dir() else 0o600), path
+    here, there = ClusterAuth(launch.for_role("decode")), ClusterAuth(carried)
+    assert there.token == here.token
+    assert there.kv_curve() == here.kv_curve()
+    for bad in ({"cluster_token_file": {"../escape": "x"}}, {"python_path": {"x": "y"}}):
+        with pytest.raises(ValueError, match="credentials"):
+            unpack(bad, tmp_path / "bad")

@@ -6,6 +6,10 @@ a Stats poll finds it unreachable. Dropping closes its channel, which cancels ev
 call in flight to it; the dispatcher sees `handle.dropped` and fails or retries
 those requests. A dropped worker that heartbeats again is told NOT_FOUND and
 registers anew, so workers join (and rejoin) while the cluster serves.
+
+A worker that leaves (Registry.Leave: it is draining before a launcher stops it) is
+`draining`: no new request picks it, calls in flight to it go on, and it is dropped
+like any other once it stops answering.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ class WorkerHandle:
     free_blocks: int = 0
     cached: frozenset[bytes] = field(default_factory=frozenset)
     dropped: bool = False
+    draining: bool = False
 
     @property
     def worker_id(self) -> str:
@@ -123,6 +128,16 @@ class WorkerRegistry:
             handle.free_blocks, handle.running, handle.waiting = load.num_free_blocks, load.num_running, load.num_waiting
             return True
 
+    def leave(self, worker_id: str) -> bool:
+        """Route no new request to this worker; False when it is not registered."""
+        with self._lock:
+            handle = self._workers.get(worker_id)
+            if handle is None:
+                return False
+            handle.draining = True
+        log.info("worker %s is draining: no new requests", worker_id)
+        return True
+
     def drop(self, handle: WorkerHandle, reason: str) -> None:
         with self._lock:
             if self._workers.get(handle.worker_id) is handle:
@@ -140,18 +155,22 @@ class WorkerRegistry:
         with self._lock:
             return list(self._workers.values())
 
+    def _serving(self) -> list[WorkerHandle]:
+        """Workers new requests may pick (under the lock)."""
+        return [h for h in self._workers.values() if not h.draining]
+
     # -- choosing (load is booked under the lock, so concurrent picks spread) ---------------
 
     def acquire_decode(self, block_hashes: Sequence[bytes], exclude: set[str]) -> WorkerHandle | None:
         with self._lock:
-            handles = {h.worker_id: h for h in self._workers.values() if h.can_decode and h.worker_id not in exclude}
+            handles = {h.worker_id: h for h in self._serving() if h.can_decode and h.worker_id not in exclude}
             chosen = policy.pick_decode([h.load() for h in handles.values()], block_hashes, self.config.block_size)
             return self._book(handles, chosen)
 
     def acquire_prefill(self, block_hashes: Sequence[bytes], exclude: set[str]) -> WorkerHandle | None:
         with self._lock:
             handles = {
-                h.worker_id: h for h in self._workers.values() if h.can_prefill_remote and h.worker_id not in exclude
+                h.worker_id: h for h in self._serving() if h.can_prefill_remote and h.worker_id not in exclude
             }
             loads = [h.load() for h in handles.values()]
             if self.config.prefill_policy == "round_robin":
@@ -163,7 +182,7 @@ class WorkerRegistry:
 
     def has_remote_prefill(self) -> bool:
         with self._lock:
-            return any(h.can_prefill_remote for h in self._workers.values())
+            return any(h.can_prefill_remote for h in self._serving())
 
     @staticmethod
     def _book(handles: dict[str, WorkerHandle], chosen: policy.Load | None) -> WorkerHandle | None:

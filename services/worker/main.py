@@ -1,8 +1,11 @@
 """A worker process: engine thread + Worker gRPC service (+ health, reflection),
 registered with the router when one is given.
 
-    Worker(config).start()  ->  address;   .stop()   (in-process, for tests too)
+    Worker(config).start()  ->  address;   .drain(grace);   .stop()   (in-process, for tests too)
     run(config)             ->  serve until SIGINT/SIGTERM (the `pdserve decode` CLI)
+
+A launcher's Ray actor (launch/ray.py) runs this same Worker after the same
+`prepare(config)` as `run`.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 
 import torch
 
@@ -30,6 +34,7 @@ from pdserve.services.worker.registration import Registrar
 from pdserve.services.worker.servicer import WorkerServicer
 
 log = logging.getLogger(__name__)
+DRAIN_SETTLE = 0.2
 
 
 class Worker:
@@ -51,8 +56,8 @@ class Worker:
         decode = DecodeService(self.loop, self.connector.receiver, config) if config.role != "prefill" else None
         threads = config.grpc_threads or config.max_num_seqs + 16  # each stream holds one
         self.server = GrpcServer(threads=threads, max_concurrent_rpcs=threads, interceptors=self.auth.interceptors())
-        servicer = WorkerServicer(config, self.loop, prefill, decode, self.connector.stats)
-        pb_grpc.add_WorkerServicer_to_server(servicer, self.server.grpc)
+        self.servicer = WorkerServicer(config, self.loop, prefill, decode, self.connector.stats, self.drain)
+        pb_grpc.add_WorkerServicer_to_server(self.servicer, self.server.grpc)
         self.registrar: Registrar | None = None
         self.address = ""
         self.metrics_port = 0
@@ -81,6 +86,36 @@ class Worker:
             block_size=self.config.block_size, max_model_len=self.engine.max_model_len,
             num_blocks=self.engine.pool.num_blocks, pid=os.getpid(), metrics_port=self.metrics_port,
         )
+
+    def drain(self, grace: float) -> tuple[bool, int]:
+        """Leave the router's pools, then wait until nothing is left here (no call in
+        flight, no request running, waiting, reserved or held) or `grace` seconds
+        pass. Returns (drained, what remained). Idle must hold across two looks
+        DRAIN_SETTLE apart: a request the router picked just before it saw us leave
+        is still on its way."""
+        if self.registrar is not None:
+            self.registrar.leave()
+        give_up = time.monotonic() + grace
+        idle_looks = 0
+        while True:
+            remaining = self._busy()
+            idle_looks = idle_looks + 1 if remaining == 0 else 0
+            if idle_looks >= 2:
+                log.info("%s drained", self.config.id)
+                return True, 0
+            if time.monotonic() >= give_up:
+                log.warning("%s: %d requests or calls left after a %.0fs drain", self.config.id, remaining, grace)
+                return False, remaining
+            time.sleep(min(DRAIN_SETTLE, max(0.0, give_up - time.monotonic())))
+
+    def _busy(self) -> int:
+        try:
+            stats = self.loop.stats(5.0)
+        except (TimeoutError, RuntimeError):  # a long step, or the engine is gone
+            return max(1, self.servicer.calls_in_flight)
+        requests = sum(int(stats[k]) for k in ("num_requests_running", "num_requests_waiting",
+                                               "num_requests_held", "num_requests_reserved"))
+        return requests + self.servicer.calls_in_flight
 
     def stop(self, grace: float = 2.0) -> None:
         if self.registrar is not None:
@@ -119,14 +154,19 @@ def pin(cpus: set[int]) -> None:
             raise ValueError(f"cpu_affinity: cannot pin to {sorted(cpus)}: {e}") from None
 
 
-def run(config: WorkerConfig) -> int:
-    """Serve until SIGINT/SIGTERM."""
+def prepare(config: WorkerConfig) -> None:
+    """Process-wide settings a worker process takes before its Worker starts."""
     service_log.configure(config.log_level, config.id)
     if config.cpus is not None:
         pin(config.cpus)
         log.info("pinned to CPUs %s", sorted(config.cpus))
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
+
+
+def run(config: WorkerConfig) -> int:
+    """Serve until SIGINT/SIGTERM."""
+    prepare(config)
     stop = shutdown_event()
     worker = Worker(config)
     try:

@@ -1,7 +1,8 @@
 """Joining the router: register (retrying until a deadline), then heartbeat.
 
 A heartbeat answered NOT_FOUND means the router does not know this worker (it
-dropped it, or restarted): register again. A router that does not answer is
+dropped it, or restarted): register again, unless the worker has left (it is
+draining before it stops: `leave`). A router that does not answer is
 retried every interval; the worker keeps serving what it has meanwhile.
 """
 
@@ -32,6 +33,7 @@ class Registrar:
         self._channel = (auth or ClusterAuth()).channel(router, CHANNEL_OPTIONS)
         self._stub = pb_grpc.RegistryStub(self._channel)
         self._stop = threading.Event()
+        self._left = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
         self.interval = 1.0
 
@@ -57,6 +59,17 @@ class Registrar:
     def start(self) -> None:
         self._thread.start()
 
+    def leave(self) -> None:
+        """Tell the router to send no new request here (heartbeats go on, so calls in
+        flight are not cut); never register again. Best effort: a router that does
+        not answer is not sending anything new either."""
+        self._left.set()
+        try:
+            self._stub.Leave(pb.LeaveRequest(worker_id=self.info.worker_id), timeout=RPC_TIMEOUT)
+            log.info("left the router's pools: draining")
+        except grpc.RpcError as e:
+            log.warning("leaving %s failed (%s): draining anyway", self.router, e.code().name)
+
     def stop(self) -> None:
         self._stop.set()
         if self._thread.is_alive():
@@ -72,6 +85,8 @@ class Registrar:
                     continue
                 self._stub.Heartbeat(pb.HeartbeatRequest(worker_id=self.info.worker_id, load=load), timeout=RPC_TIMEOUT)
             except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.NOT_FOUND and self._left.is_set():
+                    continue  # dropped while draining: that is fine
                 if e.code() == grpc.StatusCode.NOT_FOUND:
                     log.warning("router forgot this worker: registering again")
                     self._register_again()

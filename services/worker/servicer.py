@@ -1,16 +1,20 @@
 """pdserve.v1.Worker for every role: dispatches each RPC to the role that serves it.
 
-    role      Reserve  Prefill  Decode  Abort  Stats
-    prefill     -        x        -       x      x
-    decode      x        -        x       x      x
-    mixed       x        x        x       x      x
+    role      Reserve  Prefill  Decode  Abort  Stats  Drain
+    prefill     -        x        -       x      x      x
+    decode      x        -        x       x      x      x
+    mixed       x        x        x       x      x      x
 
-An RPC the role does not serve answers UNIMPLEMENTED, naming the role.
+An RPC the role does not serve answers UNIMPLEMENTED, naming the role. Reserve,
+Prefill and Decode calls are counted while in flight (`busy`), so a draining worker
+knows when stopping loses nothing.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import grpc
 
@@ -24,33 +28,55 @@ from pdserve.services.worker.config import WorkerConfig
 from pdserve.services.worker.engine_loop import EngineLoop
 
 STATS_TIMEOUT = 5.0
+MAX_DRAIN_GRACE = 3600.0
 
 
 class WorkerServicer(pb_grpc.WorkerServicer):
     def __init__(
         self, config: WorkerConfig, loop: EngineLoop, prefill: PrefillService | None, decode: DecodeService | None,
-        kv_stats: Callable[[], dict[str, int]] = dict,
+        kv_stats: Callable[[], dict[str, int]] = dict, drain: Callable[[float], tuple[bool, int]] | None = None,
     ) -> None:
         self.config = config
         self.loop = loop
         self.prefill_service = prefill
         self.decode_service = decode
         self.kv_stats = kv_stats  # the KV connector's counters (kv_seam.Connector.stats)
+        self.drain = drain  # (grace seconds) -> (drained, remaining): the Worker's
+        self._calls = 0
+        self._calls_lock = threading.Lock()
+
+    @property
+    def calls_in_flight(self) -> int:
+        with self._calls_lock:
+            return self._calls
+
+    @contextmanager
+    def _counted(self) -> Iterator[None]:
+        with self._calls_lock:
+            self._calls += 1
+        try:
+            yield
+        finally:
+            with self._calls_lock:
+                self._calls -= 1
 
     def Reserve(self, request: pb.ReserveRequest, context: grpc.ServicerContext) -> pb.ReserveResponse:
         if self.decode_service is None:
             abort_unimplemented(context, "Reserve", self.config.role)
-        return self.decode_service.reserve(request, context)
+        with self._counted():
+            return self.decode_service.reserve(request, context)
 
     def Prefill(self, request: pb.PrefillRequest, context: grpc.ServicerContext) -> pb.PrefillResponse:
         if self.prefill_service is None:
             abort_unimplemented(context, "Prefill", self.config.role)
-        return self.prefill_service.prefill(request, context)
+        with self._counted():
+            return self.prefill_service.prefill(request, context)
 
     def Decode(self, request: pb.DecodeRequest, context: grpc.ServicerContext) -> Iterator[pb.DecodeResponse]:
         if self.decode_service is None:
             abort_unimplemented(context, "Decode", self.config.role)
-        yield from self.decode_service.decode(request, context)
+        with self._counted():
+            yield from self.decode_service.decode(request, context)
 
     def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortResponse:
         self.loop.abort(request.request_id)
@@ -64,6 +90,15 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         except RuntimeError as e:  # the engine thread has stopped
             context.abort(grpc.StatusCode.UNAVAILABLE, f"Stats: {e}")
         return stats_message(self.config, {**stats, **self.kv_stats()})
+
+    def Drain(self, request: pb.DrainRequest, context: grpc.ServicerContext) -> pb.DrainResponse:
+        if self.drain is None:
+            abort_unimplemented(context, "Drain", self.config.role)
+        if not 0 <= request.grace_seconds <= MAX_DRAIN_GRACE:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"grace_seconds: must be in [0, {MAX_DRAIN_GRACE:.0f}], got {request.grace_seconds}")
+        drained, remaining = self.drain(request.grace_seconds)
+        return pb.DrainResponse(drained=drained, remaining=remaining)
 
 
 def stats_message(config: WorkerConfig, stats: dict) -> pb.StatsResponse:

@@ -304,6 +304,20 @@ class AbortResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class DrainRequest(_message.Message):
+    __slots__ = ("grace_seconds",)
+    GRACE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    grace_seconds: float
+    def __init__(self, grace_seconds: _Optional[float] = ...) -> None: ...
+
+class DrainResponse(_message.Message):
+    __slots__ = ("drained", "remaining")
+    DRAINED_FIELD_NUMBER: _ClassVar[int]
+    REMAINING_FIELD_NUMBER: _ClassVar[int]
+    drained: bool
+    remaining: int
+    def __init__(self, drained: _Optional[bool] = ..., remaining: _Optional[int] = ...) -> None: ...
+
 class StatsRequest(_message.Message):
     __slots__ = ("include_block_hashes",)
     INCLUDE_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
@@ -419,3 +433,43 @@ class ListWorkersResponse(_message.Message):
     workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
     router_metrics_port: int
     def __init__(self, workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., router_metrics_port: _Optional[int] = ...) -> None: ...
+
+class LeaveRequest(_message.Message):
+    __slots__ = ("worker_id",)
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
+
+class LeaveResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PoolSizes(_message.Message):
+    __slots__ = ("prefill", "decode", "mixed")
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
+    MIXED_FIELD_NUMBER: _ClassVar[int]
+    prefill: int
+    decode: int
+    mixed: int
+    def __init__(self, prefill: _Optional[int] = ..., decode: _Optional[int] = ..., mixed: _Optional[int] = ...) -> None: ...
+
+class ScaleRequest(_message.Message):
+    __slots__ = ("target", "manager")
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    MANAGER_FIELD_NUMBER: _ClassVar[int]
+    target: PoolSizes
+    manager: str
+    def __init__(self, target: _Optional[_Union[PoolSizes, _Mapping]] = ..., manager: _Optional[str] = ...) -> None: ...
+
+class ScaleResponse(_message.Message):
+    __slots__ = ("target", "live", "draining", "manager")
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    LIVE_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    MANAGER_FIELD_NUMBER: _ClassVar[int]
+    target: PoolSizes
+    live: PoolSizes
+    draining: PoolSizes
+    manager: str
+    def __init__(self, target: _Optional[_Union[PoolSizes, _Mapping]] = ..., live: _Optional[_Union[PoolSizes, _Mapping]] = ..., draining: _Optional[_Union[PoolSizes, _Mapping]] = ..., manager: _Optional[str] = ...) -> None: ...

@@ -186,6 +186,11 @@ class WorkerStub:
                 request_serializer=pdserve_dot_v1_dot_pdserve__pb2.StatsRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_pdserve__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/pdserve.v1.Worker/Drain',
+                request_serializer=pdserve_dot_v1_dot_pdserve__pb2.DrainRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_pdserve__pb2.DrainResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -230,6 +235,15 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Drain(self, request, context):
+        """Leave the router's pools (no new requests reach this worker), then answer once
+        nothing is left to do here, or when grace_seconds have passed: what a launcher
+        calls before it stops a worker it scales away.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -257,6 +271,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=pdserve_dot_v1_dot_pdserve__pb2.StatsRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_pdserve__pb2.StatsResponse.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=pdserve_dot_v1_dot_pdserve__pb2.DrainRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_pdserve__pb2.DrainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -406,6 +425,33 @@ class Worker:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Worker/Drain',
+            pdserve_dot_v1_dot_pdserve__pb2.DrainRequest.SerializeToString,
+            pdserve_dot_v1_dot_pdserve__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class RegistryStub:
     """---------------------------------------------------------------- registry
@@ -435,6 +481,16 @@ class RegistryStub:
                 '/pdserve.v1.Registry/ListWorkers',
                 request_serializer=pdserve_dot_v1_dot_pdserve__pb2.ListWorkersRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_pdserve__pb2.ListWorkersResponse.FromString,
+                _registered_method=True)
+        self.Leave = channel.unary_unary(
+                '/pdserve.v1.Registry/Leave',
+                request_serializer=pdserve_dot_v1_dot_pdserve__pb2.LeaveRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_pdserve__pb2.LeaveResponse.FromString,
+                _registered_method=True)
+        self.Scale = channel.unary_unary(
+                '/pdserve.v1.Registry/Scale',
+                request_serializer=pdserve_dot_v1_dot_pdserve__pb2.ScaleRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_pdserve__pb2.ScaleResponse.FromString,
                 _registered_method=True)
 
 
@@ -466,6 +522,23 @@ class RegistryServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Leave(self, request, context):
+        """A draining worker: the router sends it no new request; calls in flight go on
+        until it stops (and is dropped like any worker that stops answering).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Scale(self, request, context):
+        """Pool sizes. An operator sets targets (`pdserve scale`); the launcher that runs
+        the workers reads them (manager set), starts workers or drains and stops them to
+        match. Without a launcher reading them, setting a target is FAILED_PRECONDITION.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RegistryServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -483,6 +556,16 @@ def add_RegistryServicer_to_server(servicer, server):
                     servicer.ListWorkers,
                     request_deserializer=pdserve_dot_v1_dot_pdserve__pb2.ListWorkersRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_pdserve__pb2.ListWorkersResponse.SerializeToString,
+            ),
+            'Leave': grpc.unary_unary_rpc_method_handler(
+                    servicer.Leave,
+                    request_deserializer=pdserve_dot_v1_dot_pdserve__pb2.LeaveRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_pdserve__pb2.LeaveResponse.SerializeToString,
+            ),
+            'Scale': grpc.unary_unary_rpc_method_handler(
+                    servicer.Scale,
+                    request_deserializer=pdserve_dot_v1_dot_pdserve__pb2.ScaleRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_pdserve__pb2.ScaleResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -571,6 +654,60 @@ class Registry:
             '/pdserve.v1.Registry/ListWorkers',
             pdserve_dot_v1_dot_pdserve__pb2.ListWorkersRequest.SerializeToString,
             pdserve_dot_v1_dot_pdserve__pb2.ListWorkersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Leave(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Registry/Leave',
+            pdserve_dot_v1_dot_pdserve__pb2.LeaveRequest.SerializeToString,
+            pdserve_dot_v1_dot_pdserve__pb2.LeaveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Scale(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Registry/Scale',
+            pdserve_dot_v1_dot_pdserve__pb2.ScaleRequest.SerializeToString,
+            pdserve_dot_v1_dot_pdserve__pb2.ScaleResponse.FromString,
             options,
             channel_credentials,
             insecure,

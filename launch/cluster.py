@@ -1,0 +1,483 @@
+"""What every launcher shares: the router process, the workers' configs, waiting for
+registration, pool sizes, `pdserve up`.
+
+    Cluster (this file)        router as a child process; render_worker(); start();
+       |                       wait_registered(); reconcile() pool sizes; stop(); up()
+       +-- LocalCluster        workers as child processes         (launch/local.py)
+       +-- RayCluster          workers as Ray actors, placed by   (launch/ray.py)
+                               custom resources
+
+A launcher only says how one worker starts (`_start_worker`), how it stops
+(`_stop_worker`) and which of its workers failed to come up (`_failed_workers`).
+Every worker's settings come from one function, `render_worker`, and the router's
+from `render_router`, and the launcher dials its services in one method (`_channel`):
+what the launcher decides per worker is set there and nowhere else, so anything
+every launcher must hand its services has one place to go.
+
+Credentials: every launch makes fresh ones (launch/credentials.py): a cluster token
+every internal RPC carries and CURVE key pairs for the KV channel, in a private
+directory (the launcher's own temporary one, or --secrets-dir); each service gets its
+`ClusterCredentials` block, rendered as flags like every other setting, and the
+router its public security flags (API keys, TLS) as given. The router serves the
+public API on its port and the Registry on its internal one; workers register with
+the internal one, and the launcher dials it with the launch's credentials.
+
+Pool sizes: the launcher tells the router its sizes at start and then reads the
+router's targets every POLL_TARGETS seconds (`Registry.Scale` with `manager` set);
+`pdserve scale --address REGISTRY --cluster-token-file F --decode 3` changes a target, and the launcher starts
+workers or drains and stops its newest ones to match. A worker being removed first
+leaves the router's pools (no new requests) and finishes what it has within
+`--drain-grace` seconds (`Worker.Drain`). A worker that dies is not replaced here
+(Ray restarts its actors itself, `--ray-max-restarts`): the launcher counts the
+workers it holds, not the ones alive.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import IO, TYPE_CHECKING
+
+import grpc
+
+from pdserve.launch.credentials import LaunchCredentials, generate
+from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
+from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from pdserve.services.common.credentials import ClusterAuth
+from pdserve.services.common.flags import check, flag, to_argv
+from pdserve.services.common.server import CHANNEL_OPTIONS, LAUNCHER_PID_ENV
+from pdserve.services.router.config import RouterConfig
+from pdserve.services.router.pools import POOLS
+from pdserve.services.worker.config import DEFAULT_KV_CONNECTOR, WorkerConfig, parse_cpus
+
+if TYPE_CHECKING:
+    from pdserve.launch.prometheus import Prometheus
+
+log = logging.getLogger(__name__)
+REPO_ROOT = Path(__file__).resolve().parent.parent
+# Worker settings the launcher decides per worker, never taken from the template.
+PER_WORKER = ("role", "port", "router", "worker_id", "advertise_host", "address_file", "metrics_port",
+              "cpu_affinity", "credentials")
+LAUNCHERS = ("local", "ray")
+START_ORDER = ("prefill", "mixed", "decode")
+POLL = 0.1
+POLL_TARGETS = 0.5
+RPC_TIMEOUT = 5.0
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    launcher: str = flag("local", "local (processes on this machine) | ray (actors on a Ray cluster)")
+    prefill: int = flag(1, "prefill workers")
+    decode: int = flag(1, "decode workers")
+    mixed: int = flag(0, "mixed (prefill + decode) workers")
+    startup_timeout: float = flag(180.0, "seconds for every process to be up and registered")
+    drain_grace: float = flag(60.0, "seconds a worker scaled away may take to finish its requests")
+    secrets_dir: str | None = flag(None, "keep this launch's fresh credentials (cluster token, CURVE keys) here, "
+                                         "mode 0700 (default: a private temporary directory, removed at exit)")
+    prometheus: bool = flag(False, "also start a Prometheus server scraping every service's /metrics "
+                                   "(needs `prometheus` on PATH)")
+    worker_cpus: str = flag("", "pin workers to CPUs, one CPU list per worker in start order (prefill, mixed, "
+                                "decode), separated by ';', e.g. '0;1' (cycled if shorter; '': not pinned)")
+
+    def __post_init__(self) -> None:
+        check(self.launcher in LAUNCHERS, "launcher", f"must be one of {LAUNCHERS}", self.launcher)
+        for role in POOLS:
+            check(getattr(self, role) >= 0, role, "must be >= 0", getattr(self, role))
+        check(self.decode + self.mixed >= 1, "decode", "need at least one decode or mixed worker", self.decode)
+        check(self.startup_timeout > 0, "startup_timeout", "must be > 0", self.startup_timeout)
+        check(self.drain_grace >= 0, "drain_grace", "must be >= 0", self.drain_grace)
+        for cpus in self.cpu_lists:
+            parse_cpus(cpus)
+
+    @property
+    def cpu_lists(self) -> list[str]:
+        return [part.strip() for part in self.worker_cpus.split(";") if part.strip()]
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    router: RouterConfig
+    worker: WorkerConfig  # template: PER_WORKER fields are set for each worker
+    launch: LaunchConfig = LaunchConfig()
+
+
+class StartupError(RuntimeError):
+    """The cluster could not come up (a child exited, or the startup deadline passed)."""
+
+
+def kv_connector(template: WorkerConfig, role: str) -> str:
+    """The KV connector a worker of this role runs ('' for none): the template's if it
+    names one, else ZeroMQ tcp for prefill and decode workers."""
+    if template.kv_connector is not None:
+        return template.kv_connector
+    return DEFAULT_KV_CONNECTOR if role in ("prefill", "decode") else ""
+
+
+def render_router(spec: ClusterSpec, address_file: Path, credentials: LaunchCredentials) -> RouterConfig:
+    """The router's settings, for every launcher."""
+    return replace(spec.router, address_file=str(address_file), credentials=credentials.for_router())
+
+
+def render_worker(
+    spec: ClusterSpec, role: str, worker_id: str, router: str, credentials: LaunchCredentials, index: int,
+) -> WorkerConfig:
+    """One worker's settings, for every launcher: the template with what is decided
+    per worker (PER_WORKER). `index` counts the workers started before this one (it
+    picks the worker's CPUs from --worker-cpus)."""
+    cpus = spec.launch.cpu_lists
+    return replace(spec.worker, role=role, port=0, metrics_port=0, router=router, worker_id=worker_id,
+                   kv_connector=kv_connector(spec.worker, role), credentials=credentials.for_role(role),
+                   cpu_affinity=cpus[index % len(cpus)] if cpus else spec.worker.cpu_affinity)
+
+
+def is_wildcard(host: str) -> bool:
+    return host.strip("[]") in ("0.0.0.0", "::", "")
+
+
+class Cluster(ABC):
+    """A router (child process) and workers started by a subclass."""
+
+    name = "cluster"
+
+    def __init__(self, spec: ClusterSpec, log_dir: str | Path | None = None, python: str = sys.executable) -> None:
+        self.spec = spec
+        self.python = python
+        self.log_dir = Path(log_dir) if log_dir else None
+        self.processes: dict[str, subprocess.Popen] = {}  # "router" (and a LocalCluster's workers)
+        self.address = ""  # the router's public address, as it bound it (what `ready` prints)
+        self.internal_address = ""  # its Registry, as it bound it
+        self.router_for_workers = ""  # its Registry, as workers dial it
+        self.manager_id = f"{self.name}-{os.getpid()}"
+        self.pools: dict[str, list[str]] = {role: [] for role in POOLS}  # held worker ids, oldest first
+        self._tmp = tempfile.TemporaryDirectory(prefix="pdserve-")
+        secrets_dir = spec.launch.secrets_dir or Path(self._tmp.name) / "credentials"
+        self.credentials: LaunchCredentials = generate(secrets_dir, spec.router.credentials)
+        self._auth = ClusterAuth(self.credentials.for_client())
+        self._logs: list[IO] = []
+        self._next_index: dict[str, int] = {}
+        self._spawned = 0  # workers started, for the next one's CPUs
+        self._lock = threading.Lock()  # pools and the workers' start/stop
+        self._retiring: list[threading.Thread] = []
+
+    # -- what a launcher provides -------------------------------------------------------
+
+    @abstractmethod
+    def _start_worker(self, worker_id: str, config: WorkerConfig) -> None:
+        """Start one worker (without waiting for it to register)."""
+
+    @abstractmethod
+    def _stop_worker(self, worker_id: str, grace: float) -> None:
+        """Stop one worker for good (idempotent)."""
+
+    @abstractmethod
+    def _failed_workers(self) -> dict[str, str]:
+        """Workers that cannot come up: worker id -> why."""
+
+    def _this_host(self) -> str:
+        """How workers reach this machine when the router listens on every interface."""
+        return "127.0.0.1"
+
+    def connect(self) -> None:
+        """Reach whatever runs the workers (nothing to do for local processes)."""
+
+    def _stop_all_workers(self, grace: float) -> None:
+        for worker_id in self.worker_ids():
+            self._stop_worker(worker_id, grace)
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    def start(self, stop: threading.Event | None = None) -> str:
+        """Start the router, then every worker; returns the router's address once all
+        workers are registered. Raises StartupError (after stopping what started)."""
+        deadline = time.monotonic() + self.spec.launch.startup_timeout
+        if self.spec.launch.prefill and not kv_connector(self.spec.worker, "prefill"):
+            log.warning("prefill workers without a KV connector get no requests (--kv-connector, or --prefill 0)")
+        try:
+            self.address, self.internal_address = self._start_router(deadline, stop)
+            host, _, port = self.internal_address.rpartition(":")
+            self.router_for_workers = f"{self._this_host() if is_wildcard(host) else host}:{port}"
+            self._scale({role: getattr(self.spec.launch, role) for role in POOLS})
+            ids = [self._add(role) for role in START_ORDER for _ in range(getattr(self.spec.launch, role))]
+            self.wait_registered(ids, deadline, stop)
+        except BaseException:
+            self.stop()
+            raise
+        return self.address
+
+    def add_worker(self, role: str, timeout: float | None = None) -> str:
+        """Start one more worker while the cluster serves; its id once registered."""
+        worker_id = self._add(role)
+        self.wait_registered([worker_id], time.monotonic() + (timeout or self.spec.launch.startup_timeout))
+        return worker_id
+
+    def stop(self, grace: float = 5.0) -> None:
+        """Stop every worker and then the router: SIGTERM, SIGKILL after `grace` s."""
+        self._stop_all_workers(grace)
+        stop_processes(dict(self.processes), grace)
+        for f in self._logs:
+            f.close()
+        self._logs.clear()
+        self._tmp.cleanup()
+
+    def __enter__(self) -> "Cluster":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- state --------------------------------------------------------------------------
+
+    def worker_ids(self) -> list[str]:
+        with self._lock:
+            return [w for role in POOLS for w in self.pools[role]]
+
+    def exited(self) -> dict[str, int]:
+        """Child processes that have exited, with their exit codes."""
+        return {name: p.returncode for name, p in list(self.processes.items()) if p.poll() is not None}
+
+    def live_workers(self, timeout: float = RPC_TIMEOUT) -> list[pb.WorkerInfo]:
+        return list(self._list_workers(timeout).workers)
+
+    def metrics_targets(self, timeout: float = RPC_TIMEOUT) -> list[str]:
+        """host:port of every service's /metrics: the router's, then each live worker's."""
+        reply = self._list_workers(timeout)
+        endpoints = [(self.internal_address, reply.router_metrics_port)]
+        endpoints += [(w.address, w.metrics_port) for w in reply.workers]
+        return [f"{address.rsplit(':', 1)[0]}:{port}" for address, port in endpoints if port]
+
+    def _list_workers(self, timeout: float) -> pb.ListWorkersResponse:
+        with self._router_channel() as channel:
+            return pb_grpc.RegistryStub(channel).ListWorkers(pb.ListWorkersRequest(), timeout=timeout)
+
+    def reload_api_keys(self) -> None:
+        """Have the router read its --api-keys-file again (it reloads on SIGHUP)."""
+        router = self.processes.get("router")
+        if router is not None and router.poll() is None:
+            router.send_signal(signal.SIGHUP)
+
+    def wait_registered(self, ids: list[str], deadline: float, stop: threading.Event | None = None) -> None:
+        waiting = set(ids)
+        while waiting:
+            self._check_startup(deadline, stop, waiting)
+            try:
+                waiting -= {w.worker_id for w in self.live_workers(timeout=max(0.1, min(2.0, deadline - time.monotonic())))}
+            except grpc.RpcError:
+                pass
+            if waiting:
+                time.sleep(POLL)
+
+    # -- pool sizes ---------------------------------------------------------------------
+
+    def reconcile(self) -> None:
+        """Read the router's targets; start workers or retire the newest to match."""
+        try:
+            target = self._scale({}).target
+        except grpc.RpcError as e:
+            log.warning("reading the pool targets failed: %s", e.code().name)
+            return
+        for role in POOLS:
+            if not target.HasField(role):
+                continue
+            want = getattr(target, role)
+            while len(self.pools[role]) < want:
+                log.info("scaling %s up to %d: starting %s", role, want, self._add(role))
+            while len(self.pools[role]) > want:
+                with self._lock:
+                    worker_id = self.pools[role].pop()
+                log.info("scaling %s down to %d: draining %s", role, want, worker_id)
+                thread = threading.Thread(target=self._retire, args=(worker_id,), name=f"retire-{worker_id}", daemon=True)
+                thread.start()
+                self._retiring.append(thread)
+        self._retiring = [t for t in self._retiring if t.is_alive()]
+
+    def _retire(self, worker_id: str) -> None:
+        """Drain a worker the pools no longer hold (Worker.Drain), then stop it."""
+        grace = self.spec.launch.drain_grace
+        try:
+            address = {w.worker_id: w.address for w in self.live_workers()}.get(worker_id)
+            if address:
+                with self._channel(address) as channel:
+                    reply = pb_grpc.WorkerStub(channel).Drain(pb.DrainRequest(grace_seconds=grace), timeout=grace + 30)
+                log.info("%s drained: %s (%d left)", worker_id, reply.drained, reply.remaining)
+        except grpc.RpcError as e:
+            log.warning("draining %s failed (%s): stopping it", worker_id, e.code().name)
+        self._stop_worker(worker_id, grace=5.0)
+
+    def _scale(self, target: dict[str, int]) -> pb.ScaleResponse:
+        with self._router_channel() as channel:
+            return pb_grpc.RegistryStub(channel).Scale(
+                pb.ScaleRequest(target=pb.PoolSizes(**target), manager=self.manager_id), timeout=RPC_TIMEOUT,
+            )
+
+    # -- children -----------------------------------------------------------------------
+
+    def _router_channel(self) -> grpc.Channel:
+        return self._channel(self.internal_address)
+
+    def _channel(self, address: str) -> grpc.Channel:
+        """The one place the launcher dials an internal service of its cluster (the
+        Registry, a worker), presenting this launch's credentials."""
+        return self._auth.channel(address, options=CHANNEL_OPTIONS)
+
+    channel = _channel  # for operators' tools and tests
+
+    def _add(self, role: str) -> str:
+        with self._lock:
+            index = self._next_index.get(role, 0)
+            self._next_index[role] = index + 1
+            worker_id = f"{role}-{index}"
+            self.pools[role].append(worker_id)
+            spawned, self._spawned = self._spawned, self._spawned + 1
+        config = render_worker(self.spec, role, worker_id, self.router_for_workers, self.credentials, spawned)
+        self._start_worker(worker_id, config)
+        return worker_id
+
+    def _start_router(self, deadline: float, stop: threading.Event | None) -> tuple[str, str]:
+        """Its public and internal (Registry) addresses, once it serves both."""
+        address_file = Path(self._tmp.name) / "router.address"
+        self._spawn("router", ["router", *to_argv(render_router(self.spec, address_file, self.credentials))])
+        while not address_file.is_file():
+            self._check_startup(deadline, stop, {"router"})
+            time.sleep(POLL)
+        public, internal = address_file.read_text().split()
+        return public, internal
+
+    def _spawn(self, name: str, args: list[str]) -> None:
+        """`python -m pdserve ARGS` as a child that exits when this process is gone."""
+        command = [self.python, "-m", "pdserve", *args]
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+        env[LAUNCHER_PID_ENV] = str(os.getpid())
+        out: IO | int = 2  # the launcher's stderr: stdout stays for the launcher's own result
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            out = open(self.log_dir / f"{name}.log", "ab")
+            self._logs.append(out)
+        log.info("starting %s: %s", name, " ".join(command))
+        self.processes[name] = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=out)
+
+    def _check_startup(self, deadline: float, stop: threading.Event | None, waiting: set[str]) -> None:
+        if stop is not None and stop.is_set():
+            raise StartupError("interrupted while starting")
+        failed = {name: f"exited with {code}" for name, code in self.exited().items()}
+        failed.update(self._failed_workers() if self.address else {})
+        if failed:
+            raise StartupError(f"failed during startup: {failed}")
+        if time.monotonic() > deadline:
+            raise StartupError(f"not up within {self.spec.launch.startup_timeout:.0f}s: {self._pending(waiting)}")
+
+    def _pending(self, waiting: set[str]) -> str:
+        """What the startup still waits for (a launcher may say why)."""
+        return str(sorted(waiting))
+
+    def serve(self, stop: threading.Event, prometheus: "Prometheus | None" = None) -> int:
+        """`pdserve up` after `ready`: keep the pools at their targets (and Prometheus'
+        list of endpoints current) until `stop`; 1 if the router exits."""
+        reported: set[str] = set()
+        next_targets = time.monotonic() + TARGETS_REFRESH
+        while not stop.wait(POLL_TARGETS):
+            if prometheus is not None and time.monotonic() >= next_targets:
+                _refresh_targets(self, prometheus)
+                next_targets = time.monotonic() + TARGETS_REFRESH
+            dead = self.exited()
+            if "router" in dead:
+                log.error("router exited with %s: stopping the cluster", dead["router"])
+                return 1
+            for name in dead.keys() - reported:
+                log.warning("%s exited with %s", name, dead[name])
+                reported.add(name)
+            self.reconcile()
+        return 0
+
+
+def stop_processes(processes: dict[str, subprocess.Popen], grace: float) -> None:
+    """SIGTERM every process, SIGKILL those still there after `grace` seconds."""
+    for proc in processes.values():
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    give_up = time.monotonic() + grace
+    for name, proc in processes.items():
+        try:
+            proc.wait(max(0.0, give_up - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("%s (pid %d) ignored SIGTERM for %.0fs: killing it", name, proc.pid, grace)
+            proc.kill()
+            proc.wait(5.0)
+
+
+def up(cluster: Cluster) -> int:
+    """`pdserve up`: start, print `ready <address> internal <registry address>` (and
+    `prometheus <url>` with --prometheus), serve until SIGINT/SIGTERM; SIGHUP reloads
+    the router's API keys."""
+    from pdserve.services.common import log as service_log
+    from pdserve.services.common.server import shutdown_event
+
+    service_log.configure(cluster.spec.router.log_level, "launcher")
+    result = claim_stdout()
+    prometheus = None
+    try:
+        cluster.connect()  # first: Ray installs signal handlers of its own, ours replace them
+        stop = shutdown_event()
+        signal.signal(signal.SIGHUP, lambda _signum, _frame: cluster.reload_api_keys())
+        address = cluster.start(stop)
+        print(f"ready {address} internal {cluster.internal_address}", file=result, flush=True)
+        if cluster.spec.launch.prometheus:
+            prometheus = _start_prometheus(cluster, result)
+        return cluster.serve(stop, prometheus)
+    except StartupError as e:
+        log.error("cluster: %s", e)
+        return 1
+    finally:
+        if prometheus is not None:
+            prometheus.stop()
+        cluster.stop()
+
+
+TARGETS_REFRESH = 5.0  # seconds between re-reading the cluster's /metrics endpoints
+
+
+def _start_prometheus(cluster: Cluster, result: IO[str]) -> "Prometheus | None":
+    from pdserve.launch.prometheus import Prometheus
+
+    targets = cluster.metrics_targets()
+    if not targets:
+        log.warning("prometheus: no service serves /metrics (--no-metrics?); not starting it")
+        return None
+    try:
+        prometheus = Prometheus.start_if_installed(targets)
+    except RuntimeError as e:  # monitoring is not worth stopping the cluster for
+        log.error("%s; going on without it", e)
+        return None
+    if prometheus is None:
+        log.warning("prometheus: no `prometheus` binary on PATH (Debian: apt-get install prometheus); going on without it")
+        return None
+    print(f"prometheus {prometheus.url}", file=result, flush=True)
+    return prometheus
+
+
+def _refresh_targets(cluster: Cluster, prometheus: "Prometheus") -> None:
+    try:
+        prometheus.set_targets(cluster.metrics_targets())
+    except grpc.RpcError as e:
+        log.warning("prometheus: cannot list the cluster's endpoints: %s", e.code().name)
+
+
+def claim_stdout() -> IO[str]:
+    """Stdout for the launcher's result alone: a new file on it, while file descriptor 1
+    (sys.stdout, and whatever a library writes there: Ray forwards its workers' and
+    raylets' output) goes to stderr from now on."""
+    sys.stdout.flush()
+    result = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    return result
