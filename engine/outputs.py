@@ -25,3 +25,4 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    error: str | None = None  # why the engine failed this request (finish_reason "abort")

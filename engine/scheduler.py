@@ -6,6 +6,13 @@ long prompt is prefilled in chunks beside running decodes. Running requests go
 first (oldest first); when blocks run out the newest running request is preempted
 (its blocks freed, to be recomputed later). Waiting requests are admitted in
 arrival order while budget, sequence slots and blocks allow.
+
+Sequence slots (max_num_seqs) are held by groups, not sequences: a request that will
+run n samples or k beams is admitted only when n (or k) slots are free, and its group
+keeps them until its sequences finish, so forks never push the batch past
+max_num_seqs and a preempted or forked sequence of an admitted group never waits for
+a slot. Such sequences go to the front of the queue (`resume`): they continue work
+already admitted.
 """
 
 from __future__ import annotations
@@ -36,14 +43,36 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self._group_slots: dict[str, int] = {}  # admitted group -> sequence slots it holds
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
+    def resume(self, request: Request) -> None:
+        """A sequence of an admitted group that must (re)compute its KV: next in line."""
+        self.waiting.appendleft(request)
+
     def adopt(self, request: Request) -> None:
-        """A forked sequence that already holds its blocks joins the running batch."""
+        """A sequence that already holds its blocks joins the running batch (a fork, or
+        a prompt whose KV arrived from a prefill worker: its group takes its slots
+        even past max_num_seqs, since its KV is already here)."""
+        self._group_slots.setdefault(request.group_id, request.sampling_params.num_seqs)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
+
+    def shrink_group(self, group_id: str, num_seqs: int) -> None:
+        """The group will run at most `num_seqs` sequences from now on (0: it is done)."""
+        if group_id not in self._group_slots:
+            return
+        if num_seqs <= 0:
+            del self._group_slots[group_id]
+        else:
+            self._group_slots[group_id] = min(self._group_slots[group_id], num_seqs)
+
+    @property
+    def num_seq_slots(self) -> int:
+        """Sequence slots held by admitted groups (at most max_num_seqs, but for adopted KV)."""
+        return sum(self._group_slots.values())
 
     @property
     def num_unfinished(self) -> int:
@@ -83,12 +112,18 @@ class Scheduler:
         return True
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0:
             request = self.waiting[0]
+            slots = 0 if request.group_id in self._group_slots else request.sampling_params.num_seqs
+            if slots and self.num_seq_slots + slots > self.config.max_num_seqs:
+                break
             hits, num_hit = self.kv.get_computed_blocks(request)
             n = self._chunk(request.num_tokens - num_hit, budget)
             if not self.kv.allocate_slots(request, n, hits):
                 break
+            self.kv.record_lookup(request, num_hit)  # once per admission, not per failed try
+            if slots:
+                self._group_slots[request.group_id] = slots
             self.waiting.popleft()
             request.num_computed_tokens = num_hit
             request.num_cached_tokens = max(request.num_cached_tokens, num_hit)
@@ -96,6 +131,17 @@ class Scheduler:
             self.running.append(request)
             out.scheduled.append((request, n))
             budget -= n
+
+    def preempt(self, request: Request) -> None:
+        """Free a running request's blocks; it waits at the front to be recomputed."""
+        self.running.remove(request)
+        self._preempt(request)
+
+    def move_to_front(self, requests: list[Request]) -> None:
+        """Put waiting requests at the head of the queue, in this order."""
+        for request in reversed(requests):
+            self.waiting.remove(request)
+            self.waiting.appendleft(request)
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request.request_id)
