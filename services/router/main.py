@@ -31,7 +31,8 @@ class Router:
         max_model_len = config.max_model_len or model.max_position_embeddings
         if max_model_len > model.max_position_embeddings:
             raise ValueError(f"max_model_len: {max_model_len} exceeds the model's {model.max_position_embeddings}")
-        self.limits = Limits(config.model_name, model.vocab_size, max_model_len, config.max_n, config.block_size)
+        self.limits = Limits(config.model_name, model.vocab_size, max_model_len, config.max_n, config.block_size,
+                             config.max_logprobs)
         tokenizer = Tokenizer(config.model) if has_tokenizer(config.model) else None
         self.registry = WorkerRegistry(config, config.model_name, max_model_len)
         self.server = GrpcServer(threads=config.max_concurrent_requests + SPARE_THREADS)

@@ -38,6 +38,7 @@ class WorkerConfig:
     max_num_batched_tokens: int = flag(2048, "token budget of one engine step")
     max_model_len: int | None = flag(None, "longest prompt + output (default: the model's)")
     max_n: int = flag(8, "largest n and beam_width accepted")
+    max_logprobs: int = flag(20, "largest logprobs and prompt_logprobs accepted")
     dtype: str = flag("float32", "float32 | float16 | bfloat16")
     device: str = flag("cpu", "torch device")
     attention_backend: str = flag("auto", "auto | torch | triton")
@@ -58,6 +59,7 @@ class WorkerConfig:
         check(Path(self.model, "config.json").is_file(), "model", "must be a directory with config.json", self.model)
         check(0 <= self.port < 65536, "port", "must be in [0, 65535]", self.port)
         check(self.max_n >= 1, "max_n", "must be >= 1", self.max_n)
+        check(self.max_logprobs >= 0, "max_logprobs", "must be >= 0", self.max_logprobs)
         check(self.torch_threads >= 0, "torch_threads", "must be >= 0", self.torch_threads)
         check(self.grpc_threads is None or self.grpc_threads >= 4, "grpc_threads", "must be >= 4", self.grpc_threads)
         for name in ("reservation_timeout", "held_lease", "request_timeout", "register_timeout"):
@@ -77,4 +79,5 @@ class WorkerConfig:
             cache=CacheConfig(self.block_size, self.num_blocks, self.kv_cache_memory, self.enable_prefix_caching),
             scheduler=SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len),
             attention_backend=self.attention_backend, seed=self.seed, max_n=self.max_n,
+            max_logprobs=self.max_logprobs,
         )
