@@ -140,23 +140,37 @@ def exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 def apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    """Repetition penalty (HF: over prompt and output, divide positive logits, multiply
+    negative ones) and presence / frequency penalties (OpenAI: over output), for the
+    rows that ask, in one pass over a [rows, vocab] count of their tokens."""
     rows = [i for i, r in enumerate(requests) if r.sampling_params.has_penalties]
     if not rows:
         return logits
-    logits = logits.clone()
-    vocab, device = logits.shape[1], logits.device
-    for i in rows:
-        params, req = requests[i].sampling_params, requests[i]
-        row = logits[i]
-        if params.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(req.token_ids)), dtype=torch.long, device=device)
-            vals = row[seen]
-            row[seen] = torch.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
-        if params.presence_penalty or params.frequency_penalty:
-            output = torch.tensor(req.output_token_ids, dtype=torch.long, device=device)
-            counts = torch.bincount(output, minlength=vocab)[:vocab]
-            row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
-    return logits
+    out = logits.clone()
+    params = [requests[i].sampling_params for i in rows]
+    device, vocab = logits.device, logits.shape[1]
+
+    def penalise(x: torch.Tensor) -> torch.Tensor:
+        seen = _token_counts([requests[i].token_ids for i in rows], vocab, device) > 0
+        rep = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
+        x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+        counts = _token_counts([requests[i].output_token_ids for i in rows], vocab, device)
+        freq = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
+        presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
+        return x - freq * counts - presence * (counts > 0)
+
+    _update_rows(out, rows, penalise)
+    return out
+
+
+def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """[len(token_lists), vocab] float32: how often each token occurs in each list."""
+    flat = [row * vocab + t for row, tokens in enumerate(token_lists) for t in tokens if 0 <= t < vocab]
+    counts = torch.zeros(len(token_lists) * vocab, device=device)
+    if flat:
+        index = torch.tensor(flat, dtype=torch.long, device=device)
+        counts.scatter_add_(0, index, torch.ones(len(flat), device=device))
+    return counts.view(len(token_lists), vocab)
 
 
 def mask_early_stop(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 
@@ -14,7 +13,7 @@ from pdserve.engine.config import CacheConfig, SchedulerConfig
 from pdserve.engine.engine import EngineConfig, LLMEngine
 from pdserve.engine.llm import DEFAULT_MODEL
 from pdserve.engine.sampler import Sampler, apply_top_k_top_p
-from hf_models import build_model
+from hf_models import build_beam_model, build_model
 
 VOCAB = 64
 
@@ -135,18 +134,9 @@ def test_prompt_logprobs_survive_forks(model_dir, kind):
 
 @pytest.fixture(scope="module")
 def beam_model(tmp_path_factory):
-    from transformers import AutoModelForCausalLM
-
     path = tmp_path_factory.mktemp("beam-penalty")
-    model = build_model(path, "llama", vocab_size=VOCAB, seed=4)
-    ids = torch.tensor([[5, 6, 7, 8]])
-    greedy = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
-    eos = int(greedy[0, -2])
-    for name in ("config.json", "generation_config.json"):
-        cfg = json.loads((path / name).read_text())
-        cfg["eos_token_id"] = eos
-        (path / name).write_text(json.dumps(cfg))
-    return path, AutoModelForCausalLM.from_pretrained(path).eval(), eos, greedy[0, 4:].tolist()
+    model, eos, greedy = build_beam_model(path, VOCAB, seed=4, eos_at=6)
+    return path, model, eos, greedy
 
 
 def _hf_beams(model, prompt, k, n, max_new, eos_ids, repetition_penalty):

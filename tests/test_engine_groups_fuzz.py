@@ -1,0 +1,112 @@
+"""Property tests of request groups (n samples, beams) in small KV pools and batches.
+
+Whatever the mix, pool size and limits:
+  - the engine finishes (no hang, no spin) and every block is free at the end;
+  - no request aborts where the pool can hold it: a request whose sequences fit the
+    pool even without sharing a block (num_seqs x blocks for prompt + max_tokens) always
+    finishes with "stop" or "length", however the others crowd it;
+  - the batch never runs more than max_num_seqs sequences, forks included;
+  - a group wider than max_num_seqs is refused at add_request, naming the field.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pdserve.engine import SamplingParams
+from pdserve.engine.config import CacheConfig, SchedulerConfig
+from pdserve.engine.engine import EngineConfig, LLMEngine
+from hf_models import build_model
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("fuzz")
+    build_model(path, "llama", seed=2, num_hidden_layers=1, hidden_size=32, intermediate_size=64)
+    return str(path)
+
+
+@st.composite
+def requests(draw):
+    kind = draw(st.sampled_from(["single", "samples", "beams"]))
+    prompt_len = draw(st.integers(1, 40))
+    first = draw(st.integers(3, 200))
+    prompt = [3 + (first + i * draw(st.sampled_from([0, 1, 7]))) % 250 for i in range(prompt_len)]
+    max_tokens = draw(st.integers(1, 16))
+    ignore_eos = draw(st.booleans())
+    if kind == "beams":
+        k = draw(st.integers(2, 4))
+        params = SamplingParams(max_tokens=max_tokens, beam_width=k, n=draw(st.integers(1, k)), ignore_eos=ignore_eos,
+                                length_penalty=draw(st.sampled_from([0.5, 1.0])))
+    else:
+        n = 1 if kind == "single" else draw(st.integers(2, 4))
+        temperature = draw(st.sampled_from([0.0, 1.0]))
+        params = SamplingParams(max_tokens=max_tokens, n=n, temperature=temperature, seed=draw(st.integers(0, 9)),
+                                ignore_eos=ignore_eos, min_tokens=draw(st.integers(0, max_tokens)))
+    return prompt, params
+
+
+@st.composite
+def workloads(draw):
+    block_size = draw(st.sampled_from([4, 16]))
+    config = dict(
+        num_blocks=draw(st.integers(3, 48)),
+        block_size=block_size,
+        prefix_caching=draw(st.booleans()),
+        max_num_seqs=draw(st.integers(1, 8)),
+        max_num_batched_tokens=draw(st.sampled_from([8, 32, 256])),
+    )
+    return config, draw(st.lists(requests(), min_size=1, max_size=5))
+
+
+def fits(prompt: list[int], params: SamplingParams, num_blocks: int, block_size: int) -> bool:
+    """The pool holds every sequence of the request at full length, nothing shared."""
+    return params.num_seqs * -(-(len(prompt) + params.max_tokens) // block_size) <= num_blocks
+
+
+@settings(max_examples=int(os.environ.get("PDSERVE_FUZZ_EXAMPLES", "40")), deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(workload=workloads())
+def test_no_request_aborts_where_the_pool_can_hold_it(model_dir, workload):
+    config, reqs = workload
+    engine = LLMEngine(EngineConfig(
+        model=model_dir,
+        cache=CacheConfig(config["block_size"], config["num_blocks"], enable_prefix_caching=config["prefix_caching"]),
+        scheduler=SchedulerConfig(max_num_seqs=config["max_num_seqs"],
+                                  max_num_batched_tokens=config["max_num_batched_tokens"]),
+    ))
+    added = {}
+    for i, (prompt, params) in enumerate(reqs):
+        if params.num_seqs > config["max_num_seqs"]:
+            field = "beam_width" if params.beam_width >= params.n else "n"
+            with pytest.raises(ValueError, match=f"^{field}: .*max_num_seqs"):
+                engine.add_request(f"r{i}", prompt, params)
+            continue
+        engine.add_request(f"r{i}", prompt, params)
+        added[f"r{i}"] = (prompt, params)
+    outs = {}
+    for _ in range(5000):
+        if not engine.has_unfinished():
+            break
+        for out in engine.step():
+            outs[out.request_id] = out
+        assert len(engine.scheduler.running) <= config["max_num_seqs"]
+    assert not engine.has_unfinished(), "the engine is spinning"
+    assert set(outs) == set(added)
+    for rid, (prompt, params) in added.items():
+        out = outs[rid]
+        if fits(prompt, params, config["num_blocks"], config["block_size"]):
+            assert out.error is None, f"{rid} aborted although the pool holds it: {out.error}"
+            assert all(c.finish_reason in ("stop", "length") for c in out.outputs), rid
+            assert len(out.outputs) == params.n
+            for c in out.outputs:
+                assert 1 <= len(c.token_ids) <= params.max_tokens
+                if not params.use_beam_search:
+                    assert c.finish_reason == "length" if params.ignore_eos else True
+                    assert len(c.token_ids) == params.max_tokens if c.finish_reason == "length" else True
+                    assert len(c.token_ids) > params.min_tokens if c.finish_reason == "stop" else True
+    engine.check_integrity()
+    assert engine.stats()["num_free_blocks"] == config["num_blocks"]
