@@ -187,7 +187,8 @@ class EngineCore:
             if seqs:
                 samples.append((seqs, logits.index_select(0, torch.tensor(rows, device=logits.device))))
         if samples:
-            self._sample([s for seqs, _ in samples for s in seqs], torch.cat([rows for _, rows in samples]), finished)
+            logits = samples[0][1] if len(samples) == 1 else torch.cat([rows for _, rows in samples])
+            self._sample([s for seqs, _ in samples for s in seqs], logits, finished)
         for group, request, row_logits in beams:
             if self._seq_group.get(request.request_id) is not group:
                 continue

@@ -209,6 +209,7 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()
+        self.scheduler.check_integrity()
         self.core.check_integrity()
         for request in self.scheduler.running:
             have = len(self.kv.req_blocks.get(request.request_id, ()))

@@ -44,6 +44,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self._group_slots: dict[str, int] = {}  # admitted group -> sequence slots it holds
+        self._num_slots = 0  # their sum
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -56,23 +57,31 @@ class Scheduler:
         """A sequence that already holds its blocks joins the running batch (a fork, or
         a prompt whose KV arrived from a prefill worker: its group takes its slots
         even past max_num_seqs, since its KV is already here)."""
-        self._group_slots.setdefault(request.group_id, request.sampling_params.num_seqs)
+        if request.group_id not in self._group_slots:
+            self._hold_slots(request.group_id, request.sampling_params.num_seqs)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
 
     def shrink_group(self, group_id: str, num_seqs: int) -> None:
         """The group will run at most `num_seqs` sequences from now on (0: it is done)."""
-        if group_id not in self._group_slots:
+        held = self._group_slots.get(group_id)
+        if held is None:
             return
-        if num_seqs <= 0:
-            del self._group_slots[group_id]
+        keep = max(0, min(held, num_seqs))
+        self._num_slots -= held - keep
+        if keep:
+            self._group_slots[group_id] = keep
         else:
-            self._group_slots[group_id] = min(self._group_slots[group_id], num_seqs)
+            del self._group_slots[group_id]
+
+    def _hold_slots(self, group_id: str, num_seqs: int) -> None:
+        self._group_slots[group_id] = num_seqs
+        self._num_slots += num_seqs
 
     @property
     def num_seq_slots(self) -> int:
         """Sequence slots held by admitted groups (at most max_num_seqs, but for adopted KV)."""
-        return sum(self._group_slots.values())
+        return self._num_slots
 
     @property
     def num_unfinished(self) -> int:
@@ -123,7 +132,7 @@ class Scheduler:
                 break
             self.kv.record_lookup(request, num_hit)  # once per admission, not per failed try
             if slots:
-                self._group_slots[request.group_id] = slots
+                self._hold_slots(request.group_id, slots)
             self.waiting.popleft()
             request.num_computed_tokens = num_hit
             request.num_cached_tokens = max(request.num_cached_tokens, num_hit)
@@ -153,7 +162,8 @@ class Scheduler:
 
     def finish(self, request: Request, status: RequestStatus, free: bool = True) -> None:
         """Take a request out of the queues and free its blocks (every path out ends
-        here; `free=False` only for KV a prefill worker still has to ship)."""
+        here; `free=False` only for KV a prefill worker still has to ship). A lone
+        sequence's group gives its slot back; a wider group's owner calls `shrink_group`."""
         request.status = status
         if request in self.running:
             self.running.remove(request)
@@ -161,3 +171,13 @@ class Scheduler:
             self.waiting.remove(request)
         if free:
             self.kv.free(request.request_id)
+        if request.sampling_params.num_seqs == 1:
+            self.shrink_group(request.group_id, 0)
+
+    def check_integrity(self) -> None:
+        """Slot accounting adds up, and every running sequence's group holds slots."""
+        if self._num_slots != sum(self._group_slots.values()):
+            raise RuntimeError(f"scheduler: {self._num_slots} slots counted, {sum(self._group_slots.values())} held")
+        for request in self.running:
+            if request.group_id not in self._group_slots:
+                raise RuntimeError(f"scheduler: {request.request_id} runs but its group holds no slots")

@@ -30,7 +30,6 @@ class SamplingLimits:
     max_logprobs: int = DEFAULT_MAX_LOGPROBS  # largest logprobs and prompt_logprobs
     has_tokenizer: bool = True  # stop strings need one
     max_num_seqs: int | None = None  # sequences one step may run: a request's n / beam_width must fit
-    max_num_seqs_flag: str = "max_num_seqs"  # what to call it in messages
 
 
 def validate_sampling_params(params: SamplingParams, limits: SamplingLimits) -> None:
@@ -40,8 +39,8 @@ def validate_sampling_params(params: SamplingParams, limits: SamplingLimits) -> 
     if limits.max_num_seqs is not None:
         name = "beam_width" if params.beam_width >= params.n else "n"
         check_field(params.num_seqs <= limits.max_num_seqs, name,
-               f"runs {params.num_seqs} sequences at once, more than {limits.max_num_seqs_flag}="
-               f"{limits.max_num_seqs} allows: it could never be scheduled", params.num_seqs)
+               f"runs {params.num_seqs} sequences at once, more than max_num_seqs={limits.max_num_seqs} "
+               f"allows: it could never be scheduled", params.num_seqs)
     cap = min(limits.max_logprobs, limits.vocab_size)
     for name in ("logprobs", "prompt_logprobs"):
         value = getattr(params, name)
@@ -59,11 +58,15 @@ def validate_sampling_params(params: SamplingParams, limits: SamplingLimits) -> 
     check_field(bad is None, "stop_token_ids", f"must be < vocab_size {limits.vocab_size}", bad)
 
 
-def validate_prompt(prompt: Sequence[int], params: SamplingParams, vocab_size: int, max_model_len: int) -> None:
-    """The prompt is non-empty, in the vocabulary, and leaves room for max_tokens."""
+def validate_prompt(
+    prompt: Sequence[int], params: SamplingParams, vocab_size: int, max_model_len: int,
+    ids_field: str = "prompt_token_ids",
+) -> None:
+    """The prompt is non-empty, in the vocabulary, and leaves room for max_tokens
+    (`ids_field`: what the caller's surface calls the token ids)."""
     check_field(len(prompt) > 0, "prompt", "must contain at least one token", len(prompt))
     bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
-    check_field(bad is None, "prompt_token_ids", f"token outside the vocabulary [0, {vocab_size})", bad)
+    check_field(bad is None, ids_field, f"token outside the vocabulary [0, {vocab_size})", bad)
     if len(prompt) + params.max_tokens > max_model_len:
         raise ValueError(
             f"max_tokens: prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) "

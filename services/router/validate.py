@@ -17,7 +17,7 @@ from pdserve.engine.config import DEFAULT_MAX_LOGPROBS
 from pdserve.engine.hashing import hash_blocks
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.engine.validation import SamplingLimits, validate_sampling_params
+from pdserve.engine.validation import SamplingLimits, validate_prompt, validate_sampling_params
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.services.common.convert import params_from_options
 
@@ -62,11 +62,7 @@ class Validator:
         ))
         if len(prompt) >= lim.max_model_len:
             raise ValueError(f"prompt: {len(prompt)} tokens leave no room below max_model_len {lim.max_model_len}")
-        if len(prompt) + params.max_tokens > lim.max_model_len:
-            raise ValueError(
-                f"max_tokens: prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) "
-                f"exceeds max_model_len {lim.max_model_len}"
-            )
+        validate_prompt(prompt, params, lim.vocab_size, lim.max_model_len, ids_field="token_ids")
         worker_id = uuid.uuid4().hex
         return Job(
             request.request_id or worker_id, worker_id, tuple(prompt), params, request.sampling,
@@ -89,7 +85,4 @@ class Validator:
         ids = list(request.token_ids.ids)
         if not ids:
             raise ValueError("prompt: token_ids must not be empty")
-        bad = next((t for t in ids if not 0 <= t < self.limits.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"token_ids: token {bad} outside the vocabulary [0, {self.limits.vocab_size})")
         return ids
