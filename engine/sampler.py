@@ -8,17 +8,17 @@ Order of processing (each step only touches the rows that asked for it):
         OpenAI semantics over output) -> min_tokens (EOS/stop ids masked)
         |-- greedy rows: argmax
         `-- sampled rows: / temperature -> top-k -> top-p -> min-p -> softmax ->
-            argmax(probs / E)   (the exponential race: an exact sample, E ~ Exp(1))
+            inverse CDF at u   (the first token whose cumulative probability
+                                exceeds u ~ U(0, 1): an exact sample)
 
 Only rows that use top-k / top-p are sorted (top-k alone needs no sort at all), so a
 row with top_p = 1 and top_k off is never touched: its candidates do not depend on
 its batch companions.
 
-The noise E is a counter-based hash (splitmix64) of (row key, token id), computed on
-the device with integer arithmetic: no generator object, the same numbers on every
-device. A seeded row's key derives from (seed, sample index, position) alone, so its
-tokens do not depend on its batch companions, on preemption, or on scheduling;
-unseeded rows draw their keys from the engine's own generator.
+Each row needs one uniform u, made on the host: for a seeded row a hash (splitmix64)
+of (seed, sample index, position) alone, so its tokens do not depend on its batch
+companions, on preemption, on scheduling or on the device; unseeded rows draw theirs
+from the engine's own generator. No generator object ever touches the device.
 
 Everything up to `SampledTensors` stays on the logits' device; `to_host` is the one
 place results cross to the host.
@@ -34,7 +34,7 @@ import torch
 from pdserve.engine.request import Request
 
 _MASK = float("-inf")
-_KEY_BITS = 62
+_MASK64 = (1 << 64) - 1
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ class SampledTensors:
 
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
-        # Keys of unseeded rows come from this engine-owned generator (never torch's global one).
+        # Unseeded rows draw from this engine-owned generator (never torch's global one).
         self.generator = torch.Generator().manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SampleResult:
@@ -97,46 +97,36 @@ class Sampler:
         logits = apply_top_k_top_p(logits, [p.top_k for p in params], [p.top_p for p in params])
         logits = apply_min_p(logits, [p.min_p for p in params])
         probs = torch.softmax(logits, dim=-1)
-        keys = torch.tensor(self._row_keys(requests), dtype=torch.int64, device=logits.device)
-        return (probs / exponential_noise(keys, probs.shape[1])).argmax(dim=-1)
+        u = torch.tensor(self._uniforms(requests), dtype=torch.float64, device=logits.device)
+        return sample_inverse_cdf(probs, u)
 
-    def _row_keys(self, requests: Sequence[Request]) -> list[int]:
+    def _uniforms(self, requests: Sequence[Request]) -> list[float]:
+        """One uniform in (0, 1) per row: a hash of its key when seeded, else drawn."""
         num_unseeded = sum(1 for r in requests if r.sampling_params.seed is None)
-        fresh = torch.randint(0, 1 << _KEY_BITS, (num_unseeded,), generator=self.generator).tolist()
-        return [fresh.pop() if r.sampling_params.seed is None else _mix(r.sampling_params.seed, r) for r in requests]
+        fresh = torch.rand(num_unseeded, dtype=torch.float64, generator=self.generator).tolist()
+        return [fresh.pop() if r.sampling_params.seed is None else _uniform(_key(r.sampling_params.seed, r))
+                for r in requests]
 
 
-def _mix(seed: int, request: Request) -> int:
-    return (seed * 1_000_003 + request.sample_index * 7_919 + request.num_tokens) % (1 << _KEY_BITS)
+def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Row b's token: the first whose cumulative probability exceeds u[b] (an exact sample
+    for u uniform; the sum runs in float64, so no token's mass is lost to rounding)."""
+    cdf = probs.double().cumsum(dim=-1)
+    target = (u * cdf[:, -1])[:, None]
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
 
-# splitmix64's constants as signed int64 (torch integer arithmetic wraps modulo 2**64)
-_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
-_MUL1 = 0xBF58476D1CE4E5B9 - (1 << 64)
-_MUL2 = 0x94D049BB133111EB - (1 << 64)
+def _key(seed: int, request: Request) -> int:
+    return (seed * 1_000_003 + request.sample_index * 7_919 + request.num_tokens) % (1 << 64)
 
 
-def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """Logical shift of int64 (torch's >> is arithmetic: mask off the copied sign bits)."""
-    return (x >> bits) & ((1 << (64 - bits)) - 1)
-
-
-def exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[B, vocab] Exp(1) samples; entry (b, t) is a pure function of (keys[b], t).
-
-    splitmix64 of key + t * golden gives 64 random bits; 48 of them make a uniform
-    u in (0, 1) whose small values keep their precision (2**-49 at the bottom), and
-    E = -log1p(-u): small E, which decides whether an unlikely token wins, stays exact.
-    """
-    ids = torch.arange(vocab, device=keys.device, dtype=torch.int64)
-    z = keys[:, None] + ids[None, :] * _GOLDEN
-    z = (z ^ _shift_right(z, 30)) * _MUL1
-    z = (z ^ _shift_right(z, 27)) * _MUL2
-    z = z ^ _shift_right(z, 31)
-    high = _shift_right(z, 40).float()
-    low = (_shift_right(z, 16) & 0xFFFFFF).float()
-    u = (high + (low + 0.5) * 2.0**-24) * 2.0**-24
-    return -torch.log1p(-u)
+def _uniform(key: int) -> float:
+    """splitmix64 of the key -> 53 random bits -> a float in (0, 1)."""
+    z = (key + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    z ^= z >> 31
+    return ((z >> 11) + 0.5) * 2.0**-53
 
 
 def apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:

@@ -20,7 +20,7 @@ from pdserve.engine.llm import DEFAULT_MODEL
 from pdserve.engine.model_runner import BatchItem, ModelRunner
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import (
-    Sampler, apply_min_p, apply_penalties, apply_top_k_top_p, exponential_noise, mask_early_stop,
+    Sampler, apply_min_p, apply_penalties, apply_top_k_top_p, mask_early_stop, sample_inverse_cdf,
 )
 from pdserve.engine.sampling_params import SamplingParams
 
@@ -80,9 +80,10 @@ def test_each_sampling_stage_stays_on_the_device(rows):
         mask_early_stop(logits, requests),
         apply_top_k_top_p(logits, [r.sampling_params.top_k for r in requests], [r.sampling_params.top_p for r in requests]),
         apply_min_p(logits, [r.sampling_params.min_p for r in requests]),
-        exponential_noise(torch.zeros(len(requests), dtype=torch.int64, device=META), VOCAB),
     ):
         assert out.device == META and out.shape == logits.shape
+    tokens = sample_inverse_cdf(logits.softmax(-1), torch.empty(len(requests), dtype=torch.float64, device=META))
+    assert tokens.device == META and tokens.shape == (len(requests),)
 
 
 def test_beam_step_runs_on_the_device():
