@@ -16,13 +16,15 @@ its blocks freed, and a log line names it. Whatever else escapes fails the reque
 of this step's batch, never the engine: every path out frees their blocks.
 
 Stalls. When nothing can run (only beams waiting for a sibling that cannot get
-blocks), the group at the head of the queue gets the pool: every other group's
-running beams are preempted (recomputed later). Only when nothing else holds blocks
-and it still cannot fit does it fail: a request that fits in the pool never aborts.
+blocks), the group at the head of the queue (the oldest with a waiting sequence: the
+queue is in priority order) gets the pool: every other group's running beams are
+preempted (recomputed later). Only when nothing else holds blocks and it still
+cannot fit does it fail: a request that fits in the pool never aborts.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 import torch
@@ -62,6 +64,7 @@ class EngineCore:
         self.held: dict[str, Request] = {}
         self.layer_hook: LayerHook | None = None
         self._seq_group: dict[str, SequenceGroup] = {}
+        self._numbers = itertools.count()  # arrival numbers of groups and sequences (priority)
         self.forker = Forker(kv, runner, scheduler, self.track)
 
     # -- groups -------------------------------------------------------------------------
@@ -82,11 +85,13 @@ class EngineCore:
             request_id, params, list(prompt_token_ids), [request], beam=beam,
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
         )
+        request.priority = (next(self._numbers), 0)
         self.groups[request_id] = group
         self.track(request, group)
         return request
 
     def track(self, seq: Request, group: SequenceGroup) -> None:
+        seq.priority = (seq.priority[0], next(self._numbers))  # a fork: after its siblings
         self._seq_group[seq.request_id] = group
         self.output.track(seq, group)
 
@@ -283,12 +288,11 @@ class EngineCore:
             return []
         head = self._seq_group[sched.waiting[0].request_id]
         others = [g for g in self.groups.values() if g is not head and any(_running(s) for s in g.live)]
-        if others:
+        if others:  # younger than the head (its waiting sequences come first): they wait behind it
             log.info("kv cache stalled: preempting %d groups so that %s can run", len(others), head.request_id)
             for group in others:
                 for seq in [s for s in group.live if _running(s)]:
                     sched.preempt(seq)
-            sched.move_to_front([s for s in sched.waiting if self._seq_group.get(s.request_id) is head])
             return []
         log.warning("request %s can never fit in the KV cache: failing it", head.request_id)
         return [self.abort_group(head, "kv cache: the request needs more blocks than the whole pool")]

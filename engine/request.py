@@ -52,6 +52,8 @@ class Request:
     sample_index: int = 0
     # The request this sequence belongs to (its own id unless it is a fork).
     group_id: str = ""
+    # Scheduling order, lowest first: (its group's arrival number, its own number).
+    priority: tuple[int, int] = (0, 0)
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, float]] = field(default_factory=list)
     text: str = ""
@@ -88,7 +90,7 @@ class Request:
         child = Request(
             request_id, self.prompt_token_ids, self.sampling_params, self.block_size,
             eos_token_ids=self.eos_token_ids, arrival_time=self.arrival_time,
-            sample_index=sample_index, group_id=self.group_id,
+            sample_index=sample_index, group_id=self.group_id, priority=self.priority,
         )
         child.token_ids = list(self.token_ids)
         child.block_hashes = list(self.block_hashes)

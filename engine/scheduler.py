@@ -7,12 +7,18 @@ first (oldest first); when blocks run out the newest running request is preempte
 (its blocks freed, to be recomputed later). Waiting requests are admitted in
 arrival order while budget, sequence slots and blocks allow.
 
+Priority is age: `Request.priority` (the engine numbers groups by arrival, and the
+sequences within them), lowest first. Running requests are scheduled oldest first,
+the youngest is preempted first, and a sequence that must recompute waits behind
+every older one but before every younger one, so the oldest request always makes
+progress (with beams, whose sequences wait for each other, arrival order alone would
+let a young request starve an old group forever).
+
 Sequence slots (max_num_seqs) are held by groups, not sequences: a request that will
 run n samples or k beams is admitted only when n (or k) slots are free, and its group
 keeps them until its sequences finish, so forks never push the batch past
 max_num_seqs and a preempted or forked sequence of an admitted group never waits for
-a slot. Such sequences go to the front of the queue (`resume`): they continue work
-already admitted.
+a slot.
 """
 
 from __future__ import annotations
@@ -50,8 +56,10 @@ class Scheduler:
         self.waiting.append(request)
 
     def resume(self, request: Request) -> None:
-        """A sequence of an admitted group that must (re)compute its KV: next in line."""
-        self.waiting.appendleft(request)
+        """A sequence of an admitted group that must (re)compute its KV: in line before
+        every younger request (and before its equals), behind older ones."""
+        at = next((i for i, r in enumerate(self.waiting) if _priority(r) >= _priority(request)), len(self.waiting))
+        self.waiting.insert(at, request)
 
     def adopt(self, request: Request) -> None:
         """A sequence that already holds its blocks joins the running batch (a fork, or
@@ -95,26 +103,27 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
+        for request in sorted(self.running, key=_priority):  # oldest first
+            if budget <= 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted for an older one this step
             n = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
             if n == 0:  # waiting on its group (a beam whose siblings lag behind)
-                i += 1
                 continue
             if self._make_room(request, n, out):
                 out.scheduled.append((request, n))
                 budget -= n
-                i += 1
         if not out.preempted:
             self._admit(out, budget)
         return out
 
     def _make_room(self, request: Request, n: int, out: SchedulerOutput) -> bool:
-        """Allocate n slots for a running request, preempting the newest until it fits."""
+        """Allocate n slots for a running request, preempting the youngest until it fits
+        (so the oldest request always makes progress)."""
         while not self.kv.allocate_slots(request, n):
-            victim = self.running.pop()
-            self._preempt(victim)
+            victim = max(reversed(self.running), key=_priority)  # youngest; the last of equals
+            self.preempt(victim)
             out.preempted.append(victim)
             if victim is request:
                 return False
@@ -142,23 +151,14 @@ class Scheduler:
             budget -= n
 
     def preempt(self, request: Request) -> None:
-        """Free a running request's blocks; it waits at the front to be recomputed."""
+        """Free a running request's blocks; it waits, in priority order, to be recomputed."""
         self.running.remove(request)
-        self._preempt(request)
-
-    def move_to_front(self, requests: list[Request]) -> None:
-        """Put waiting requests at the head of the queue, in this order."""
-        for request in reversed(requests):
-            self.waiting.remove(request)
-            self.waiting.appendleft(request)
-
-    def _preempt(self, request: Request) -> None:
         self.kv.free(request.request_id)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.resume(request)
 
     def finish(self, request: Request, status: RequestStatus, free: bool = True) -> None:
         """Take a request out of the queues and free its blocks (every path out ends
@@ -181,3 +181,7 @@ class Scheduler:
         for request in self.running:
             if request.group_id not in self._group_slots:
                 raise RuntimeError(f"scheduler: {request.request_id} runs but its group holds no slots")
+
+
+def _priority(request: Request) -> tuple[int, int]:
+    return request.priority
