@@ -14,7 +14,7 @@ steps each (about a minute on a quiet machine); a deeper search ran 400 examples
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from pdserve.engine import SamplingParams
@@ -68,8 +68,29 @@ def fits(prompt: list[int], params: SamplingParams, num_blocks: int, block_size:
     return params.num_seqs * -(-(len(prompt) + params.max_tokens) // block_size) <= num_blocks
 
 
+# Found by this test: a young sample preempting itself forever while an old beam
+# group, holding half the pool, waited for its sibling queued behind that sample.
+_PROMPT_A = [142, 149, 144, 142, 146, 177, 142, 149, 150, 205, 152, 153, 142, 233, 156, 247, 142, 142, 142, 25,
+             142, 39, 142, 165, 60, 142, 168, 142, 88, 171, 142]
+_PROMPT_B = [76, 77, 78, 76, 80, 81, 82, 76, 84, 85, 76, 153, 76, 167, 76, 91, 92, 93, 94, 209, 216, 97, 98, 99, 100,
+             251, 76, 76, 22, 29, 76, 76, 76, 76, 64, 71, 78, 76, 76, 76]
+LIVELOCK = (
+    dict(num_blocks=19, block_size=4, prefix_caching=False, max_num_seqs=8, max_num_batched_tokens=8),
+    [
+        (_PROMPT_A, SamplingParams(max_tokens=12, beam_width=2)),
+        (_PROMPT_B, SamplingParams(max_tokens=3, temperature=0.0, seed=4, n=2)),
+        (_PROMPT_B, SamplingParams(max_tokens=3, temperature=0.0, seed=4, n=2)),
+        ([202, 203, 202, 223, 202, 207, 244, 251, 8, 211, 212, 29, 36, 202, 50, 57, 64, 202, 220, 202, 222, 99, 106,
+          202, 226, 202, 202, 202, 202], SamplingParams(max_tokens=1, temperature=0.0, seed=7)),
+        ([68, 68, 68, 68, 68, 73, 110, 75, 76, 77, 138],
+         SamplingParams(max_tokens=13, min_tokens=13, temperature=1.0, seed=0, n=4)),
+    ],
+)
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(workload=workloads())
+@example(workload=LIVELOCK)
 def test_no_request_aborts_where_the_pool_can_hold_it(model_dir, workload):
     config, reqs = workload
     engine = LLMEngine(EngineConfig(
