@@ -157,7 +157,7 @@ class EngineCore:
         """Schedule, run the model once, sample; returns outputs of finished requests."""
         plan = self.scheduler.schedule()
         if not plan.scheduled:
-            return self._resolve_stall(plan.preempted)
+            return self._resolve_stall(plan.preempted, plan.preempted_self)
         finished: list[RequestOutput] = []
         try:
             self._run(plan.scheduled, finished)
@@ -276,13 +276,16 @@ class EngineCore:
 
     # -- stalls -------------------------------------------------------------------------
 
-    def _resolve_stall(self, just_preempted: list[Request]) -> list[RequestOutput]:
+    def _resolve_stall(self, preempted: list[Request], preempted_self: list[Request]) -> list[RequestOutput]:
         """Nothing could run this step. Unless something will free blocks by itself (a
-        running sequence with work, held or reserved KV, whose deadlines free it), give
-        the pool to the group at the head of the queue: preempt every other group's
-        running beams. If nothing else holds blocks, it can never fit: fail it."""
+        running sequence with work, held or reserved KV, whose deadlines free it; a
+        preemption that made room for another), give the pool to the group at the
+        head of the queue: preempt every other group's running beams. If nothing else
+        holds blocks, it can never fit: fail it. (A request that only preempted itself
+        made no room: in chunks it would be admitted and preempted again forever.)"""
         sched = self.scheduler
-        if just_preempted or not sched.waiting or self.held or self._waiting_for_remote_kv():
+        made_room = any(r not in preempted_self for r in preempted)
+        if made_room or not sched.waiting or self.held or self._waiting_for_remote_kv():
             return []
         if any(r.num_computed_tokens < r.num_tokens for r in sched.running):
             return []

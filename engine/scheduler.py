@@ -36,6 +36,8 @@ class SchedulerOutput:
     # (request, number of tokens to compute this step), in batch order
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # Preempted for their own room: even the youngest left could not make space.
+    preempted_self: list[Request] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -126,6 +128,7 @@ class Scheduler:
             self.preempt(victim)
             out.preempted.append(victim)
             if victim is request:
+                out.preempted_self.append(victim)
                 return False
         return True
 

@@ -87,10 +87,23 @@ LIVELOCK = (
     ],
 )
 
+# Found by this test: prompts longer than the pool, admitted chunk by chunk, preempting
+# themselves at the pool's end and being admitted again, forever.
+CHUNKED_SPIN = (
+    dict(num_blocks=6, block_size=4, prefix_caching=False, max_num_seqs=6, max_num_batched_tokens=8),
+    [
+        ([99] * 25 + [124], SamplingParams(max_tokens=4, min_tokens=4, temperature=0.0, ignore_eos=True)),
+        ([155 + i % 7 for i in range(27)], SamplingParams(max_tokens=2, beam_width=4, ignore_eos=True)),
+        ([203, 210, 203, 224, 231, 238, 209, 210, 211, 203, 203, 30, 37, 203, 203],
+         SamplingParams(max_tokens=4, min_tokens=4, temperature=0.0, seed=7)),
+    ],
+)
+
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(workload=workloads())
 @example(workload=LIVELOCK)
+@example(workload=CHUNKED_SPIN)
 def test_no_request_aborts_where_the_pool_can_hold_it(model_dir, workload):
     config, reqs = workload
     engine = LLMEngine(EngineConfig(
