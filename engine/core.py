@@ -279,13 +279,15 @@ class EngineCore:
     def _resolve_stall(self, preempted: list[Request], preempted_self: list[Request]) -> list[RequestOutput]:
         """Nothing could run this step. Unless something will free blocks by itself (a
         running sequence with work, held or reserved KV, whose deadlines free it; a
-        preemption that made room for another), give the pool to the group at the
-        head of the queue: preempt every other group's running beams. If nothing else
-        holds blocks, it can never fit: fail it. (A request that only preempted itself
-        made no room: in chunks it would be admitted and preempted again forever.)"""
+        preemption whose room the queue's head has not tried yet), give the pool to
+        the group at the head of the queue: preempt every other group's running beams.
+        If nothing else holds blocks, it can never fit: fail it. (A head that has just
+        preempted itself is not retried: admitted chunk by chunk, it would fill the
+        pool and preempt itself again forever.)"""
         sched = self.scheduler
-        made_room = any(r not in preempted_self for r in preempted)
-        if made_room or not sched.waiting or self.held or self._waiting_for_remote_kv():
+        if not sched.waiting or self.held or self._waiting_for_remote_kv():
+            return []
+        if preempted and not (len(preempted) == len(preempted_self) and sched.waiting[0] in preempted_self):
             return []
         if any(r.num_computed_tokens < r.num_tokens for r in sched.running):
             return []

@@ -99,11 +99,23 @@ CHUNKED_SPIN = (
     ],
 )
 
+# Found by this test: a young request preempting itself freed the blocks an old beam's
+# queued fork needed; failing the old group then, before the fork had tried, was wrong.
+FREED_FOR_THE_HEAD = (
+    dict(num_blocks=6, block_size=4, prefix_caching=False, max_num_seqs=3, max_num_batched_tokens=8),
+    [
+        ([6] * 8, SamplingParams(max_tokens=1, temperature=0.0)),
+        ([6], SamplingParams(max_tokens=3, beam_width=2, length_penalty=0.5)),
+        ([6] * 21, SamplingParams(max_tokens=1, temperature=0.0)),
+    ],
+)
+
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(workload=workloads())
 @example(workload=LIVELOCK)
 @example(workload=CHUNKED_SPIN)
+@example(workload=FREED_FOR_THE_HEAD)
 def test_no_request_aborts_where_the_pool_can_hold_it(model_dir, workload):
     config, reqs = workload
     engine = LLMEngine(EngineConfig(
