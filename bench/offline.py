@@ -549,7 +549,7 @@ def parse_args(argv: Sequence[str] | None) -> BenchConfig:
     parser = argparse.ArgumentParser(prog="python -m pdserve.bench.offline", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny model and 8 requests (smoke test)")
     parser.add_argument(
-        "--workload", choices=("mixed", "parallel"), default="mixed",
+        "--workload", choices=("mixed", "parallel", "sampled"), default="mixed",
         help="mixed: the throughput comparison with transformers; parallel: n=8 block sharing (bench/parallel.py)",
     )
     parser.add_argument("--num-requests", type=int, default=None)
@@ -732,6 +732,11 @@ def run(cfg: BenchConfig) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     cfg = parse_args(argv)
+    if cfg.workload_kind == "sampled":
+        from pdserve.bench import sampled
+
+        print(sampled.run(sampled.QUICK if cfg.quick else sampled.SampledSpec()), flush=True)
+        return 0
     if cfg.workload_kind == "parallel":
         from pdserve.bench import parallel
 

@@ -16,6 +16,10 @@ finished hypotheses on the side:
 
 The first step starts, as in HF, from k copies of the prompt with running scores
 [0, -1e9, ...], so only the first copy expands.
+
+`candidates` is the only part that touches the log-probs' device (one add and one
+top-k); its K results come to the host once per step, where the bookkeeping runs on
+small CPU tensors.
 """
 
 from __future__ import annotations
@@ -65,15 +69,26 @@ class BeamSearch:
     def width(self) -> int:
         return self.params.beam_width
 
-    def step(self, log_probs: torch.Tensor, beam_tokens: list[list[int]]) -> BeamStep:
-        """Advance one token. `log_probs` [beams, V] (one row on the first step)."""
+    def candidates(self, log_probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The best (score, flat index over beams x vocab) pairs, on the log-probs' device.
+        `log_probs` [beams, V] (one row on the first step)."""
         k, vocab = self.width, log_probs.shape[1]
         if log_probs.shape[0] == 1 and k > 1:
             log_probs = log_probs.expand(k, vocab)
+        running = self.running_scores.to(log_probs.device)
+        scores = (log_probs.float() + running[:, None]).reshape(-1)
+        return scores.topk(max(2, 1 + len(self.eos_token_ids)) * k)
+
+    def step(self, log_probs: torch.Tensor, beam_tokens: list[list[int]]) -> BeamStep:
+        """Advance one token. `log_probs` [beams, V] (one row on the first step)."""
+        top_lp, top_idx = self.candidates(log_probs)
+        return self.advance(top_lp.cpu(), top_idx.cpu(), log_probs.shape[1], beam_tokens)
+
+    def advance(self, top_lp: torch.Tensor, top_idx: torch.Tensor, vocab: int, beam_tokens: list[list[int]]) -> BeamStep:
+        """The host half of `step`, from `candidates`' results on the CPU."""
+        k = self.width
+        if len(beam_tokens) == 1 and k > 1:
             beam_tokens = beam_tokens * k
-        scores = (log_probs.float() + self.running_scores[:, None]).reshape(-1)
-        num_keep = max(2, 1 + len(self.eos_token_ids)) * k
-        top_lp, top_idx = scores.topk(num_keep)
         parents = (top_idx // vocab).tolist()
         tokens = (top_idx % vocab).tolist()
         gen_len = self.num_generated + 1
@@ -123,3 +138,15 @@ class BeamSearch:
     def results(self, n: int) -> list[Hypothesis]:
         """The n best finished hypotheses, best first."""
         return [h for h in self.finished[:n] if h is not None]
+
+    def best(self, n: int, running: list[list[int]]) -> list[tuple[Hypothesis, bool]]:
+        """The n best of the finished hypotheses and the running beams (`running[i]`
+        the tokens of the beam whose score is `running_scores[i]`), best first; each
+        with whether it had finished. For a search cut short (an abort)."""
+        scored = [(h, True) for h in self.finished if h is not None]
+        for tokens, score in zip(running, self.running_scores.tolist()):
+            if score > _NEG / 2:  # not one of the first step's placeholder copies
+                penalised = score / (len(tokens) ** self.params.length_penalty) if tokens else score
+                scored.append((Hypothesis(list(tokens), penalised, score), False))
+        scored.sort(key=lambda pair: -pair[0].score)
+        return scored[:n]

@@ -18,6 +18,7 @@ import torch
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DEFAULT_MAX_LOGPROBS = 20  # as vLLM's max_logprobs
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -186,3 +187,23 @@ class SchedulerConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    dtype: str = "float32"
+    device: str = "cpu"
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    attention_backend: str = "auto"
+    gpu_memory_utilization: float = 0.9
+    seed: int = 0
+    max_n: int = 64  # upper bound for n and beam_width
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS  # upper bound for logprobs and prompt_logprobs
+
+    def __post_init__(self) -> None:
+        if self.max_n < 1:
+            raise ValueError(f"max_n: must be >= 1, got {self.max_n}")
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs: must be >= 0, got {self.max_logprobs}")

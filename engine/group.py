@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.engine.beam import BeamSearch
+from pdserve.engine.beam import BeamSearch, Hypothesis
 from pdserve.engine.request import Request
 from pdserve.engine.sampling_params import SamplingParams
 
@@ -26,6 +26,13 @@ class SequenceGroup:
     pending: dict[str, torch.Tensor] = field(default_factory=dict)
     fanned_out: bool = False
     next_child: int = 1
+    # One entry per prompt token (None for the first), shared by every sequence of
+    # the group (they have the same prompt), when prompt_logprobs is asked.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    # Beam search cut short (aborted, failed): the n best of finished and running beams,
+    # each with whether it had finished; taken before the beams are freed.
+    beams_at_abort: list[tuple[Hypothesis, bool]] | None = None
+    error: str | None = None  # why the request failed, when it did
 
     @property
     def needs_fan_out(self) -> bool:
@@ -39,3 +46,12 @@ class SequenceGroup:
     @property
     def done(self) -> bool:
         return not self.live
+
+    @property
+    def num_seqs_left(self) -> int:
+        """Sequences this group may still run at once: its hold on max_num_seqs."""
+        if self.done:
+            return 0
+        if self.beam is not None or not self.fanned_out:
+            return self.params.num_seqs
+        return len(self.live)

@@ -22,14 +22,15 @@ class KVCacheManager:
         self.block_size = block_size
         self.req_blocks: dict[str, list[Block]] = {}
         self._num_cached: dict[str, int] = {}
-        self.prefix_cache_queries = 0  # tokens looked up
+        self.prefix_cache_queries = 0  # tokens looked up (by admissions that used the lookup)
         self.prefix_cache_hits = 0  # tokens found
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
 
     def get_computed_blocks(self, request: Request) -> tuple[list[Block], int]:
-        """Longest run of cached blocks from the start of the request, and its token count."""
+        """Longest run of cached blocks from the start of the request, and its token count.
+        Counts nothing: the caller that uses the result calls `record_lookup` once."""
         if not self.pool.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0  # prompt logprobs need every prompt position computed
         max_blocks = (request.num_tokens - 1) // self.block_size
@@ -40,9 +41,12 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.prefix_cache_queries += request.num_tokens
-        self.prefix_cache_hits += len(hits) * bs
         return hits, len(hits) * bs
+
+    def record_lookup(self, request: Request, num_hit: int) -> None:
+        """Count one prefix-cache lookup of `request` that found `num_hit` tokens."""
+        self.prefix_cache_queries += request.num_tokens
+        self.prefix_cache_hits += num_hit
 
     def allocate_slots(self, request: Request, num_new_tokens: int, computed: list[Block] | None = None) -> bool:
         """Make room for `num_new_tokens` more tokens after the computed ones."""

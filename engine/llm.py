@@ -6,8 +6,8 @@ import itertools
 from collections.abc import Sequence
 from pathlib import Path
 
-from pdserve.engine.config import CacheConfig, SchedulerConfig
-from pdserve.engine.engine import EngineConfig, LLMEngine
+from pdserve.engine.config import DEFAULT_MAX_LOGPROBS, CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine.engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
@@ -30,6 +30,7 @@ class LLM:
         kv_cache_memory: int | None = None,
         attention_backend: str = "auto",
         long_prefill_token_threshold: int | None = None,
+        max_logprobs: int = DEFAULT_MAX_LOGPROBS,
     ) -> None:
         self.engine = LLMEngine(
             EngineConfig(
@@ -41,6 +42,7 @@ class LLM:
                     max_num_seqs, max_num_batched_tokens, max_model_len, long_prefill_token_threshold
                 ),
                 attention_backend=attention_backend,
+                max_logprobs=max_logprobs,
             )
         )
         self.model_dir = model
@@ -66,19 +68,23 @@ class LLM:
             raise ValueError(f"sampling_params: {len(params_list)} given for {len(prompts)} prompts")
         order: dict[str, int] = {}
         texts: list[str | None] = []
-        for i, (prompt, p) in enumerate(zip(prompts, params_list)):
-            text = prompt if isinstance(prompt, str) else None
-            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            request_id = f"gen-{next(self._ids)}"
-            self.engine.add_request(request_id, ids, p)
-            order[request_id] = i
-            texts.append(text)
-        results: list[RequestOutput | None] = [None] * len(prompts)
-        while self.engine.has_unfinished():
-            for out in self.engine.step():
-                i = order[out.request_id]
-                out.prompt = texts[i]
-                results[i] = out
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params_list)):
+                text = prompt if isinstance(prompt, str) else None
+                ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+                request_id = f"gen-{next(self._ids)}"
+                self.engine.add_request(request_id, ids, p)
+                order[request_id] = i
+                texts.append(text)
+            results: list[RequestOutput | None] = [None] * len(prompts)
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    i = order[out.request_id]
+                    out.prompt = texts[i]
+                    results[i] = out
+        finally:  # a bad prompt, an interrupt: nothing this call added outlives it
+            for request_id in order:
+                self.engine.abort(request_id)
         return [r for r in results if r is not None]
 
     def stats(self) -> dict[str, int | float]:

@@ -135,4 +135,5 @@ class ModelRunner:
             block_size=self.block_size,
             query_lens_cpu=tuple(q_lens),
             seq_lens_cpu=tuple(seq_lens),
+            query_start_loc_cpu=tuple(qsl),
         )

@@ -43,3 +43,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, float] | None] | None = None
     times: RequestTimes | None = None
+    error: str | None = None  # why the engine failed this request (finish_reason "abort")

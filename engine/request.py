@@ -55,16 +55,19 @@ class Request:
     export_kv: bool = False
     # Which of a request's parallel samples this sequence is (seeds its noise).
     sample_index: int = 0
+    # The request this sequence belongs to (its own id unless it is a fork).
+    group_id: str = ""
+    # Scheduling order, lowest first: (its group's arrival number, its own number).
+    priority: tuple[int, int] = (0, 0)
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, float]] = field(default_factory=list)
     text: str = ""
-    # one entry per prompt token (None for the first), when prompt_logprobs is asked
-    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError("prompt: must contain at least one token")
         self.token_ids = list(self.prompt_token_ids)
+        self.group_id = self.group_id or self.request_id
         self._extend_hashes()
 
     @property
@@ -92,7 +95,7 @@ class Request:
         child = Request(
             request_id, self.prompt_token_ids, self.sampling_params, self.block_size,
             eos_token_ids=self.eos_token_ids, arrival_time=self.arrival_time,
-            sample_index=sample_index,
+            sample_index=sample_index, group_id=self.group_id, priority=self.priority,
         )
         child.token_ids = list(self.token_ids)
         child.block_hashes = list(self.block_hashes)

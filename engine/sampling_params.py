@@ -1,16 +1,39 @@
 """Per-request generation parameters, validated on construction.
 
 Every out-of-range value raises `ValueError` naming the field, so the router can turn
-it into INVALID_ARGUMENT as is.
+it into INVALID_ARGUMENT as is. What depends on the model or the server (vocabulary,
+logprob caps, n limits) is checked by `engine/validation.py`.
+
+Beam search (beam_width > 1) is deterministic, step for step Hugging Face's
+`generate(num_beams=k, do_sample=False)`: it honours `stop_token_ids` (as EOS, like HF's
+list of `eos_token_id`), `repetition_penalty` (on the log-probabilities, as HF's logits
+processor), `min_tokens`, `ignore_eos` and `prompt_logprobs`; temperature and seed
+do not enter it. Fields it would otherwise ignore are refused, never dropped: `stop`
+strings, presence / frequency penalties, `logprobs`, `top_k`, `top_p` and `min_p`.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Literal
 
 EarlyStopping = bool | Literal["never"]
 MAX_CACHE_SALT = 512
+# Temperatures below this sample as greedy (as vLLM): dividing by them overflows.
+GREEDY_TEMPERATURE = 1e-5
+# |length_penalty| above this overflows gen_len ** length_penalty in a float.
+MAX_LENGTH_PENALTY = 16.0
+FLOAT_FIELDS = (
+    "temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "length_penalty",
+)
+INT_FIELDS = ("max_tokens", "min_tokens", "top_k", "n", "beam_width")
+# Fields beam search cannot honour, with the value that leaves them off.
+BEAM_REFUSED = (
+    ("stop", ()), ("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("logprobs", None),
+    ("top_k", 0), ("top_p", 1.0), ("min_p", 0.0),
+)
 
 
 @dataclass(frozen=True)
@@ -42,36 +65,52 @@ class SamplingParams:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        check_field(all(_is_int(t) for t in self.stop_token_ids), "stop_token_ids", "must be integers", self.stop_token_ids)
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
-        _check(self.max_tokens >= 1, "max_tokens", "must be >= 1", self.max_tokens)
-        _check(0 <= self.min_tokens <= self.max_tokens, "min_tokens", "must be in [0, max_tokens]", self.min_tokens)
-        _check(self.temperature >= 0, "temperature", "must be >= 0", self.temperature)
-        _check(self.top_k >= 0, "top_k", "must be >= 0 (or -1 for off)", self.top_k)
-        _check(0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p)
-        _check(0 <= self.min_p <= 1, "min_p", "must be in [0, 1]", self.min_p)
-        _check(self.repetition_penalty > 0, "repetition_penalty", "must be > 0", self.repetition_penalty)
-        _check(-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]", self.presence_penalty)
-        _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]", self.frequency_penalty)
-        _check(self.n >= 1, "n", "must be >= 1", self.n)
-        _check(self.beam_width >= 1, "beam_width", "must be >= 1", self.beam_width)
+        for name in FLOAT_FIELDS:
+            value = getattr(self, name)
+            check_field(_is_number(value) and math.isfinite(value), name, "must be a finite number", value)
+        for name in INT_FIELDS:
+            check_field(_is_int(getattr(self, name)), name, "must be an integer", getattr(self, name))
+        for name in ("seed", "logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            check_field(value is None or _is_int(value), name, "must be an integer or unset", value)
+        check_field(all(isinstance(s, str) for s in self.stop), "stop", "must be strings", self.stop)
+        check_field(self.max_tokens >= 1, "max_tokens", "must be >= 1", self.max_tokens)
+        check_field(0 <= self.min_tokens <= self.max_tokens, "min_tokens", "must be in [0, max_tokens]", self.min_tokens)
+        check_field(self.temperature >= 0, "temperature", "must be >= 0", self.temperature)
+        check_field(self.top_k >= 0, "top_k", "must be >= 0 (or -1 for off)", self.top_k)
+        check_field(0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p)
+        check_field(0 <= self.min_p <= 1, "min_p", "must be in [0, 1]", self.min_p)
+        check_field(self.repetition_penalty > 0, "repetition_penalty", "must be > 0", self.repetition_penalty)
+        check_field(-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]", self.presence_penalty)
+        check_field(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]", self.frequency_penalty)
+        check_field(self.n >= 1, "n", "must be >= 1", self.n)
+        check_field(self.beam_width >= 1, "beam_width", "must be >= 1", self.beam_width)
         if self.beam_width > 1:
-            _check(self.n <= self.beam_width, "n", "must be <= beam_width for beam search", self.n)
+            check_field(self.n <= self.beam_width, "n", "must be <= beam_width for beam search", self.n)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            _check(value is None or value >= 0, name, "must be >= 0", value)
-        _check(all(s for s in self.stop), "stop", "must not contain empty strings", self.stop)
-        _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be >= 0", self.stop_token_ids)
+            check_field(value is None or value >= 0, name, "must be >= 0", value)
+        check_field(all(s for s in self.stop), "stop", "must not contain empty strings", self.stop)
+        check_field(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be >= 0", self.stop_token_ids)
+        check_field(self.early_stopping in (True, False, "never"), "early_stopping", "must be true, false or 'never'", self.early_stopping)
+        check_field(abs(self.length_penalty) <= MAX_LENGTH_PENALTY, "length_penalty",
+               f"must be in [-{MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}]", self.length_penalty)
+        if self.beam_width > 1:
+            for name, off in BEAM_REFUSED:
+                check_field(getattr(self, name) == off, name, "is not supported with beam search", getattr(self, name))
         if self.cache_salt == "":
             object.__setattr__(self, "cache_salt", None)
-        _check(self.cache_salt is None or (isinstance(self.cache_salt, str) and len(self.cache_salt) <= MAX_CACHE_SALT),
-               "cache_salt", f"must be a string of at most {MAX_CACHE_SALT} characters", self.cache_salt)
-        _check(self.early_stopping in (True, False, "never"), "early_stopping", "must be true, false or 'never'", self.early_stopping)
+        check_field(self.cache_salt is None or (isinstance(self.cache_salt, str) and len(self.cache_salt) <= MAX_CACHE_SALT),
+                    "cache_salt", f"must be a string of at most {MAX_CACHE_SALT} characters", self.cache_salt)
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def use_beam_search(self) -> bool:
@@ -81,7 +120,20 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
+    @property
+    def num_seqs(self) -> int:
+        """Sequences this request runs at once at most (its share of max_num_seqs)."""
+        return max(self.n, self.beam_width)
 
-def _check(ok: bool, name: str, rule: str, value: object) -> None:
+
+def check_field(ok: bool, name: str, rule: str, value: object) -> None:
     if not ok:
         raise ValueError(f"{name}: {rule}, got {value!r}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)

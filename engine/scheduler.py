@@ -6,6 +6,19 @@ long prompt is prefilled in chunks beside running decodes. Running requests go
 first (oldest first); when blocks run out the newest running request is preempted
 (its blocks freed, to be recomputed later). Waiting requests are admitted in
 arrival order while budget, sequence slots and blocks allow.
+
+Priority is age: `Request.priority` (the engine numbers groups by arrival, and the
+sequences within them), lowest first. Running requests are scheduled oldest first,
+the youngest is preempted first, and a sequence that must recompute waits behind
+every older one but before every younger one, so the oldest request always makes
+progress (with beams, whose sequences wait for each other, arrival order alone would
+let a young request starve an old group forever).
+
+Sequence slots (max_num_seqs) are held by groups, not sequences: a request that will
+run n samples or k beams is admitted only when n (or k) slots are free, and its group
+keeps them until its sequences finish, so forks never push the batch past
+max_num_seqs and a preempted or forked sequence of an admitted group never waits for
+a slot.
 """
 
 from __future__ import annotations
@@ -24,6 +37,8 @@ class SchedulerOutput:
     # (request, number of tokens to compute this step), in batch order
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # Preempted for their own room: even the youngest left could not make space.
+    preempted_self: list[Request] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -37,14 +52,47 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self._group_slots: dict[str, int] = {}  # admitted group -> sequence slots it holds
+        self._num_slots = 0  # their sum
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
+    def resume(self, request: Request) -> None:
+        """A sequence of an admitted group that must (re)compute its KV: in line before
+        every younger request (and before its equals), behind older ones."""
+        at = next((i for i, r in enumerate(self.waiting) if _priority(r) >= _priority(request)), len(self.waiting))
+        self.waiting.insert(at, request)
+
     def adopt(self, request: Request) -> None:
-        """A forked sequence that already holds its blocks joins the running batch."""
+        """A sequence that already holds its blocks joins the running batch (a fork, or
+        a prompt whose KV arrived from a prefill worker: its group takes its slots
+        even past max_num_seqs, since its KV is already here)."""
+        if request.group_id not in self._group_slots:
+            self._hold_slots(request.group_id, request.sampling_params.num_seqs)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
+
+    def shrink_group(self, group_id: str, num_seqs: int) -> None:
+        """The group will run at most `num_seqs` sequences from now on (0: it is done)."""
+        held = self._group_slots.get(group_id)
+        if held is None:
+            return
+        keep = max(0, min(held, num_seqs))
+        self._num_slots -= held - keep
+        if keep:
+            self._group_slots[group_id] = keep
+        else:
+            del self._group_slots[group_id]
+
+    def _hold_slots(self, group_id: str, num_seqs: int) -> None:
+        self._group_slots[group_id] = num_seqs
+        self._num_slots += num_seqs
+
+    @property
+    def num_seq_slots(self) -> int:
+        """Sequence slots held by admitted groups (at most max_num_seqs, but for adopted KV)."""
+        return self._num_slots
 
     @property
     def num_unfinished(self) -> int:
@@ -58,38 +106,46 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
+        for request in sorted(self.running, key=_priority):  # oldest first
+            if budget <= 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted for an older one this step
             n = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
             if n == 0:  # waiting on its group (a beam whose siblings lag behind)
-                i += 1
                 continue
             if self._make_room(request, n, out):
                 out.scheduled.append((request, n))
                 budget -= n
-                i += 1
         if not out.preempted:
             self._admit(out, budget)
         return out
 
     def _make_room(self, request: Request, n: int, out: SchedulerOutput) -> bool:
-        """Allocate n slots for a running request, preempting the newest until it fits."""
+        """Allocate n slots for a running request, preempting the youngest until it fits
+        (so the oldest request always makes progress)."""
         while not self.kv.allocate_slots(request, n):
-            victim = self.running.pop()
-            self._preempt(victim)
+            victim = max(reversed(self.running), key=_priority)  # youngest; the last of equals
+            self.preempt(victim)
             out.preempted.append(victim)
             if victim is request:
+                out.preempted_self.append(victim)
                 return False
         return True
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0:
             request = self.waiting[0]
+            slots = 0 if request.group_id in self._group_slots else request.sampling_params.num_seqs
+            if slots and self.num_seq_slots + slots > self.config.max_num_seqs:
+                break
             hits, num_hit = self.kv.get_computed_blocks(request)
             n = self._chunk(request.num_tokens - num_hit, budget)
             if not self.kv.allocate_slots(request, n, hits):
                 break
+            self.kv.record_lookup(request, num_hit)  # once per admission, not per failed try
+            if slots:
+                self._hold_slots(request.group_id, slots)
             self.waiting.popleft()
             request.num_computed_tokens = num_hit
             request.num_cached_tokens = max(request.num_cached_tokens, num_hit)
@@ -99,17 +155,20 @@ class Scheduler:
             out.scheduled.append((request, n))
             budget -= n
 
-    def _preempt(self, request: Request) -> None:
+    def preempt(self, request: Request) -> None:
+        """Free a running request's blocks; it waits, in priority order, to be recomputed."""
+        self.running.remove(request)
         self.kv.free(request.request_id)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.resume(request)
 
     def finish(self, request: Request, status: RequestStatus, free: bool = True) -> None:
         """Take a request out of the queues and free its blocks (every path out ends
-        here; `free=False` only for KV a prefill worker still has to ship)."""
+        here; `free=False` only for KV a prefill worker still has to ship). A lone
+        sequence's group gives its slot back; a wider group's owner calls `shrink_group`."""
         request.status = status
         if request in self.running:
             self.running.remove(request)
@@ -117,3 +176,17 @@ class Scheduler:
             self.waiting.remove(request)
         if free:
             self.kv.free(request.request_id)
+        if request.sampling_params.num_seqs == 1:
+            self.shrink_group(request.group_id, 0)
+
+    def check_integrity(self) -> None:
+        """Slot accounting adds up, and every running sequence's group holds slots."""
+        if self._num_slots != sum(self._group_slots.values()):
+            raise RuntimeError(f"scheduler: {self._num_slots} slots counted, {sum(self._group_slots.values())} held")
+        for request in self.running:
+            if request.group_id not in self._group_slots:
+                raise RuntimeError(f"scheduler: {request.request_id} runs but its group holds no slots")
+
+
+def _priority(request: Request) -> tuple[int, int]:
+    return request.priority

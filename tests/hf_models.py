@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -51,3 +52,20 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos: bool = True) -
             eos_token_id=model.config.eos_token_id if eos else None,
         )
     return out[0, len(prompt) :].tolist()
+
+
+def build_beam_model(path: Path, vocab_size: int, seed: int, eos_at: int):
+    """A small-vocabulary model whose EOS is a token greedy decoding really produces
+    (greedy token `eos_at` after the prompt [5, 6, 7, 8] of 8), so beams finish early as
+    well as at max length. Returns (HF model reloaded with that EOS, eos, greedy tokens)."""
+    from transformers import AutoModelForCausalLM
+
+    model = build_model(path, "llama", vocab_size=vocab_size, seed=seed)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    greedy = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)[0, 4:].tolist()
+    eos = greedy[eos_at]
+    for name in ("config.json", "generation_config.json"):
+        cfg = json.loads((path / name).read_text())
+        cfg["eos_token_id"] = eos
+        (path / name).write_text(json.dumps(cfg))
+    return AutoModelForCausalLM.from_pretrained(path).eval(), eos, greedy

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import random
 
 import pytest
@@ -11,7 +10,7 @@ import torch
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.config import CacheConfig
 from pdserve.engine.engine import EngineConfig, LLMEngine
-from hf_models import build_model
+from hf_models import build_beam_model, build_model
 
 VOCAB = 64
 
@@ -20,18 +19,9 @@ VOCAB = 64
 def beam_model(tmp_path_factory):
     """A small-vocabulary model whose EOS is a token greedy decoding really produces,
     so beams finish early as well as at max length."""
-    from transformers import AutoModelForCausalLM
-
     path = tmp_path_factory.mktemp("beam")
-    model = build_model(path, "llama", vocab_size=VOCAB, seed=3)
-    ids = torch.tensor([[5, 6, 7, 8]])
-    greedy = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
-    eos = int(greedy[0, -3])
-    for name in ("config.json", "generation_config.json"):
-        cfg = json.loads((path / name).read_text())
-        cfg["eos_token_id"] = eos
-        (path / name).write_text(json.dumps(cfg))
-    return path, AutoModelForCausalLM.from_pretrained(path).eval(), eos
+    model, eos, _ = build_beam_model(path, VOCAB, seed=3, eos_at=5)
+    return path, model, eos
 
 
 def hf_beams(model, prompt, k, n, max_new, length_penalty, early_stopping, eos):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.config import SchedulerConfig
 from pdserve.engine.kv_cache import KVCacheManager
-from pdserve.engine.request import Request
+from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 
@@ -78,3 +78,37 @@ def test_finish_frees_blocks_from_any_queue():
         s.finish(r, r.status)
     assert s.kv.pool.num_free_blocks == 8 and s.num_unfinished == 0
     s.kv.check_integrity()
+
+
+def test_groups_hold_their_width_of_max_num_seqs():
+    """A request that will run n sequences is admitted only when n slots are free, and
+    its group keeps them (its forks never wait for a slot) until it shrinks."""
+    s = make(64, max_num_seqs=4)
+    wide = [Request(f"w{i}", list(range(10 * i, 10 * i + 3)), SamplingParams(max_tokens=8, n=3), BS) for i in range(2)]
+    for r in wide:
+        s.add(r)
+    s.add(req("one", 3, first=40))
+    assert set(run_step(s)) == {"w0"}  # w1 needs 3 more slots: 1 is free; "one" waits behind it
+    assert s.num_seq_slots == 3
+    fork = wide[0].fork("w0#1", 1)
+    assert s.kv.fork(wide[0], fork) is not None
+    s.adopt(fork)  # a fork of an admitted group: no new slot
+    assert s.num_seq_slots == 3
+    s.shrink_group("w0", 0)
+    for r in (wide[0], fork):
+        s.finish(r, RequestStatus.FINISHED_ABORTED)
+    assert set(run_step(s)) == {"w1", "one"}
+    assert s.num_seq_slots == 4
+    s.check_integrity()
+
+
+def test_prefix_lookup_counts_once_per_admission():
+    s = make(6)  # 24 tokens of KV
+    s.add(req("big", 16))
+    s.add(req("waits", 12, first=30))
+    for _ in range(4):
+        run_step(s)  # "waits" cannot get its 3 blocks while "big" holds 5
+    assert s.kv.prefix_cache_queries == 16
+    s.finish(s.running[0], RequestStatus.FINISHED_LENGTH)
+    run_step(s)
+    assert s.kv.prefix_cache_queries == 16 + 12

@@ -16,8 +16,20 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
+
+
+@dataclass(frozen=True)
+class DecodeBatch:
+    """The step's sequences with exactly one query, ready for one batched call.
+    Built once per step (first use) and shared by every layer: no host sync per layer."""
+
+    rows: torch.Tensor  # [S] each one's query row in the flat batch
+    block_tables: torch.Tensor  # [S, blocks] cut to the longest one's blocks
+    seq_lens: torch.Tensor  # [S] int64
+    max_seq_len: int
 
 
 @dataclass(frozen=True)
@@ -35,10 +47,27 @@ class AttentionMetadata:
     # Host copies for backends that loop over sequences.
     query_lens_cpu: tuple[int, ...]
     seq_lens_cpu: tuple[int, ...]
+    query_start_loc_cpu: tuple[int, ...]
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
+
+    @cached_property
+    def decode_batch(self) -> DecodeBatch | None:
+        """The single-query sequences when there are two or more (else None)."""
+        seqs = [b for b, n in enumerate(self.query_lens_cpu) if n == 1]
+        if len(seqs) < 2:
+            return None
+        device = self.seq_lens.device
+        index = torch.tensor(seqs, device=device)
+        max_len = max(self.seq_lens_cpu[b] for b in seqs)
+        return DecodeBatch(
+            rows=torch.tensor([self.query_start_loc_cpu[b] for b in seqs], device=device),
+            block_tables=self.block_tables.index_select(0, index)[:, : -(-max_len // self.block_size)],
+            seq_lens=self.seq_lens.index_select(0, index).to(torch.long),
+            max_seq_len=max_len,
+        )
 
 
 class AttentionBackend(ABC):

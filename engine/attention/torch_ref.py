@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine.attention.base import AttentionBackend, AttentionMetadata, write_kv
+from pdserve.engine.attention.base import AttentionBackend, AttentionMetadata, DecodeBatch, write_kv
 
 
 class TorchAttention(AttentionBackend):
@@ -20,18 +20,13 @@ class TorchAttention(AttentionBackend):
         write_kv(k, v, kv, meta)
         k_cache, v_cache = kv[:, 0], kv[:, 1]
         out = torch.empty_like(q)
-        starts = meta.query_start_loc.tolist()
-        decode = [b for b, n in enumerate(meta.query_lens_cpu) if n == 1]
-        if len(decode) > 1:
-            idx = torch.tensor([starts[b] for b in decode], device=q.device)
-            out[idx] = self._decode_batch(q[idx], k_cache, v_cache, meta, decode, scale, sliding_window)
-            decode_set = set(decode)
-        else:
-            decode_set = set()
+        decode = meta.decode_batch
+        if decode is not None:
+            out[decode.rows] = self._decode_batch(q[decode.rows], k_cache, v_cache, decode, scale, sliding_window)
         for b, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
-            if q_len == 0 or b in decode_set:
+            if q_len == 0 or (q_len == 1 and decode is not None):
                 continue
-            s = starts[b]
+            s = meta.query_start_loc_cpu[b]
             if q_len == seq_len:  # nothing cached before: attend to the fresh K/V
                 kb, vb = k[s : s + q_len], v[s : s + q_len]
             else:
@@ -39,13 +34,11 @@ class TorchAttention(AttentionBackend):
             out[s : s + q_len] = _attend(q[s : s + q_len], kb, vb, scale, sliding_window)
         return out
 
-    def _decode_batch(self, q, k_cache, v_cache, meta, seqs: list[int], scale, window):
-        tables = meta.block_tables[seqs]
-        lens = meta.seq_lens[seqs].to(torch.long)
-        max_len = int(lens.max())
-        n_blocks = -(-max_len // meta.block_size)
-        ids = tables[:, :n_blocks].flatten()
-        shape = (len(seqs), n_blocks * meta.block_size, *k_cache.shape[2:])
+    def _decode_batch(self, q, k_cache, v_cache, decode: DecodeBatch, scale, window):
+        lens, max_len = decode.seq_lens, decode.max_seq_len
+        num_seqs, n_blocks = decode.block_tables.shape
+        ids = decode.block_tables.flatten()
+        shape = (num_seqs, n_blocks * k_cache.shape[1], *k_cache.shape[2:])
         # index_select copies whole pages; plain indexing here is several times slower
         keys = k_cache.index_select(0, ids).view(shape)[:, :max_len]  # [B, L, KVH, D]
         vals = v_cache.index_select(0, ids).view(shape)[:, :max_len]
@@ -55,7 +48,7 @@ class TorchAttention(AttentionBackend):
             mask &= pos[None, :] > (lens[:, None] - 1 - window)
         # The H/KVH query heads sharing a KV head attend as that head's "query
         # positions": one flash call, no copies of K/V per query head.
-        num_seqs, num_heads, head_dim = q.shape
+        _, num_heads, head_dim = q.shape
         num_kv = keys.shape[2]
         o = F.scaled_dot_product_attention(
             q.view(num_seqs, num_kv, num_heads // num_kv, head_dim),

@@ -34,6 +34,7 @@ class RouterConfig:
     block_size: int = flag(16, "KV block size (workers must match): prompt block hashes")
     max_model_len: int | None = flag(None, "longest prompt + output (default: the model's)")
     max_n: int = flag(8, "largest n and beam_width accepted")
+    max_logprobs: int = flag(20, "largest logprobs and prompt_logprobs accepted (workers must match)")
     local_prefill_threshold: int = flag(64, "uncached prompts shorter than this prefill on the decode worker")
     prefill_queue_weight: int = flag(256, "prefill choice: one queued request costs this many cached tokens")
     prefill_policy: str = flag("prefix", "prefill worker choice: prefix (longest cached prefix, balanced by "
@@ -68,6 +69,7 @@ class RouterConfig:
         check(self.metrics_port == 0 or self.metrics_port != self.port, "metrics_port", "must differ from port",
               self.metrics_port)
         check(self.max_n >= 1, "max_n", "must be >= 1", self.max_n)
+        check(self.max_logprobs >= 0, "max_logprobs", "must be >= 0", self.max_logprobs)
         check(self.local_prefill_threshold >= 0, "local_prefill_threshold", "must be >= 0", self.local_prefill_threshold)
         check(self.prefill_policy in PREFILL_POLICIES, "prefill_policy", f"must be one of {PREFILL_POLICIES}",
               self.prefill_policy)

@@ -45,7 +45,8 @@ class Router:
         max_model_len = config.max_model_len or model.max_position_embeddings
         if max_model_len > model.max_position_embeddings:
             raise ValueError(f"max_model_len: {max_model_len} exceeds the model's {model.max_position_embeddings}")
-        self.limits = Limits(config.model_name, model.vocab_size, max_model_len, config.max_n, config.block_size)
+        self.limits = Limits(config.model_name, model.vocab_size, max_model_len, config.max_n, config.block_size,
+                             config.max_logprobs)
         tokenizer = Tokenizer(config.model) if has_tokenizer(config.model) else None
         self.auth = ClusterAuth(config.credentials)
         self.api_keys = ApiKeys(config.api_keys_file) if config.api_keys_file else None

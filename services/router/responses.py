@@ -1,10 +1,10 @@
 """Worker DecodeResponses -> client GenerateResponses: incremental text, timing, usage.
 
-Text comes from an IncrementalDetokenizer per sequence (a multi-byte character is
-never split: it waits for its last byte's token). With stop strings, the last
-`max(len(stop)) - 1` characters are held back while the sequence runs, so text
-sent never includes a stop string that only completes later; the final message
-cuts at the first stop string, as the engine does.
+Text comes from the engine's `SequenceText` per sequence, the implementation the
+engine stops with (a multi-byte character is never split: it waits for its last
+byte's token). With stop strings, the last `max(len(stop)) - 1` characters are held
+back while the sequence runs, so text sent never includes a stop string that only
+completes later; the final message cuts where the engine cut.
 
     ttft  arrival at the router -> the request's first token leaving the router
     tpot  (last token - first token of the sequence) / (its tokens - 1)
@@ -17,7 +17,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from pdserve.engine.detokenizer import Decoder, IncrementalDetokenizer
+from pdserve.engine.detokenizer import Decoder
+from pdserve.engine.text import SequenceText
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.services.common.metrics import Disabled, RouterMetrics
 from pdserve.services.router.validate import Job
@@ -25,11 +26,8 @@ from pdserve.services.router.validate import Job
 
 @dataclass
 class _Sequence:
-    detok: IncrementalDetokenizer | None
-    stop: tuple[str, ...]
-    holdback: int  # max(len(stop)) - 1: a stop string may still complete over these
+    text: SequenceText | None  # None: the model has no tokenizer
     num_tokens: int = 0
-    emitted: int = 0  # characters of text sent
     first_at: float | None = None
     last_at: float | None = None
 
@@ -39,35 +37,16 @@ class _Sequence:
         self.first_at = self.first_at or now
         self.last_at = now
         self.num_tokens += len(token_ids)
-        if self.detok is not None:
+        if self.text is not None:
             for t in token_ids:
-                self.detok.append(t)
+                self.text.append(t)
 
     def running_text(self) -> str:
         """New text that no stop string can still claim."""
-        if self.detok is None:
-            return ""
-        text = self.detok.text
-        safe = min(len(text) - self.holdback, len(self._cut(text)))
-        return self._emit(text, safe)
+        return self.text.emit() if self.text is not None else ""
 
     def final_text(self) -> str:
-        if self.detok is None:
-            return ""
-        text = self._cut(self.detok.text + self.detok.flush())
-        return self._emit(text, len(text))
-
-    def _cut(self, text: str) -> str:
-        """The text before the first stop string (the engine stops there)."""
-        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
-        return text[: min(hits)] if hits else text
-
-    def _emit(self, text: str, upto: int) -> str:
-        if upto <= self.emitted:
-            return ""
-        new = text[self.emitted : upto]
-        self.emitted = upto
-        return new
+        return self.text.emit(final=True) if self.text is not None else ""
 
 
 class ResponseBuilder:
@@ -81,7 +60,6 @@ class ResponseBuilder:
         self.arrival = arrival
         self.first_token_at: float | None = None
         self.cached_tokens = 0
-        self._holdback = max((len(s) for s in job.params.stop), default=1) - 1
         self._seqs: dict[int, _Sequence] = {}
 
     def note_cached_tokens(self, n: int) -> None:
@@ -126,8 +104,9 @@ class ResponseBuilder:
     def _seq(self, index: int) -> _Sequence:
         seq = self._seqs.get(index)
         if seq is None:
-            detok = IncrementalDetokenizer(self.tokenizer, list(self.job.prompt)) if self.tokenizer else None
-            seq = self._seqs[index] = _Sequence(detok, self.job.params.stop, self._holdback)
+            params = self.job.params
+            text = SequenceText(self.tokenizer, self.job.prompt, params.stop, params.min_tokens) if self.tokenizer else None
+            seq = self._seqs[index] = _Sequence(text)
         return seq
 
     def _message(self, out: dict[int, pb.GenerateResponse], index: int) -> pb.GenerateResponse:

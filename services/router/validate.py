@@ -2,8 +2,10 @@
 
 Every check the engine would make is made here first, so a bad request never
 reaches a worker: model name, prompt (text or ids, non-empty, in the vocabulary,
-fits max_model_len), every sampling field (engine.SamplingParams), n and
-beam_width within --max-n, prompt + max_tokens within max_model_len, cache_salt.
+fits max_model_len), every sampling field (engine.SamplingParams, then the engine's
+own `validate_sampling_params` with the workers' limits: n and beam_width within
+--max-n, logprobs within --max-logprobs, stop strings and ids), prompt + max_tokens
+within max_model_len, cache_salt.
 
 The cache salt a job runs with is the client's, behind its tenant's name when the
 router salts by API key (`tenant/salt`): a client can pick its own salt, never step
@@ -15,9 +17,11 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
+from pdserve.engine.config import DEFAULT_MAX_LOGPROBS
 from pdserve.engine.hashing import hash_blocks
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
+from pdserve.engine.validation import SamplingLimits, validate_prompt, validate_sampling_params
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.services.common.convert import params_from_options
 
@@ -47,6 +51,7 @@ class Limits:
     max_model_len: int
     max_n: int
     block_size: int
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS
 
 
 class Validator:
@@ -66,21 +71,12 @@ class Validator:
             raise ValueError(f"cache_salt: longer than {MAX_CACHE_SALT} characters")
         salt = request.cache_salt if tenant is None else f"{tenant}/{request.cache_salt}"
         params = params_from_options(request.sampling, salt)
-        if params.n > lim.max_n:
-            raise ValueError(f"n: must be <= {lim.max_n} (--max-n), got {params.n}")
-        if params.beam_width > lim.max_n:
-            raise ValueError(f"beam_width: must be <= {lim.max_n} (--max-n), got {params.beam_width}")
+        validate_sampling_params(params, SamplingLimits(
+            lim.vocab_size, max_n=lim.max_n, max_logprobs=lim.max_logprobs, has_tokenizer=self.tokenizer is not None,
+        ))
         if len(prompt) >= lim.max_model_len:
             raise ValueError(f"prompt: {len(prompt)} tokens leave no room below max_model_len {lim.max_model_len}")
-        if len(prompt) + params.max_tokens > lim.max_model_len:
-            raise ValueError(
-                f"max_tokens: prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) "
-                f"exceeds max_model_len {lim.max_model_len}"
-            )
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop: stop strings need a tokenizer, and this model has none")
-        if params.stop_token_ids and max(params.stop_token_ids) >= lim.vocab_size:
-            raise ValueError(f"stop_token_ids: must be < vocab_size {lim.vocab_size}")
+        validate_prompt(prompt, params, lim.vocab_size, lim.max_model_len, ids_field="token_ids")
         worker_id = uuid.uuid4().hex
         return Job(
             request.request_id or worker_id, worker_id, tuple(prompt), params, request.sampling,
@@ -103,7 +99,4 @@ class Validator:
         ids = list(request.token_ids.ids)
         if not ids:
             raise ValueError("prompt: token_ids must not be empty")
-        bad = next((t for t in ids if not 0 <= t < self.limits.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"token_ids: token {bad} outside the vocabulary [0, {self.limits.vocab_size})")
         return ids

@@ -53,6 +53,7 @@ class WorkerConfig:
     max_num_batched_tokens: int = flag(2048, "token budget of one engine step")
     max_model_len: int | None = flag(None, "longest prompt + output (default: the model's)")
     max_n: int = flag(8, "largest n and beam_width accepted")
+    max_logprobs: int = flag(20, "largest logprobs and prompt_logprobs accepted")
     dtype: str = flag("float32", "float32 | float16 | bfloat16")
     device: str = flag("cpu", "torch device")
     attention_backend: str = flag("auto", "auto | torch | triton")
@@ -83,6 +84,7 @@ class WorkerConfig:
         check(self.metrics_port == 0 or self.metrics_port != self.port, "metrics_port", "must differ from port",
               self.metrics_port)
         check(self.max_n >= 1, "max_n", "must be >= 1", self.max_n)
+        check(self.max_logprobs >= 0, "max_logprobs", "must be >= 0", self.max_logprobs)
         check(self.torch_threads >= 0, "torch_threads", "must be >= 0", self.torch_threads)
         if self.cpu_affinity is not None:
             parse_cpus(self.cpu_affinity)  # raises ValueError naming the field
@@ -108,4 +110,5 @@ class WorkerConfig:
             cache=CacheConfig(self.block_size, self.num_blocks, self.kv_cache_memory, self.enable_prefix_caching),
             scheduler=SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len),
             attention_backend=self.attention_backend, seed=self.seed, max_n=self.max_n,
+            max_logprobs=self.max_logprobs,
         )

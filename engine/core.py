@@ -1,0 +1,324 @@
+"""Stepping: schedule, run the model, sample; keep each failure to the requests behind it.
+
+    step():  schedule -> execute -> per request: prompt logprobs, computed tokens,
+             fan-out -> sample -> append tokens, stops -> beam steps -> finished outputs
+
+Failure isolation. A request that makes the step fail fails alone, where that can be
+known; every other request goes on as if nothing happened:
+  - the forward pass raises: the batch is bisected and re-run without the half that
+    fails, down to the single request that fails alone (re-running only rewrites the
+    same KV into the same slots, and nothing else has changed yet);
+  - sampling the batch raises: its rows are sampled one by one;
+  - anything per request (prompt logprobs, fan-out, appending a token, a stop string,
+    the token hook, a beam step) fails that request's group only.
+A failed request ends like an abort (finish_reason "abort", `RequestOutput.error`),
+its blocks freed, and a log line names it. Whatever else escapes fails the requests
+of this step's batch, never the engine: every path out frees their blocks.
+
+Stalls. When nothing can run (only beams waiting for a sibling that cannot get
+blocks), the group at the head of the queue (the oldest with a waiting sequence: the
+queue is in priority order) gets the pool: every other group's running beams are
+preempted (recomputed later). Only when nothing else holds blocks and it still
+cannot fit does it fail: a request that fits in the pool never aborts.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+import torch
+
+from pdserve.engine.beam import BeamSearch
+from pdserve.engine.disagg import LayerHook, layer_callback
+from pdserve.engine.forking import Forker
+from pdserve.engine.group import SequenceGroup
+from pdserve.engine.kv_cache import KVCacheManager
+from pdserve.engine.model_runner import BatchItem, ModelRunner
+from pdserve.engine.output import OutputProcessor
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.sampler import Sampler
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+Scheduled = list[tuple[Request, int]]
+
+
+class EngineCore:
+    def __init__(
+        self, runner: ModelRunner, kv: KVCacheManager, scheduler: Scheduler, sampler: Sampler,
+        output: OutputProcessor, eos_token_ids: tuple[int, ...],
+    ) -> None:
+        self.runner = runner
+        self.kv = kv
+        self.scheduler = scheduler
+        self.sampler = sampler
+        self.output = output
+        self.eos_token_ids = eos_token_ids
+        self.groups: dict[str, SequenceGroup] = {}
+        # Prefill role: finished requests whose blocks wait to be shipped, and the
+        # hook told after each layer which exported tokens it has written.
+        self.held: dict[str, Request] = {}
+        self.layer_hook: LayerHook | None = None
+        self._seq_group: dict[str, SequenceGroup] = {}
+        self._numbers = itertools.count()  # arrival numbers of groups and sequences (priority)
+        self.forker = Forker(kv, runner, scheduler, self.track)
+        self.last_batch: tuple[int, int] = (0, 0)  # (sequences, tokens) the last step ran: for metrics
+
+    # -- groups -------------------------------------------------------------------------
+
+    def new_group(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+        """Register a request's group; its first sequence (not yet scheduled)."""
+        if request_id in self.groups or request_id in self.held:
+            raise ValueError(f"request_id: {request_id!r} is already running")
+        request = Request(
+            request_id, list(prompt_token_ids), params, self.kv.block_size, eos_token_ids=self.eos_token_ids,
+        )
+        beam = None
+        if params.use_beam_search:
+            # HF's beam search takes stop ids as more EOS ids
+            eos = () if params.ignore_eos else self.eos_token_ids
+            beam = BeamSearch(params, len(prompt_token_ids), tuple(dict.fromkeys((*eos, *params.stop_token_ids))))
+        group = SequenceGroup(
+            request_id, params, list(prompt_token_ids), [request], beam=beam,
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+        )
+        request.priority = (next(self._numbers), 0)
+        self.groups[request_id] = group
+        self.track(request, group)
+        return request
+
+    def track(self, seq: Request, group: SequenceGroup) -> None:
+        seq.priority = (seq.priority[0], next(self._numbers))  # a fork: after its siblings
+        self._seq_group[seq.request_id] = group
+        self.output.track(seq, group)
+
+    def drop_group(self, request_id: str) -> None:
+        """Forget a group that never ran (a reservation that found no room)."""
+        group = self.groups.pop(request_id)
+        for seq in group.live:
+            self._seq_group.pop(seq.request_id, None)
+            self.output.untrack(seq)
+            self.kv.free(seq.request_id)
+        self.scheduler.shrink_group(request_id, 0)
+
+    def finish_seq(self, group: SequenceGroup, seq: Request, status: RequestStatus, keep: bool = True) -> None:
+        """Every path out of a sequence: out of the queues, blocks freed (or held for
+        shipping), text finished; `keep=False` for a dropped beam (not a result)."""
+        hold = seq.export_kv and status != RequestStatus.FINISHED_ABORTED
+        self.scheduler.finish(seq, status, free=not hold)
+        if hold:
+            self.held[seq.request_id] = seq
+        self._seq_group.pop(seq.request_id, None)
+        self.output.untrack(seq)
+        group.pending.pop(seq.request_id, None)
+        if seq in group.live:
+            group.live.remove(seq)
+        if keep:
+            group.finished.append(seq)
+        self.scheduler.shrink_group(group.request_id, group.num_seqs_left)
+
+    def end_if_done(self, group: SequenceGroup, finished: list[RequestOutput]) -> None:
+        if group.done and self.groups.pop(group.request_id, None) is not None:
+            finished.append(self.output.build(group))
+
+    def abort_group(self, group: SequenceGroup, error: str | None = None) -> RequestOutput:
+        """End a request wherever it is; its output (for beams: the n best so far)."""
+        if group.beam is not None and group.beams_at_abort is None:
+            group.beams_at_abort = group.beam.best(group.params.n, [b.output_token_ids for b in group.live])
+        group.error = group.error or error
+        for seq in list(group.live):
+            self.finish_seq(group, seq, RequestStatus.FINISHED_ABORTED)
+        self.groups.pop(group.request_id, None)
+        return self.output.build(group)
+
+    def fail(self, group: SequenceGroup, exc: BaseException, finished: list[RequestOutput]) -> None:
+        """A failure this request caused: it ends, alone."""
+        if self.groups.get(group.request_id) is not group:
+            return  # already ended
+        log.error("request %s failed in an engine step: %s: %s", group.request_id, type(exc).__name__, exc,
+                  exc_info=exc)
+        finished.append(self.abort_group(group, f"engine: {type(exc).__name__}: {exc}"))
+
+    def apply_token(
+        self, group: SequenceGroup, seq: Request, token: int, logprob: float | None, top: dict[int, float] | None,
+        finished: list[RequestOutput],
+    ) -> None:
+        status = self.output.append(group, seq, token, logprob, top)
+        if status is not None:
+            self.finish_seq(group, seq, status)
+            self.end_if_done(group, finished)
+
+    # -- the step -----------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample; returns outputs of finished requests."""
+        plan = self.scheduler.schedule()
+        self.last_batch = (len(plan.scheduled), plan.num_tokens)
+        if not plan.scheduled:
+            return self._resolve_stall(plan.preempted, plan.preempted_self)
+        finished: list[RequestOutput] = []
+        try:
+            self._run(plan.scheduled, finished)
+        except Exception as exc:  # escaped the isolation below (a bug): fail this batch, not the engine
+            log.exception("engine step failed outside per-request isolation")
+            for request, _ in plan.scheduled:
+                group = self._seq_group.get(request.request_id)
+                if group is not None:
+                    self.fail(group, exc, finished)
+        return finished
+
+    def _run(self, scheduled: Scheduled, finished: list[RequestOutput]) -> None:
+        samples: list[tuple[list[Request], torch.Tensor]] = []  # per sub-batch: sequences, their logits rows
+        beams: list[tuple[SequenceGroup, Request, torch.Tensor]] = []
+        for batch, logits, spans in self._execute(scheduled, finished):
+            seqs, rows = [], []
+            for (request, n), (first, num_rows) in zip(batch, spans):
+                group = self._seq_group.get(request.request_id)
+                if group is None:
+                    continue
+                try:
+                    ready = self._advance(group, request, n, logits[first : first + num_rows])
+                except Exception as exc:
+                    self.fail(group, exc, finished)
+                    continue
+                row = first + num_rows - 1
+                if ready and group.beam is not None:
+                    beams.append((group, request, logits[row]))
+                    continue
+                seqs += ready
+                rows += [row] * len(ready)
+            if seqs:
+                samples.append((seqs, logits.index_select(0, torch.tensor(rows, device=logits.device))))
+        if samples:
+            logits = samples[0][1] if len(samples) == 1 else torch.cat([rows for _, rows in samples])
+            self._sample([s for seqs, _ in samples for s in seqs], logits, finished)
+        for group, request, row_logits in beams:
+            if self._seq_group.get(request.request_id) is not group:
+                continue
+            try:
+                self._beam_step(group, request, row_logits, finished)
+            except Exception as exc:
+                self.fail(group, exc, finished)
+
+    def _execute(self, scheduled: Scheduled, finished: list[RequestOutput]) -> list[tuple[Scheduled, torch.Tensor, list]]:
+        """Run the forward pass; when it raises, bisect: each half runs again on its own,
+        down to the single request that fails alone (failed, and left out)."""
+        try:
+            batch = [BatchItem(r, n, self.kv.block_ids(r.request_id)) for r, n in scheduled]
+            logits, spans = self.runner.execute(batch, layer_callback(self.layer_hook, scheduled, self.kv))
+            return [(scheduled, logits, spans)]
+        except Exception as exc:
+            if len(scheduled) == 1:
+                group = self._seq_group.get(scheduled[0][0].request_id)
+                if group is not None:
+                    self.fail(group, exc, finished)
+                return []
+            log.warning("forward pass of %d requests failed (%s): bisecting", len(scheduled), exc)
+            mid = len(scheduled) // 2
+            return self._execute(scheduled[:mid], finished) + self._execute(scheduled[mid:], finished)
+
+    def _advance(self, group: SequenceGroup, request: Request, n: int, rows: torch.Tensor) -> list[Request]:
+        """Account for the n tokens just computed; the sequences that sample from this
+        request's last row now (after the prompt: its fan-out)."""
+        if group.prompt_logprobs is not None and request.num_computed_tokens < request.num_prompt_tokens:
+            self.output.record_prompt_logprobs(group, request, rows)
+        request.num_computed_tokens += n
+        self.kv.cache_full_blocks(request)
+        if rows.shape[0] == 0 or request.num_computed_tokens < request.num_tokens:
+            return []
+        if group.beam is not None:
+            return [request]
+        return self.forker.fan_out(group, request)
+
+    def _sample(self, seqs: list[Request], logits: torch.Tensor, finished: list[RequestOutput]) -> None:
+        try:
+            result = self.sampler(logits, seqs)
+            samples = list(zip(seqs, result.token_ids, result.logprobs, result.top_logprobs))
+        except Exception as exc:
+            log.warning("sampling %d rows failed (%s): sampling them one by one", len(seqs), exc)
+            samples = self._sample_each(seqs, logits, finished)
+        for seq, token, logprob, top in samples:
+            group = self._seq_group.get(seq.request_id)
+            if group is None:
+                continue  # its group failed meanwhile
+            try:
+                self.apply_token(group, seq, token, logprob, top, finished)
+            except Exception as exc:
+                self.fail(group, exc, finished)
+
+    def _sample_each(self, seqs: list[Request], logits: torch.Tensor, finished: list[RequestOutput]) -> list[tuple]:
+        samples = []
+        for i, seq in enumerate(seqs):
+            try:
+                result = self.sampler(logits[i : i + 1], [seq])
+            except Exception as exc:
+                group = self._seq_group.get(seq.request_id)
+                if group is not None:
+                    self.fail(group, exc, finished)
+                continue
+            samples.append((seq, result.token_ids[0], result.logprobs[0], result.top_logprobs[0]))
+        return samples
+
+    def _beam_step(self, group: SequenceGroup, seq: Request, logits: torch.Tensor, finished: list[RequestOutput]) -> None:
+        log_probs = self.forker.beam_log_probs(group, seq, logits)
+        if log_probs is None or group.beam is None:
+            return
+        step = group.beam.step(log_probs, [b.output_token_ids for b in group.live])
+        if step.done:
+            for beam in list(group.live):
+                self.finish_seq(group, beam, RequestStatus.FINISHED_STOPPED)
+            self.end_if_done(group, finished)
+            return
+        for dropped in self.forker.reform(group, step):
+            self.finish_seq(group, dropped, RequestStatus.FINISHED_ABORTED, keep=False)
+
+    # -- stalls -------------------------------------------------------------------------
+
+    def _resolve_stall(self, preempted: list[Request], preempted_self: list[Request]) -> list[RequestOutput]:
+        """Nothing could run this step. Unless something will free blocks by itself (a
+        running sequence with work, held or reserved KV, whose deadlines free it; a
+        preemption whose room the queue's head has not tried yet), give the pool to
+        the group at the head of the queue: preempt every other group's running beams.
+        If nothing else holds blocks, it can never fit: fail it. (A head that has just
+        preempted itself is not retried: admitted chunk by chunk, it would fill the
+        pool and preempt itself again forever.)"""
+        sched = self.scheduler
+        if not sched.waiting or self.held or self._waiting_for_remote_kv():
+            return []
+        if preempted and not (len(preempted) == len(preempted_self) and sched.waiting[0] in preempted_self):
+            return []
+        if any(r.num_computed_tokens < r.num_tokens for r in sched.running):
+            return []
+        head = self._seq_group[sched.waiting[0].request_id]
+        others = [g for g in self.groups.values() if g is not head and any(_running(s) for s in g.live)]
+        if others:  # younger than the head (its waiting sequences come first): they wait behind it
+            log.info("kv cache stalled: preempting %d groups so that %s can run", len(others), head.request_id)
+            for group in others:
+                for seq in [s for s in group.live if _running(s)]:
+                    sched.preempt(seq)
+            return []
+        log.warning("request %s can never fit in the KV cache: failing it", head.request_id)
+        return [self.abort_group(head, "kv cache: the request needs more blocks than the whole pool")]
+
+    def _waiting_for_remote_kv(self) -> bool:
+        return any(g.live and g.live[0].status == RequestStatus.WAITING_FOR_REMOTE_KV for g in self.groups.values())
+
+    def check_integrity(self) -> None:
+        """Every live sequence is known and queued; no sequence is known twice."""
+        for group in self.groups.values():
+            for seq in group.live:
+                if self._seq_group.get(seq.request_id) is not group:
+                    raise RuntimeError(f"engine: {seq.request_id} is live but not tracked")
+                if seq.status.finished:
+                    raise RuntimeError(f"engine: {seq.request_id} is live with status {seq.status.value}")
+        live = sum(len(g.live) for g in self.groups.values())
+        if live != len(self._seq_group):
+            raise RuntimeError(f"engine: {len(self._seq_group)} sequences tracked, {live} live")
+
+
+def _running(seq: Request) -> bool:
+    return seq.status == RequestStatus.RUNNING

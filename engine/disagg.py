@@ -1,0 +1,111 @@
+"""The disaggregation hooks: where a prefill worker and a decode worker meet the engine.
+
+    prefill side                                decode side
+    add_request(export_kv=True)                 reserve_remote -> Reservation (blocks)
+    layer_hook(layer, [ExportSlice]) per layer    ... pages land in the blocks ...
+    finished: blocks held until release()       commit_remote -> decoding starts
+
+Held blocks (prefill) and reservations (decode) only change through calls: their
+owner (services/worker) keeps the deadlines.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from pdserve.engine.kv_cache import KVCacheManager
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pdserve.engine.core import EngineCore
+
+
+class NoCapacityError(RuntimeError):
+    """Not enough free KV blocks to reserve for a remote prefill right now."""
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Decode side: where a prompt's KV must land, and how much of it is already here."""
+
+    request_id: str
+    block_ids: list[int]
+    num_cached_tokens: int  # prompt tokens whose KV this worker already holds (whole blocks)
+
+
+@dataclass(frozen=True)
+class ExportSlice:
+    """Prefill side: KV of tokens [start, end) of an exported request was just written."""
+
+    request_id: str
+    start: int
+    end: int
+    block_ids: list[int]
+
+
+LayerHook = Callable[[int, list[ExportSlice]], None]
+
+
+def layer_callback(
+    hook: LayerHook | None, scheduled: list[tuple[Request, int]], kv: KVCacheManager
+) -> Callable[[int], None] | None:
+    """What the forward pass calls after each layer: the hook, told which exported
+    tokens that layer has written (None when nothing in the batch is exported)."""
+    if hook is None:
+        return None
+    slices = [
+        ExportSlice(r.request_id, r.num_computed_tokens, r.num_computed_tokens + n, kv.block_ids(r.request_id))
+        for r, n in scheduled
+        if r.export_kv
+    ]
+    if not slices:
+        return None
+    return lambda layer: hook(layer, slices)
+
+
+class RemoteKV:
+    """The engine's calls for KV computed elsewhere (decode) or shipped elsewhere (prefill)."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+
+    def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Reservation:
+        core = self.core
+        request = core.new_group(request_id, prompt_token_ids, params)
+        hits, num_hit = core.kv.get_computed_blocks(request)
+        if not core.kv.allocate_slots(request, request.num_tokens - num_hit, hits):
+            core.drop_group(request_id)
+            raise NoCapacityError(f"kv cache: no room for {request.num_tokens} tokens of {request_id!r}")
+        core.kv.record_lookup(request, num_hit)
+        request.num_cached_tokens = num_hit
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        return Reservation(request_id, core.kv.block_ids(request_id), num_hit)
+
+    def commit(self, request_id: str, first_token: int | None) -> list[RequestOutput]:
+        core = self.core
+        group = core.groups.get(request_id)
+        if group is None or group.live[0].status != RequestStatus.WAITING_FOR_REMOTE_KV:
+            raise ValueError(f"request_id: {request_id!r} has no reservation waiting for KV")
+        request = group.live[0]
+        request.kv_committed_time = request.first_scheduled_time = time.monotonic()
+        request.num_computed_tokens = request.num_prompt_tokens - (first_token is None)
+        core.kv.cache_full_blocks(request)
+        core.scheduler.adopt(request)
+        finished: list[RequestOutput] = []
+        if first_token is not None:
+            core.apply_token(group, request, first_token, None, None, finished)
+        return finished
+
+    def release(self, request_id: str) -> None:
+        if self.core.held.pop(request_id, None) is not None:
+            self.core.kv.free(request_id)
+
+    def held_block_ids(self, request_id: str) -> list[int]:
+        if request_id not in self.core.held:
+            raise ValueError(f"request_id: {request_id!r} holds no exported blocks")
+        return self.core.kv.block_ids(request_id)
