@@ -166,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     from pdserve.launch.credentials import LAUNCH_MADE
     from pdserve.launch.ray_config import RayConfig
     from pdserve.services.common.flags import add_flags
-    from pdserve.services.common.credentials import ClusterCredentials
+    from pdserve.services.common.credentials import KV_CURVE_FIELDS, ClusterCredentials
     from pdserve.services.router.config import RouterConfig
     from pdserve.services.worker.config import WorkerConfig
 
@@ -224,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the router's internal (Registry) address: `ready`'s second one")
     # The Registry is internal: the cluster's credentials (`pdserve up --secrets-dir DIR`
     # keeps them: --cluster-token-file DIR/cluster-token).
-    add_flags(scale, ClusterCredentials, skip={"kv_curve_cert", "kv_curve_authorized"})
+    add_flags(scale, ClusterCredentials, skip=set(KV_CURVE_FIELDS))
     for pool in ("prefill", "decode", "mixed"):
         scale.add_argument(f"--{pool}", type=int, default=None, help=f"target number of {pool} workers")
     scale.add_argument("--wait", type=float, default=0.0,

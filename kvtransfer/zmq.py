@@ -124,6 +124,19 @@ class CurveConfig:
         return cls(public, secret, server, keys)
 
     @classmethod
+    def shared(cls, secret_key: bytes) -> "CurveConfig":
+        """One key pair for a whole cluster, from its 32-byte secret key (any 32 random
+        bytes are a Curve25519 secret key): every endpoint sends with it, knows the
+        receivers' public key (its own) and admits exactly that key. What a deployment
+        that can only hand out random bytes (the Helm chart) uses; a holder of the key
+        is a cluster member, as with the cluster token."""
+        if len(secret_key) != 32:
+            raise ValueError(f"secret_key: a CURVE secret key is 32 bytes, got {len(secret_key)}")
+        secret = z85.encode(secret_key)
+        public = zmq.curve_public(secret)
+        return cls(public, secret, public, frozenset({public}))
+
+    @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, prefix: str = "PDSERVE_KV_CURVE_") -> "CurveConfig | None":
         """Keys from the environment, or None when CURVE is not configured there.
 

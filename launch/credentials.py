@@ -25,12 +25,12 @@ from pathlib import Path
 
 import zmq.auth
 
-from pdserve.services.common.credentials import ClusterCredentials
+from pdserve.services.common.credentials import KV_CURVE_FIELDS, ClusterCredentials
 from pdserve.services.common.flags import check
 
 ROLES = ("prefill", "decode", "mixed")
 # The ClusterCredentials fields a launch always makes itself (never the operator's).
-LAUNCH_MADE = ("cluster_token_file", "kv_curve_cert", "kv_curve_authorized")
+LAUNCH_MADE = ("cluster_token_file", *KV_CURVE_FIELDS)
 SENDERS = ("prefill", "mixed")
 TOKEN_FILE = "cluster-token"
 
@@ -98,7 +98,8 @@ def generate(directory: str | Path, base: ClusterCredentials = ClusterCredential
 
 # -- carrying credentials to a service on another machine (the Ray launcher) -----------
 
-FILE_FIELDS = ("cluster_ca", "cluster_cert", "cluster_key", "cluster_token_file", "kv_curve_cert")
+FILE_FIELDS = ("cluster_ca", "cluster_cert", "cluster_key", "cluster_token_file", "kv_curve_cert",
+               "kv_curve_cluster_key")
 
 
 def pack(credentials: ClusterCredentials) -> dict[str, dict[str, str]]:

@@ -15,6 +15,7 @@ here. Last, a test reads every module that reads from a socket for pickle.
 from __future__ import annotations
 
 import ast
+import base64
 import dataclasses
 import datetime
 import os
@@ -40,8 +41,8 @@ from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.hashing import hash_blocks
 from pdserve.kvtransfer.connector import TransferTarget
 from pdserve.kvtransfer.nccl import SignedStore, listening_store
-from pdserve.kvtransfer.wire import VERSION, PageLayout, prompt_digest
-from pdserve.kvtransfer.zmq import ZmqReceiver
+from pdserve.kvtransfer.wire import VERSION, PageLayout, new_secret, prompt_digest
+from pdserve.kvtransfer.zmq import ZmqConfig, ZmqReceiver, ZmqSender
 from pdserve.launch.credentials import LaunchCredentials, generate, pack, unpack
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
@@ -272,6 +273,63 @@ def test_a_curve_stranger_cannot_connect_to_the_kv_channel(guarded, launch):
         ctx.term()
     refused_peers = guarded["decode"].connector.receiver.transport.stats()["refused_peers"]
     assert refused_peers >= 2
+
+
+def cluster_key_file(path, key: bytes) -> str:
+    path.write_text(base64.b64encode(key).decode() + "\n")
+    os.chmod(path, 0o600)
+    return str(path)
+
+
+def test_workers_sharing_a_cluster_curve_key_exchange_kv_and_no_other_key_gets_in(tmp_path):
+    """The Helm chart's CURVE design (--kv-curve-cluster-key: one secret key for the
+    cluster, 32 random bytes from a Secret): two workers given the same key exchange KV;
+    a sender with any other key is refused at the handshake, even knowing the
+    receiver's public key (a transfer plan carries it)."""
+    shared = os.urandom(32)
+    decode = ClusterAuth(ClusterCredentials(kv_curve_cluster_key=cluster_key_file(tmp_path / "decode", shared))).kv_curve()
+    prefill = ClusterAuth(ClusterCredentials(kv_curve_cluster_key=cluster_key_file(tmp_path / "prefill", shared))).kv_curve()
+    other = ClusterAuth(ClusterCredentials(kv_curve_cluster_key=cluster_key_file(tmp_path / "other", os.urandom(32))))
+    assert prefill == decode and decode.authorized_keys == {decode.public_key}
+    kv = torch.zeros((2, 8, 2, 4, 1, 8), dtype=torch.float16)
+    src = torch.randn((2, 2, 2, 4, 1, 8)).half()
+    layout, prompt = PageLayout.of(kv), list(range(8))
+    receiver = ZmqReceiver(kv, "tcp://127.0.0.1:0", ZmqConfig(curve=decode))
+    senders = {"member": ZmqSender(ZmqConfig(curve=prefill)), "stranger": ZmqSender(ZmqConfig(curve=other.kv_curve()))}
+    try:
+        endpoint = receiver.start()
+        deadline = time.monotonic() + 3.0
+        for i, (who, sender) in enumerate(senders.items()):
+            secret = new_secret()
+            receiver.expect(who, [2 * i, 2 * i + 1], 0, len(prompt), prompt_digest(prompt), deadline, secret)
+            out = sender.open(who, endpoint, receiver.server_key, secret=secret)
+            for layer in range(layout.num_layers):
+                sender.send_pages(out, layer, [(0, src[layer])], layout)
+            sender.send_final(out, len(prompt), prompt_digest(prompt), [5])
+        events = {}
+
+        def both_ended() -> bool:
+            events.update({e.request_id: e for e in receiver.events()})
+            return len(events) == 2
+
+        wait_for(both_ended, 30, "both transfers to end", step=0.01)
+        assert events["member"].ok and torch.equal(kv[:, 0:2], src)
+        assert not events["stranger"].ok and torch.count_nonzero(kv[:, 2:]) == 0
+        assert receiver.stats()["refused_peers"] >= 1  # at the handshake: not one frame got in
+    finally:
+        receiver.close()
+        for sender in senders.values():
+            sender.close()
+    # The Ray launcher carries the file like the others; bad keys and mixed settings fail naming the flag.
+    carried = unpack(pack(ClusterCredentials(kv_curve_cluster_key=str(tmp_path / "decode"))), tmp_path / "actor")
+    assert ClusterAuth(carried).kv_curve() == decode
+    (tmp_path / "short").write_text(base64.b64encode(os.urandom(16)).decode())
+    with pytest.raises(ValueError, match="kv_curve_cluster_key: must hold 32 bytes"):
+        ClusterAuth(ClusterCredentials(kv_curve_cluster_key=str(tmp_path / "short"))).kv_curve()
+    with pytest.raises(ValueError, match="kv_curve_cluster_key: replaces --kv-curve-cert"):
+        ClusterCredentials(kv_curve_cluster_key=str(tmp_path / "decode"), kv_curve_authorized=str(tmp_path))
+    with pytest.raises(ValueError, match="kv_curve_cluster_key"):
+        generate(tmp_path / "launch", ClusterCredentials(kv_curve_cluster_key=str(tmp_path / "decode")))
 
 
 def poison(endpoint: str, server_key: bytes, keys: tuple[bytes, bytes], rid: str, prompt: list[int],

@@ -11,6 +11,8 @@ values on a command line or in the environment.
                                   interceptor in constant time
     KV pages (ZeroMQ)           CURVE: encrypted, and only listed     --kv-curve-cert
                                   sender keys get a frame through     --kv-curve-authorized
+                                  (or one key pair for the cluster,   or --kv-curve-cluster-key
+                                  derived from a shared secret key)
     torch.distributed           the cluster token signs every         --cluster-token-file
       rendezvous                  rendezvous value
 
@@ -22,6 +24,8 @@ token read, certificates read, CURVE keys parsed.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import logging
 import os
 import stat
@@ -40,6 +44,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 TOKEN_METADATA = "pdserve-cluster-token"
 MIN_TOKEN_CHARS = 16
+# The fields that configure the KV channel (no use to a service that has none).
+KV_CURVE_FIELDS = ("kv_curve_cert", "kv_curve_authorized", "kv_curve_cluster_key")
 
 
 @dataclass(frozen=True)
@@ -56,16 +62,24 @@ class ClusterCredentials:
                                            "senders authenticated")
     kv_curve_authorized: str | None = flag(None, "directory of the public CURVE certificates (*.key) of the "
                                                  "workers allowed to send KV pages here")
+    kv_curve_cluster_key: str | None = flag(None, "file holding one CURVE secret key for the whole cluster (32 "
+                                                  "random bytes, base64): every worker derives the same key pair "
+                                                  "from it and admits only that key (instead of --kv-curve-cert and "
+                                                  "--kv-curve-authorized)")
 
     def __post_init__(self) -> None:
         tls = (self.cluster_ca, self.cluster_cert, self.cluster_key)
         check(all(tls) or not any(tls), "cluster_ca", "--cluster-ca, --cluster-cert and --cluster-key go together",
               tls)
-        for name in ("cluster_ca", "cluster_cert", "cluster_key", "cluster_token_file", "kv_curve_cert"):
+        for name in ("cluster_ca", "cluster_cert", "cluster_key", "cluster_token_file", "kv_curve_cert",
+                     "kv_curve_cluster_key"):
             path = getattr(self, name)
             check(path is None or Path(path).is_file(), name, "must be a readable file", path)
         check(self.kv_curve_authorized is None or Path(self.kv_curve_authorized).is_dir(), "kv_curve_authorized",
               "must be a directory of public certificates", self.kv_curve_authorized)
+        check(self.kv_curve_cluster_key is None or (self.kv_curve_cert is None and self.kv_curve_authorized is None),
+              "kv_curve_cluster_key", "replaces --kv-curve-cert and --kv-curve-authorized: give one or the others",
+              self.kv_curve_cluster_key)
 
     @property
     def mtls(self) -> bool:
@@ -83,6 +97,19 @@ def read_secret_file(path: str, name: str) -> bytes:
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
         log.warning("%s: %s is readable by others than its owner (mode %o)", name, path, stat.S_IMODE(mode))
     return Path(path).read_bytes()
+
+
+def read_cluster_curve_key(path: str) -> bytes:
+    """The 32 bytes of a --kv-curve-cluster-key file (base64 text, e.g. Helm's
+    `randBytes 32` or `head -c 32 /dev/urandom | base64`)."""
+    text = read_secret_file(path, "kv_curve_cluster_key").strip()
+    try:
+        key = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        key = b""
+    check(len(key) == 32, "kv_curve_cluster_key", "must hold 32 bytes, base64 (`head -c 32 /dev/urandom | base64`)",
+          path)
+    return key
 
 
 class ClusterAuth:
@@ -155,6 +182,8 @@ class ClusterAuth:
         from pdserve.kvtransfer.zmq import CurveConfig
 
         c = self.credentials
+        if c.kv_curve_cluster_key is not None:
+            return CurveConfig.shared(read_cluster_curve_key(c.kv_curve_cluster_key))
         if c.kv_curve_cert is None:
             check(c.kv_curve_authorized is None, "kv_curve_authorized", "needs --kv-curve-cert", c.kv_curve_authorized)
             return None
