@@ -8,6 +8,7 @@ would run go through the real `pdserve` argument parsers.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
 import os
@@ -40,7 +41,7 @@ from chart_helpers import (
 )
 from pdserve import cli
 from pdserve.engine.llm import DEFAULT_MODEL
-from pdserve.kvtransfer.zmq import CurveConfig
+from pdserve.services.common.credentials import ClusterAuth
 from pdserve.services.common.flags import ENV_PREFIX, _cli_fields, from_namespace
 from pdserve.services.router.config import RouterConfig
 from pdserve.services.worker import kv_connectors
@@ -118,8 +119,10 @@ def test_every_rendered_object_validates(case: str, version: str, default, examp
 def every_option_values() -> dict:
     """Values that turn on every optional object and path of the chart at once."""
     values = load_values(EXAMPLE)
-    values["credentials"] = {"kvCurve": {"existingSecret": "curve"}, "apiKeys": {"generate": True},
-                             "tls": {"existingSecret": "public-tls"}}
+    values["credentials"] = {"cluster": {"mtls": True}, "kvCurve": {"existingSecret": "curve"},
+                             "apiKeys": {"generate": True}, "tls": {"existingSecret": "public-tls"}}
+    values["router"]["config"] = {"saltCacheByKey": True, "prefillPolicy": "round_robin"}
+    values["prefill"]["config"] = {"cpuAffinity": "0-7"}
     values["prefill"]["autoscaling"] = {"enabled": True, "minReplicas": 2, "maxReplicas": 6,
                                         "behavior": {"scaleDown": {"stabilizationWindowSeconds": 300}}}
     values["router"]["podDisruptionBudget"] = {"minAvailable": 1}
@@ -157,6 +160,10 @@ BAD_VALUES = {
     "misspelt top-level block": ({"prefil": {"replicas": 2}}, "'prefil'"),
     "probe period zero": ({"decode": {"probes": {"startup": {"periodSeconds": 0}}}}, "/decode/probes/startup/periodSeconds"),
     "bad scrape interval": ({"serviceMonitor": {"interval": "often"}}, "/serviceMonitor/interval"),
+    "unknown prefill policy": ({"router": {"config": {"prefillPolicy": "random"}}}, "/router/config/prefillPolicy"),
+    "bad CPU list": ({"decode": {"config": {"cpuAffinity": "0-3,x"}}}, "/decode/config/cpuAffinity"),
+    "zero drain time": ({"decode": {"drainTimeoutSeconds": 0}}, "/decode/drainTimeoutSeconds"),
+    "negative max logprobs": ({"engine": {"maxLogprobs": -1}}, "/engine/maxLogprobs"),
 }
 
 
@@ -206,8 +213,25 @@ def schema_keys(*path: str) -> set[str]:
     return set(schema_props(*path))
 
 
-# Flags with no use in a pod: a launcher's handshake.
-NOT_RENDERED = {"address_file"}
+# Flags the chart knowingly leaves out, and why.
+NOT_RENDERED = {
+    "address_file": "a launcher's handshake: no use in a pod",
+    # Helm cannot compute a Curve25519 public key, so it cannot make per-role key pairs:
+    # the chart gives every worker one cluster key (--kv-curve-cluster-key) instead.
+    "kv_curve_cert": "the chart's workers use --kv-curve-cluster-key",
+    "kv_curve_authorized": "the chart's workers use --kv-curve-cluster-key",
+}
+ROUTER_NOT_RENDERED = {"kv_curve_cluster_key": "the router has no KV channel"}
+
+
+def cli_fields(cls: type) -> set[str]:
+    """The flags of a config class: its fields, a block's fields (the credentials)
+    in place of the block."""
+    hints = typing.get_type_hints(cls)
+    names = set()
+    for f in _cli_fields(cls):
+        names |= cli_fields(hints[f.name]) if dataclasses.is_dataclass(hints[f.name]) else {f.name}
+    return names
 
 
 def values_fields(component: str) -> set[str]:
@@ -217,8 +241,12 @@ def values_fields(component: str) -> set[str]:
     return {snake(k) for k in schema_keys("engine") | schema_keys(component, "config")}
 
 
-def rendered_fields(argv: list[str]) -> set[str]:
-    return {re.sub(r"^no-", "", a[2:]).replace("-", "_") for a in argv if a.startswith("--")}
+def rendered_fields(argv: list[str], env: dict[str, str]) -> set[str]:
+    """Fields a pod sets: its flags, and the PDSERVE_* variables (flags.py reads one for
+    every field; the chart sets --drain-timeout that way, so that a pdserve without the
+    flag ignores it)."""
+    flags = {re.sub(r"^no-", "", a[2:]).replace("-", "_") for a in argv if a.startswith("--")}
+    return flags | {k[len(ENV_PREFIX):].lower() for k in env}
 
 
 @pytest.mark.parametrize("component", COMPONENTS)
@@ -226,11 +254,12 @@ def test_chart_renders_every_cli_flag_and_no_other(component: str) -> None:
     """Every values key is a flag the CLI has, and every flag the CLI has is rendered
     by the chart (with every option on), set by a values key, or knowingly left out:
     a field added to a config dataclass fails here until the chart renders it."""
-    fields = {f.name for f in _cli_fields(CONFIGS[component])}
+    fields = cli_fields(CONFIGS[component])
     keys = values_fields(component)
     assert keys <= fields, f"values keys that are no flag of `pdserve {component}`: {sorted(keys - fields)}"
-    argv, _ = pod_argv(render(every_option_values()), component)
-    missing = fields - rendered_fields(argv) - keys - NOT_RENDERED
+    argv, env = pod_argv(render(every_option_values()), component)
+    not_rendered = NOT_RENDERED | (ROUTER_NOT_RENDERED if component == "router" else {})
+    missing = fields - rendered_fields(argv, env) - keys - set(not_rendered)
     assert not missing, f"flags of `pdserve {component}` the chart does not render yet: {sorted(missing)}"
 
 
@@ -285,9 +314,43 @@ def parse(argv: list[str], env: dict[str, str], monkeypatch: pytest.MonkeyPatch,
         pytest.fail(f"`pdserve {' '.join(argv)}` does not parse: {capsys.readouterr().err}", pytrace=False)
 
 
+# What an existing Secret named in values holds, for the test's stand-in files.
+STAND_INS = {"token": "t" * 32, "cluster.key": base64.b64encode(bytes(range(32))).decode(), "api-keys": "k" * 32 + "\n"}
+
+
+def mount_secrets(objects: list[dict], component: str, argv: list[str], root: Path, release: str = "demo") -> list[str]:
+    """Write the files the pod's Secret volumes would hold under `root` (a Secret the
+    chart generated: its data; an existing one: stand-ins) and point `argv` at them."""
+    spec = pod_spec(workload(objects, component, release))
+    volumes = {v["name"]: v["secret"] for v in spec["volumes"] if "secret" in v}
+    secrets = {o["metadata"]["name"]: o for o in of_kind(objects, "Secret")}
+    mounts = {}
+    for mount in container(objects, component, release)["volumeMounts"]:
+        if mount["name"] not in volumes:
+            continue
+        assert mount["readOnly"] and mount["mountPath"].startswith("/etc/pdserve/"), mount
+        volume = volumes[mount["name"]]
+        folder = root / component / mount["name"]
+        folder.mkdir(parents=True)
+        data = secrets.get(volume["secretName"], {}).get("data")
+        for item in volume["items"]:
+            text = base64.b64decode(data[item["key"]]).decode() if data else STAND_INS.get(item["key"], "stand-in")
+            (folder / item["path"]).write_text(text)
+            (folder / item["path"]).chmod(0o600)
+        mounts[mount["mountPath"]] = folder
+    out = []
+    for arg in argv:
+        for path, folder in mounts.items():
+            if arg.startswith(path + "/"):
+                arg = str(folder / arg[len(path) + 1:])
+        out.append(arg)
+    return out
+
+
 @pytest.mark.parametrize("case", ["default", "two-node-pools", "every-option"])
 @pytest.mark.parametrize("component", COMPONENTS)
-def test_pod_args_parse_with_the_real_cli(component: str, case: str, default, example, monkeypatch, capsys) -> None:
+def test_pod_args_parse_with_the_real_cli(component: str, case: str, default, example, monkeypatch, capsys,
+                                          tmp_path) -> None:
     release = "llm" if case == "two-node-pools" else "demo"
     values = {"default": {}, "two-node-pools": load_values(EXAMPLE)}.get(case)
     if values is None:
@@ -297,10 +360,10 @@ def test_pod_args_parse_with_the_real_cli(component: str, case: str, default, ex
         objects = default if case == "default" else example
     argv, env = pod_argv(objects, component, release)
     assert argv[0] == component
-    ns = parse(argv, env, monkeypatch, capsys)
+    ns = parse(mount_secrets(objects, component, argv, tmp_path, release), env, monkeypatch, capsys)
     assert ns.command == component
     # The config the process would build: its own checks run (model dir swapped for
-    # one that exists here).
+    # one that exists here; credential files where the Secrets would be).
     overrides = {"model": DEFAULT_MODEL} if component == "router" else {"model": DEFAULT_MODEL, "role": component}
     config = from_namespace(CONFIGS[component], ns, **overrides)
     c = container(objects, component, release)
@@ -333,7 +396,8 @@ def test_every_values_key_reaches_the_cli(monkeypatch, capsys) -> None:
     of the parser as that value (camelCase -> --kebab-case, numbers intact)."""
     samples = {"integer": 8589934592, "number": 2.5, "boolean": False}
     strings = {"dtype": "bfloat16", "attentionBackend": "triton", "logLevel": "DEBUG", "device": "cuda:1",
-               "kvConnector": "pdserve.services.worker.kv_connectors:zmq_ipc_connector"}
+               "kvConnector": "pdserve.services.worker.kv_connectors:zmq_ipc_connector", "cpuAffinity": "0,2-3",
+               "prefillPolicy": "round_robin"}
     blocks = {"engine": ("engine",), "router": ("router", "config"), "prefill": ("prefill", "config"),
               "decode": ("decode", "config")}
     settings: dict[str, dict] = {}
@@ -358,33 +422,79 @@ def test_every_values_key_reaches_the_cli(monkeypatch, capsys) -> None:
 
 def test_pdserve_env_the_chart_sets_is_read_by_pdserve(example) -> None:
     """Every PDSERVE_* variable in a pod is a flag's or one kvtransfer reads: the chart
-    sets nothing the code ignores."""
+    sets nothing the code ignores, but --drain-timeout's, set ahead of the flag."""
     known = {kv_connectors.HOST_ENV, kv_connectors.IPC_DIR_ENV}
-    known |= {f"PDSERVE_KV_CURVE_{k}" for k in ("SECRET_CERT", "PUBLIC_KEY", "SECRET_KEY", "SERVER_KEY",
-                                                "AUTHORIZED_KEYS", "AUTHORIZED_DIR")}
+    # Read by `pdserve` once the services drain on SIGTERM (WorkerConfig/RouterConfig
+    # .drain_timeout); until then the variable is ignored, and it is harmless.
+    known.add(ENV_PREFIX + "DRAIN_TIMEOUT")
     objects = render(every_option_values())
     for component in COMPONENTS:
-        fields = {ENV_PREFIX + f.name.upper() for f in _cli_fields(CONFIGS[component])}
+        fields = {ENV_PREFIX + name.upper() for name in cli_fields(CONFIGS[component])}
         for var in container(objects, component)["env"]:
             if var["name"].startswith(ENV_PREFIX):
                 assert var["name"] in fields | known, f"{component}: {var['name']} is read by nothing"
+            assert "secretKeyRef" not in var.get("valueFrom", {}), f"{component}: a secret in the environment"
 
 
-def test_curve_keys_from_the_secret_make_a_working_config() -> None:
-    """The env the chart maps from the CURVE Secret is what CurveConfig.from_env reads:
-    one keypair, the receivers' public key known to senders, only that key admitted."""
-    import zmq
+def worker_configs(objects: list[dict], root: Path, monkeypatch, capsys, release: str = "demo") -> dict[str, WorkerConfig]:
+    """The config each pool's pod would build, with its Secrets' files under `root`."""
+    configs = {}
+    for pool in POOLS:
+        argv, env = pod_argv(objects, pool, release)
+        ns = parse(mount_secrets(objects, pool, argv, root, release), env, monkeypatch, capsys)
+        configs[pool] = from_namespace(WorkerConfig, ns, model=DEFAULT_MODEL, role=pool)
+    return configs
 
-    public, secret = zmq.curve_keypair()
-    data = {"public.key": public.decode(), "secret.key": secret.decode()}
-    c = container(render({"credentials": {"kvCurve": {"existingSecret": "curve"}}}), "decode")
-    env = {v["name"]: data[v["valueFrom"]["secretKeyRef"]["key"]] for v in c["env"]
-           if v.get("valueFrom", {}).get("secretKeyRef", {}).get("name") == "curve"}
-    curve = CurveConfig.from_env(env)
-    assert curve is not None
-    assert (curve.public_key, curve.secret_key, curve.server_key) == (public, secret, public)
-    assert curve.authorized_keys == frozenset({public})
-    assert "PDSERVE_KV_CURVE_SECRET_KEY" not in {v["name"] for v in container(render(), "decode")["env"]}
+
+def test_curve_key_from_the_generated_secret_makes_one_cluster_key_pair(default, tmp_path, monkeypatch, capsys) -> None:
+    """The chart's KV channel: one generated secret key (randBytes 32) that every worker
+    derives the same CURVE key pair from, admitting only that key; a new install draws
+    a new key; an existing Secret is used by name."""
+    secret = one(default, "Secret", name("kv-curve"))
+    assert len(base64.b64decode(base64.b64decode(secret["data"]["cluster.key"]), validate=True)) == 32
+    configs = worker_configs(default, tmp_path, monkeypatch, capsys)
+    prefill, decode = (ClusterAuth(configs[pool].credentials).kv_curve() for pool in POOLS)
+    assert prefill is not None and prefill == decode
+    assert decode.authorized_keys == {decode.public_key} and decode.server_key == decode.public_key
+    assert one(render(), "Secret", name("kv-curve"))["data"] != secret["data"]
+    router = {v["name"] for v in pod_spec(workload(default, "router"))["volumes"]}
+    assert "kv-curve" not in router  # the router has no KV channel
+    named = render({"credentials": {"kvCurve": {"existingSecret": "curve"}}})
+    assert not [s for s in of_kind(named, "Secret") if s["metadata"]["name"] == name("kv-curve")]
+    for pool in POOLS:
+        volumes = {v["name"]: v["secret"] for v in pod_spec(workload(named, pool))["volumes"] if "secret" in v}
+        assert volumes["kv-curve"]["secretName"] == "curve"
+        assert volumes["kv-curve"]["items"] == [{"key": "cluster.key", "path": "cluster.key"}]
+    off = render({"credentials": {"kvCurve": {"generate": False}}})
+    assert "--kv-curve-cluster-key" not in container(off, "decode")["args"]
+
+
+def test_generated_cluster_certificates_make_an_mtls_connection(tmp_path, monkeypatch, capsys) -> None:
+    """With credentials.cluster.mtls the generated CA and certificate work as they are
+    used: a worker's server and a peer dialling it by IP, names checked against
+    --cluster-server-name, each showing the certificate the CA signed."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from pdserve.services.common.server import GrpcServer
+
+    objects = render({"credentials": {"cluster": {"mtls": True}}})
+    config = worker_configs(objects, tmp_path, monkeypatch, capsys)["decode"]
+    creds = config.credentials
+    assert creds.mtls and creds.cluster_token_file and creds.cluster_server_name == "pdserve-cluster"
+    auth = ClusterAuth(creds)
+    server = GrpcServer(threads=4, interceptors=auth.interceptors())
+    port = server.start("127.0.0.1", 0, [], auth.server_credentials())
+    try:
+        server.set_serving()
+        with auth.channel(f"127.0.0.1:{port}") as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as plain:  # no certificate: no connection
+            with pytest.raises(grpc.RpcError):
+                health_pb2_grpc.HealthStub(plain).Check(health_pb2.HealthCheckRequest(), timeout=2)
+    finally:
+        server.stop(0)
 
 
 # -- placement, probes, termination ---------------------------------------------------------
@@ -420,12 +530,44 @@ def test_probes_use_grpc_health_and_the_startup_probe_covers_model_loading(compo
     assert budget >= (600 if component != "router" else 60), f"{component}: {budget}s to load the model"
 
 
+# Which plaintext port each probe can use (Kubernetes' gRPC probe speaks no TLS).
+PROBES = {
+    "mtls": ({"cluster": {"mtls": True}}, {"router": ("grpc", "grpc"), "prefill": ("tcpSocket", "grpc"),
+                                           "decode": ("tcpSocket", "grpc")}),
+    "public-tls": ({"tls": {"existingSecret": "t"}}, {"router": ("grpc", "internal"), "decode": ("grpc", "grpc")}),
+    "both": ({"cluster": {"mtls": True}, "tls": {"existingSecret": "t"}}, {"router": ("tcpSocket", "grpc")}),
+}
+
+
+@pytest.mark.parametrize("case", PROBES)
+def test_probes_avoid_tls_ports(case: str) -> None:
+    credentials, expected = PROBES[case]
+    objects = render({"credentials": credentials})
+    for component, (kind, port_name) in expected.items():
+        c = container(objects, component)
+        port = next(p["containerPort"] for p in c["ports"] if p["name"] == port_name)
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert c[probe][kind] == {"port": port}, (component, probe)
+
+
 @pytest.mark.parametrize("component", COMPONENTS)
-def test_graceful_termination(component: str, default) -> None:
+def test_graceful_termination(component: str, default, monkeypatch, capsys, tmp_path) -> None:
+    """preStop sleeps while the pod leaves its endpoints, then SIGTERM starts the
+    drain (--drain-timeout, given as PDSERVE_DRAIN_TIMEOUT), and the grace period
+    covers both with room to exit."""
     spec = pod_spec(workload(default, component))
     c = container(default, component)
+    values = load_values(CHART / "values.yaml")[component]
     sleep = c["lifecycle"]["preStop"]["sleep"]["seconds"]
-    assert 0 < sleep < spec["terminationGracePeriodSeconds"]
+    env = {v["name"]: v.get("value") for v in c["env"]}
+    drain = float(env[ENV_PREFIX + "DRAIN_TIMEOUT"])
+    assert drain == values["drainTimeoutSeconds"]
+    assert 0 < sleep and sleep + drain + 10 <= spec["terminationGracePeriodSeconds"]
+    if "drain_timeout" in cli_fields(CONFIGS[component]):  # once the services drain on SIGTERM
+        argv, pod_env = pod_argv(default, component)
+        assert parse(mount_secrets(default, component, argv, tmp_path), pod_env, monkeypatch, capsys).drain_timeout == drain
+    with pytest.raises(helm.HelmError, match=rf"{component}\.terminationGracePeriodSeconds \(40\) must be at least"):
+        render({component: {"terminationGracePeriodSeconds": 40, "drainTimeoutSeconds": 30}})
 
 
 def test_pod_disruption_budgets_select_each_component(default) -> None:
@@ -527,10 +669,12 @@ def test_existing_secrets_by_name() -> None:
     router = {v["name"]: v["secret"]["secretName"] for v in pod_spec(workload(objects, "router"))["volumes"] if "secret" in v}
     assert router == {"cluster-credentials": "my-cluster", "api-keys": "my-keys", "tls": "my-tls"}
     decode = {v["name"]: v["secret"]["secretName"] for v in pod_spec(workload(objects, "decode"))["volumes"] if "secret" in v}
-    assert decode == {"cluster-credentials": "my-cluster"}  # workers never see the public port's keys
-    curve = {v["valueFrom"]["secretKeyRef"]["name"] for v in container(objects, "decode")["env"] if "valueFrom" in v
-             and "secretKeyRef" in v["valueFrom"]}
-    assert curve == {"my-curve"}
+    assert decode == {"cluster-credentials": "my-cluster", "kv-curve": "my-curve"}  # not the public port's keys
+    args = container(objects, "router")["args"]
+    assert args[args.index("--api-keys-file") + 1] == "/etc/pdserve/api-keys/api-keys"
+    assert args[args.index("--tls-cert") + 1] == "/etc/pdserve/tls/tls.crt"
+    with pytest.raises(helm.HelmError, match=r"router\.config\.saltCacheByKey: needs API keys"):
+        render({"router": {"config": {"saltCacheByKey": True}}})
     generated = render({"credentials": {"apiKeys": {"generate": True}}})
     keys = one(generated, "Secret", name("api-keys"))
     assert set(keys["data"]) == {"api-keys"}
@@ -546,13 +690,26 @@ def test_network_policy_on_by_default(default) -> None:
                        {"app.kubernetes.io/component": "prefill"})
     assert workers["spec"]["podSelector"]["matchExpressions"] == [
         {"key": "app.kubernetes.io/component", "operator": "In", "values": ["prefill", "decode"]}]
-    everything, metrics = workers["spec"]["ingress"]
-    assert everything == {"from": [{"podSelector": {"matchLabels": release}}]}  # gRPC and KV ports
-    assert metrics["ports"] == [{"port": "metrics", "protocol": "TCP"}]
+    (everything,) = workers["spec"]["ingress"]
+    assert everything == {"from": [{"podSelector": {"matchLabels": release}}]}  # gRPC, KV and metrics ports
     router = one(default, "NetworkPolicy", name("router"))
-    internal_rules = [r for r in router["spec"]["ingress"] if r.get("from") == [{"podSelector": {"matchLabels": release}}]]
-    assert internal_rules, "the router's internal port is open to the release's pods only"
+    public, internal = router["spec"]["ingress"]
+    assert public == {"ports": [{"port": "grpc", "protocol": "TCP"}]}  # publicFrom empty: every source
+    assert internal == {"ports": [{"port": "internal", "protocol": "TCP"}, {"port": "metrics", "protocol": "TCP"}],
+                        "from": [{"podSelector": {"matchLabels": release}}]}
+    for port in ("grpc", "internal", "metrics"):  # the policy's named ports are the container's
+        assert port in {p["name"] for p in container(default, "router")["ports"]}
     assert not of_kind(render({"networkPolicy": {"enabled": False}}), "NetworkPolicy")
+
+
+def test_metrics_from_admits_the_scrapers_to_metrics_ports_only(example) -> None:
+    scrapers = load_values(EXAMPLE)["networkPolicy"]["metricsFrom"]
+    for policy in ("workers", "router"):
+        rules = one(example, "NetworkPolicy", name(policy, "llm"))["spec"]["ingress"]
+        assert {"ports": [{"port": "metrics", "protocol": "TCP"}], "from": scrapers} in rules, policy
+        assert [r for r in rules if r.get("from") == scrapers] == [rules[-1]], policy
+    with pytest.raises(helm.HelmError, match=r"serviceMonitor\.enabled: .* set networkPolicy\.metricsFrom"):
+        render({"serviceMonitor": {"enabled": True}})
 
 
 # -- monitoring ------------------------------------------------------------------------------
@@ -661,7 +818,8 @@ def test_monitoring_toggles_fail_clearly_without_their_files(tmp_path: Path) -> 
 
 def test_custom_resources_are_checked_against_the_crds() -> None:
     """The CRD validation is not a formality: a typo in the ServiceMonitor fails."""
-    (monitor,) = of_kind(render({"serviceMonitor": {"enabled": True}}), "ServiceMonitor")
+    (monitor,) = of_kind(render({"serviceMonitor": {"enabled": True}, "networkPolicy": {"enabled": False}}),
+                         "ServiceMonitor")
     validate(monitor)
     monitor["spec"]["endpoints"][0]["intervall"] = "15s"
     with pytest.raises(jsonschema.ValidationError, match="intervall"):

@@ -52,13 +52,12 @@ app.kubernetes.io/part-of: pdserve
 {{- end }}
 
 {{/*
-Ports. The Registry (where workers register) is on the router's public port until
-the router serves it apart (issue 9's --internal-port): then this returns
-.Values.router.ports.internal and pdserve.router.args passes --internal-port. The
-internal Service, the workers' --router and the NetworkPolicy all read it here.
+Ports. The Registry (where workers register) is on the router's internal port
+(--internal-port), apart from the public one: the internal Service, the workers'
+--router and the NetworkPolicy all read it here.
 */}}
 {{- define "pdserve.router.registryPort" -}}
-{{- .Values.router.ports.grpc }}
+{{- .Values.router.ports.internal }}
 {{- end }}
 
 {{- define "pdserve.router.registryAddress" -}}
@@ -101,24 +100,34 @@ writes an exponent (8589934592, not 8.589934592e+09).
 {{- end }}
 
 {{/*
-The router's arguments: `pdserve router` and its flags. Flags still to come, with the
-values they take (see the README's "Wiring still to do"):
-  --internal-port .Values.router.ports.internal                  (issue 9)
-  --cluster-token-file /etc/pdserve/cluster/token                (issue 9)
-  --cluster-ca/--cluster-cert/--cluster-key /etc/pdserve/cluster/{ca.crt,tls.crt,tls.key}
-  --api-keys-file /etc/pdserve/api-keys/api-keys                 (issue 9)
-  --tls-cert/--tls-key /etc/pdserve/tls/{tls.crt,tls.key}        (issue 9)
-  --metrics-port .Values.router.ports.metrics                    (issue 10)
+The router's arguments: `pdserve router` and its flags: the public port, the
+internal (Registry) port and the metrics port of its container, the engine limits
+the cluster shares, and the credentials mounted from Secrets.
 */}}
 {{- define "pdserve.router.args" -}}
+{{- if .Values.router.config.saltCacheByKey }}
+{{- if not (include "pdserve.secret.apiKeys" .) }}
+{{- fail "router.config.saltCacheByKey: needs API keys (credentials.apiKeys.existingSecret or credentials.apiKeys.generate)" }}
+{{- end }}
+{{- end }}
+{{- $p := .Values.router.ports }}
+{{- if or (eq (int $p.grpc) (int $p.internal)) (eq (int $p.grpc) (int $p.metrics)) (eq (int $p.internal) (int $p.metrics)) }}
+{{- fail (printf "router.ports: grpc (%v), internal (%v) and metrics (%v) must differ" $p.grpc $p.internal $p.metrics) }}
+{{- end }}
 {{- $set := dict
   "model" (include "pdserve.modelPath" .)
   "servedModelName" .Values.model.servedModelName
   "host" "0.0.0.0"
-  "port" .Values.router.ports.grpc
+  "port" $p.grpc
+  "internalHost" "0.0.0.0"
+  "internalPort" $p.internal
+  "metricsHost" "0.0.0.0"
+  "metricsPort" $p.metrics
   "blockSize" .Values.engine.blockSize
   "maxModelLen" .Values.engine.maxModelLen
-  "maxN" .Values.engine.maxN }}
+  "maxN" .Values.engine.maxN
+  "maxLogprobs" .Values.engine.maxLogprobs }}
+{{- $set = include "pdserve.overlay" (dict "dst" $set "src" (include "pdserve.credentials.flags" (dict "root" . "component" "router") | fromJson)) | fromJson }}
 {{- $flags := include "pdserve.overlay" (dict "dst" .Values.router.config "src" $set) | fromJson }}
 - router
 {{- include "pdserve.flags" $flags }}
@@ -129,14 +138,15 @@ values they take (see the README's "Wiring still to do"):
 
 {{/*
 A worker's arguments: `pdserve prefill|decode` and its flags; dict "root" $ "pool"
-"prefill"|"decode". Flags still to come: --metrics-port <pool>.ports.metrics
-(issue 10); --cluster-token-file / --cluster-ca / --cluster-cert / --cluster-key
-(issue 9, files under /etc/pdserve/cluster); CURVE keys as files if issue 9 moves
-them from the PDSERVE_KV_CURVE_* environment to flags.
+"prefill"|"decode". Its id is its pod's name, it advertises its pod IP, registers
+with the router's internal Service, serves metrics on its container's metrics port.
 */}}
 {{- define "pdserve.worker.args" -}}
 {{- $root := .root }}
 {{- $pool := index $root.Values .pool }}
+{{- if eq (int $pool.ports.grpc) (int $pool.ports.metrics) }}
+{{- fail (printf "%s.ports: grpc and metrics (%v) must differ" .pool $pool.ports.grpc) }}
+{{- end }}
 {{- $engine := include "pdserve.overlay" (dict "dst" $root.Values.engine "src" $pool.engine) | fromJson }}
 {{- $flags := include "pdserve.overlay" (dict "dst" $engine "src" $pool.config) | fromJson }}
 {{- $set := dict
@@ -146,7 +156,10 @@ them from the PDSERVE_KV_CURVE_* environment to flags.
   "port" $pool.ports.grpc
   "router" (include "pdserve.router.registryAddress" $root)
   "workerId" "$(POD_NAME)"
-  "advertiseHost" "$(POD_IP)" }}
+  "advertiseHost" "$(POD_IP)"
+  "metricsHost" "0.0.0.0"
+  "metricsPort" $pool.ports.metrics }}
+{{- $set = include "pdserve.overlay" (dict "dst" $set "src" (include "pdserve.credentials.flags" (dict "root" $root "component" .pool) | fromJson)) | fromJson }}
 {{- $flags = include "pdserve.overlay" (dict "dst" $flags "src" $set) | fromJson }}
 - {{ .pool }}
 {{- include "pdserve.flags" $flags }}
@@ -231,11 +244,19 @@ them from the PDSERVE_KV_CURVE_* environment to flags.
 
 {{/*
 Credentials: the Secret each comes from (existing by name, or the one secrets.yaml
-makes); "" when it is off.
+makes); "" when it is off. Each is mounted read-only where the flags below point
+(only the keys used, so a Secret that lacks one fails the pod's start, naming it).
 */}}
 {{- define "pdserve.secret.cluster" -}}
 {{- $c := .Values.credentials.cluster }}
+{{- if or $c.token $c.mtls }}
 {{- if $c.existingSecret }}{{ $c.existingSecret }}{{ else if $c.generate }}{{ include "pdserve.fullname" . }}-cluster{{ end }}
+{{- end }}
+{{- end }}
+
+{{- define "pdserve.secret.kvCurve" -}}
+{{- $c := .Values.credentials.kvCurve }}
+{{- if $c.existingSecret }}{{ $c.existingSecret }}{{ else if $c.generate }}{{ include "pdserve.fullname" . }}-kv-curve{{ end }}
 {{- end }}
 
 {{- define "pdserve.secret.apiKeys" -}}
@@ -243,65 +264,104 @@ makes); "" when it is off.
 {{- if $c.existingSecret }}{{ $c.existingSecret }}{{ else if $c.generate }}{{ include "pdserve.fullname" . }}-api-keys{{ end }}
 {{- end }}
 
-{{/* Secret volumes of a component (dict "root" $ "component" ...). */}}
-{{- define "pdserve.credentials.volumes" -}}
-{{- with include "pdserve.secret.cluster" .root }}
-- name: cluster-credentials
-  secret:
-    secretName: {{ . }}
-    defaultMode: 0440
+{{/* Whether internal RPCs use mTLS ("true" or ""). */}}
+{{- define "pdserve.mtls" -}}
+{{- if and (include "pdserve.secret.cluster" .) .Values.credentials.cluster.mtls }}true{{ end }}
+{{- end }}
+
+{{/*
+The mounts of a component's credentials (dict "root" $ "component" ...), as JSON:
+[{name, secret, path, keys}]. The router gets the cluster credentials, the API keys and
+the public TLS certificate; a worker the cluster credentials and the KV channel's
+CURVE key. Workers never see the public port's keys, the router never the CURVE key.
+*/}}
+{{- define "pdserve.credentials.mounts" -}}
+{{- $root := .root }}
+{{- $c := $root.Values.credentials }}
+{{- $mounts := list }}
+{{- with include "pdserve.secret.cluster" $root }}
+{{- $keys := list }}
+{{- if $c.cluster.token }}{{ $keys = append $keys "token" }}{{ end }}
+{{- if $c.cluster.mtls }}{{ $keys = concat $keys (list "ca.crt" "tls.crt" "tls.key") }}{{ end }}
+{{- $mounts = append $mounts (dict "name" "cluster-credentials" "secret" . "path" "/etc/pdserve/cluster" "keys" $keys) }}
 {{- end }}
 {{- if eq .component "router" }}
-{{- with include "pdserve.secret.apiKeys" .root }}
-- name: api-keys
-  secret:
-    secretName: {{ . }}
-    defaultMode: 0440
+{{- with include "pdserve.secret.apiKeys" $root }}
+{{- $mounts = append $mounts (dict "name" "api-keys" "secret" . "path" "/etc/pdserve/api-keys" "keys" (list "api-keys")) }}
 {{- end }}
-{{- with .root.Values.credentials.tls.existingSecret }}
-- name: tls
-  secret:
-    secretName: {{ . }}
-    defaultMode: 0440
+{{- with $c.tls.existingSecret }}
+{{- $mounts = append $mounts (dict "name" "tls" "secret" . "path" "/etc/pdserve/tls" "keys" (list "tls.crt" "tls.key")) }}
 {{- end }}
+{{- else }}
+{{- with include "pdserve.secret.kvCurve" $root }}
+{{- $mounts = append $mounts (dict "name" "kv-curve" "secret" . "path" "/etc/pdserve/kv-curve" "keys" (list "cluster.key")) }}
+{{- end }}
+{{- end }}
+{{- toJson $mounts }}
+{{- end }}
+
+{{/* The credential flags of a component (dict "root" $ "component" ...), as JSON. */}}
+{{- define "pdserve.credentials.flags" -}}
+{{- $c := .root.Values.credentials }}
+{{- $flags := dict }}
+{{- range $m := include "pdserve.credentials.mounts" . | fromJsonArray }}
+{{- if eq $m.name "cluster-credentials" }}
+{{- if has "token" $m.keys }}{{ $_ := set $flags "clusterTokenFile" (printf "%s/token" $m.path) }}{{ end }}
+{{- if has "ca.crt" $m.keys }}
+{{- $_ := set $flags "clusterCa" (printf "%s/ca.crt" $m.path) }}
+{{- $_ := set $flags "clusterCert" (printf "%s/tls.crt" $m.path) }}
+{{- $_ := set $flags "clusterKey" (printf "%s/tls.key" $m.path) }}
+{{- with $c.cluster.serverName }}{{ $_ := set $flags "clusterServerName" . }}{{ end }}
+{{- end }}
+{{- else if eq $m.name "api-keys" }}
+{{- $_ := set $flags "apiKeysFile" (printf "%s/api-keys" $m.path) }}
+{{- else if eq $m.name "tls" }}
+{{- $_ := set $flags "tlsCert" (printf "%s/tls.crt" $m.path) }}
+{{- $_ := set $flags "tlsKey" (printf "%s/tls.key" $m.path) }}
+{{- else if eq $m.name "kv-curve" }}
+{{- $_ := set $flags "kvCurveClusterKey" (printf "%s/cluster.key" $m.path) }}
+{{- end }}
+{{- end }}
+{{- toJson $flags }}
+{{- end }}
+
+{{/* Secret volumes of a component (dict "root" $ "component" ...). */}}
+{{- define "pdserve.credentials.volumes" -}}
+{{- range $m := include "pdserve.credentials.mounts" . | fromJsonArray }}
+- name: {{ $m.name }}
+  secret:
+    secretName: {{ $m.secret }}
+    # Group-readable: the files belong to root and the pod's fsGroup (10001).
+    defaultMode: 0440
+    items:
+      {{- range $key := $m.keys }}
+      - {key: {{ $key }}, path: {{ $key }}}
+      {{- end }}
 {{- end }}
 {{- end }}
 
 {{- define "pdserve.credentials.volumeMounts" -}}
-{{- if include "pdserve.secret.cluster" .root }}
-- name: cluster-credentials
-  mountPath: /etc/pdserve/cluster
+{{- range $m := include "pdserve.credentials.mounts" . | fromJsonArray }}
+- name: {{ $m.name }}
+  mountPath: {{ $m.path }}
   readOnly: true
-{{- end }}
-{{- if eq .component "router" }}
-{{- if include "pdserve.secret.apiKeys" .root }}
-- name: api-keys
-  mountPath: /etc/pdserve/api-keys
-  readOnly: true
-{{- end }}
-{{- if .root.Values.credentials.tls.existingSecret }}
-- name: tls
-  mountPath: /etc/pdserve/tls
-  readOnly: true
-{{- end }}
 {{- end }}
 {{- end }}
 
 {{/*
-The KV channel's CURVE keys, in the environment kvtransfer.zmq.CurveConfig.from_env
-reads: one keypair for the cluster, so every sender knows the receivers' public key
-and every receiver admits exactly that key.
+What the probes call (dict "root" $ "component" ... "values" ...): Kubernetes' native
+gRPC probe speaks plaintext only. A worker's gRPC port is plaintext unless the
+cluster uses mTLS; the router's public port unless it has a TLS certificate, and then
+its internal port (the same process's health) unless that is mTLS. A TLS-only pod
+gets a TCP probe of its gRPC port.
 */}}
-{{- define "pdserve.kvCurve.env" -}}
-{{- with .Values.credentials.kvCurve.existingSecret }}
-{{- $secret := . }}
-{{- range $name, $key := dict "PUBLIC_KEY" "public.key" "SECRET_KEY" "secret.key" "SERVER_KEY" "public.key" "AUTHORIZED_KEYS" "public.key" }}
-- name: PDSERVE_KV_CURVE_{{ $name }}
-  valueFrom:
-    secretKeyRef:
-      name: {{ $secret }}
-      key: {{ $key }}
-{{- end }}
+{{- define "pdserve.probe.target" -}}
+{{- $mtls := include "pdserve.mtls" .root }}
+{{- if ne .component "router" }}
+{{- if $mtls }}tcpSocket{{ else }}grpc{{ end }}: {port: {{ .values.ports.grpc }}}
+{{- else if not .root.Values.credentials.tls.existingSecret }}grpc: {port: {{ .values.ports.grpc }}}
+{{- else if not $mtls }}grpc: {port: {{ .values.ports.internal }}}
+{{- else }}tcpSocket: {port: {{ .values.ports.grpc }}}
 {{- end }}
 {{- end }}
 
@@ -312,7 +372,11 @@ component's values block "args" its rendered arguments.
 {{- define "pdserve.podTemplate" -}}
 {{- $root := .root }}
 {{- $v := .values }}
-{{- $worker := ne .component "router" -}}
+{{- $worker := ne .component "router" }}
+{{- $needed := addf $v.preStopSleepSeconds $v.drainTimeoutSeconds 10 }}
+{{- if lt (float64 $v.terminationGracePeriodSeconds) $needed }}
+{{- fail (printf "%s.terminationGracePeriodSeconds (%v) must be at least preStopSleepSeconds + drainTimeoutSeconds + 10 (%v): the kubelet kills the pod when it ends" .component $v.terminationGracePeriodSeconds $needed) }}
+{{- end -}}
 metadata:
   labels:
     {{- include "pdserve.labels" (dict "root" $root "component" .component) | nindent 4 }}
@@ -374,10 +438,11 @@ spec:
         # The address a decode worker's KV receiver binds and advertises (pod IP).
         - name: PDSERVE_KV_HOST
           value: $(POD_IP)
-        {{- with include "pdserve.kvCurve.env" $root | trim }}
-        {{- . | nindent 8 }}
         {{- end }}
-        {{- end }}
+        # How long in-flight requests may finish after SIGTERM (--drain-timeout, read
+        # from the environment like every flag; ignored by a pdserve without it).
+        - name: PDSERVE_DRAIN_TIMEOUT
+          value: {{ $v.drainTimeoutSeconds | toJson | quote }}
         {{- with $v.env }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
@@ -385,7 +450,7 @@ spec:
         - name: grpc
           containerPort: {{ $v.ports.grpc }}
           protocol: TCP
-        {{- if and (not $worker) (ne (include "pdserve.router.registryPort" $root) (toString $v.ports.grpc)) }}
+        {{- if not $worker }}
         - name: internal
           containerPort: {{ include "pdserve.router.registryPort" $root }}
           protocol: TCP
@@ -396,15 +461,18 @@ spec:
       # gRPC health checking (grpc.health.v1, the overall server ""): the port opens
       # once the model is loaded, NOT_SERVING again from the moment the process
       # starts shutting down. The startup probe covers the model's loading time.
+      {{- $probe := include "pdserve.probe.target" . }}
       startupProbe:
-        grpc: {port: {{ $v.ports.grpc }}}
+        {{ $probe }}
         {{- toYaml $v.probes.startup | nindent 8 }}
       readinessProbe:
-        grpc: {port: {{ $v.ports.grpc }}}
+        {{ $probe }}
         {{- toYaml $v.probes.readiness | nindent 8 }}
       livenessProbe:
-        grpc: {port: {{ $v.ports.grpc }}}
+        {{ $probe }}
         {{- toYaml $v.probes.liveness | nindent 8 }}
+      # The pod leaves its Services' endpoints while this sleeps; SIGTERM comes after
+      # it, and the process drains (drainTimeoutSeconds) before it stops.
       lifecycle:
         preStop:
           sleep:
