@@ -497,6 +497,51 @@ def test_generated_cluster_certificates_make_an_mtls_connection(tmp_path, monkey
         server.stop(0)
 
 
+
+def test_the_pods_make_a_working_cluster_with_the_generated_credentials(tmp_path, monkeypatch, capsys) -> None:
+    """The router and both pools as the chart configures them (every credential on,
+    generated: cluster token and mTLS, the CURVE cluster key, an API key), in this
+    process on loopback: the workers register with the router's internal port, a
+    prompt is prefilled on the prefill worker and its KV crosses to the decode worker
+    over CURVE, and a call without the API key is refused."""
+    import grpc
+
+    from pdserve.services.router.client import Client, collect
+    from pdserve.services.router.main import Router
+    from pdserve.services.worker.main import Worker
+
+    values = {"credentials": {"cluster": {"mtls": True}, "apiKeys": {"generate": True}},
+              "router": {"config": {"localPrefillThreshold": 0}}, "engine": {"numBlocks": 64}}
+    objects = render(values)
+    argv, env = pod_argv(objects, "router")
+    ns = parse(mount_secrets(objects, "router", argv, tmp_path), env, monkeypatch, capsys)
+    loopback = {"host": "127.0.0.1", "internal_host": "127.0.0.1", "metrics_host": "127.0.0.1", "port": 0,
+                "internal_port": 0, "metrics_port": 0}
+    router = Router(from_namespace(RouterConfig, ns, model=DEFAULT_MODEL, **loopback))
+    api_key = (tmp_path / "router" / "api-keys" / "api-keys").read_text().split()[0]
+    address = router.start()
+    workers = {}
+    try:
+        configs = worker_configs(objects, tmp_path / "workers", monkeypatch, capsys)
+        monkeypatch.setenv(kv_connectors.HOST_ENV, "127.0.0.1")  # the pod IP's stand-in
+        for pool in ("decode", "prefill"):
+            workers[pool] = Worker(dataclasses.replace(
+                configs[pool], router=router.internal_address, advertise_host="127.0.0.1",
+                **{k: v for k, v in loopback.items() if not k.startswith("internal")}))
+            workers[pool].start()
+        prompt = "def fib(n):\n" + "".join(f"    x_{k} = step({k})\n" for k in range(8))
+        with Client(address, timeout=60, api_key=api_key) as client:
+            (seq,) = collect(client.generate(prompt, max_tokens=4, temperature=0.0)).values()
+        assert len(seq.token_ids) == 4
+        assert workers["decode"].connector.stats()["kv_transfers"] == 1  # prefilled remotely, over CURVE
+        with Client(address, timeout=10) as client, pytest.raises(grpc.RpcError) as refused:
+            collect(client.generate(prompt, max_tokens=1))
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        for worker in workers.values():
+            worker.stop()
+        router.stop()
+
 # -- placement, probes, termination ---------------------------------------------------------
 
 
