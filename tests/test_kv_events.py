@@ -8,7 +8,9 @@ from __future__ import annotations
 import random
 import threading
 import time
+from concurrent import futures
 
+import grpc
 import pytest
 import torch
 
@@ -22,9 +24,10 @@ from pdserve.engine.kv_events import KvEventBatch, KvEventLog
 from pdserve.engine.llm import DEFAULT_MODEL
 from pdserve.engine.request import Request
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
+from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from pdserve.services.router.client import Client, collect
 from pdserve.services.router.config import RouterConfig
-from pdserve.services.router.kv_view import KvView
+from pdserve.services.router.kv_view import KvSubscriber, KvView
 from pdserve.services.router.main import Router
 from pdserve.services.worker import kv_events as worker_kv
 from pdserve.services.worker.config import WorkerConfig
@@ -308,6 +311,47 @@ def test_the_worker_stream_resumes_or_resyncs_and_ends_when_the_log_closes():
     stream = worker_kv.kv_event_stream(log, pb.KvEventsRequest(since_seq=2, epoch=log.epoch), Context())
     threading.Timer(0.05, log.close).start()
     assert list(stream) == []  # nothing new, then the worker stopped: the stream ends
+
+
+class GappyWorker(pb_grpc.WorkerServicer):
+    """A worker whose first stream skips a batch (as a bug or a lost message would):
+    the subscriber must notice and resubscribe for a snapshot."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[int, str]] = []
+
+    def KvEvents(self, request, context):
+        self.requests.append((request.since_seq, request.epoch))
+        if len(self.requests) == 1:
+            yield pb.KvEventBatch(seq=1, epoch="e", stored=[h(1)], snapshot=True)
+            yield pb.KvEventBatch(seq=2, epoch="e", stored=[h(2)])
+            yield pb.KvEventBatch(seq=4, epoch="e", stored=[h(4)])  # 3 is missing
+        else:
+            yield pb.KvEventBatch(seq=4, epoch="e", stored=[h(1), h(2), h(3), h(4)], snapshot=True)
+        while context.is_active():
+            time.sleep(0.05)
+
+
+def test_the_subscriber_resyncs_on_a_gap():
+    servicer = GappyWorker()
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    pb_grpc.add_WorkerServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    view, stop, counts = KvView(), threading.Event(), []
+    done = threading.Event()
+    try:
+        KvSubscriber("w", pb_grpc.WorkerStub(channel), view, threading.Lock(), done.is_set, stop, counts.append).start()
+        wait_for(lambda: view.seq == 4, 10, "the snapshot after the gap")
+        assert view.hashes == {h(1), h(2), h(3), h(4)}
+        assert servicer.requests == [(0, ""), (0, "")]  # the second asked for a snapshot, not to resume at 2
+        assert counts == ["snapshot", "batch", "gap", "snapshot"]
+    finally:
+        done.set()
+        stop.set()
+        channel.close()
+        server.stop(0)
 
 
 # -- a real router following a real worker ------------------------------------------------------

@@ -83,30 +83,24 @@ class KvSubscriber:
         self.done = done
         self.stop = stop
         self.count = count
+        self.applied = 0  # messages applied (the backoff restarts after a stream that delivered some)
         self._thread = threading.Thread(target=self._run, name=f"kv-events-{worker_id}", daemon=True)
 
     def start(self) -> KvSubscriber:
         self._thread.start()
         return self
 
-    def join(self, timeout: float) -> None:
-        self._thread.join(timeout)
-
     def _run(self) -> None:
         delay = RETRY_MIN
         while not self.done():
             request = pb.KvEventsRequest(since_seq=self.view.seq, epoch=self.view.epoch)
+            applied = self.applied
             try:
                 call = self.stub.KvEvents(request, timeout=STREAM_LIFETIME)
-                for batch in call:
-                    if not self._apply(batch):
-                        call.cancel()
-                        break
-                    delay = RETRY_MIN
-                else:
-                    if not self.done():  # the worker is stopping: it may come back
-                        self.stop.wait(delay)
-                continue
+                if any(not self._apply(batch) for batch in call):
+                    call.cancel()
+                    continue  # a gap: resubscribe at once, for a snapshot
+                log.info("KV events of %s: the stream ended (the worker is stopping)", self.worker_id)
             except grpc.RpcError as e:
                 if self.done():
                     return
@@ -115,13 +109,12 @@ class KvSubscriber:
                 if e.code() == grpc.StatusCode.UNIMPLEMENTED:
                     log.warning("worker %s serves no KvEvents: routing ignores its cache", self.worker_id)
                     return
-                log.info("KV events of %s: %s (%s); subscribing again in %.1fs", self.worker_id, e.code().name,
-                         e.details(), delay)
+                log.info("KV events of %s: %s (%s)", self.worker_id, e.code().name, e.details())
             except ValueError as e:  # "closed channel": the worker was dropped
                 log.info("KV events of %s: %s", self.worker_id, e)
                 return
+            delay = RETRY_MIN if self.applied > applied else min(2 * delay, RETRY_MAX)
             self.stop.wait(delay)
-            delay = min(2 * delay, RETRY_MAX)
 
     def _apply(self, batch: pb.KvEventBatch) -> bool:
         with self.lock:
@@ -133,5 +126,6 @@ class KvSubscriber:
             log.warning("KV events of %s: batch %d does not follow %d: resyncing", self.worker_id, batch.seq, after)
             self.count("gap")
             return False
+        self.applied += 1
         self.count("snapshot" if batch.snapshot and not batch.more else "batch")
         return True
