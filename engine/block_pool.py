@@ -9,6 +9,10 @@ The free queue is an LRU: allocation takes from the head and evicts that block's
 prefix-cache entry; a freed block that holds cached KV goes to the tail (kept as
 long as possible), a freed block without a hash goes to the head (nothing is lost
 by reusing it first). A cache hit on a free block takes it out of the queue.
+
+Every hash that enters the cache (`cache`) or leaves it (eviction on allocation,
+`reset_cache`) is recorded in `events` (engine/kv_events.py), which the owner flushes
+into numbered batches for the router; with caching off nothing is ever recorded.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from pdserve.engine.hashing import BlockHash
+from pdserve.engine.kv_events import KvEventLog
 
 
 @dataclass(eq=False)
@@ -30,11 +35,12 @@ class Block:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True, events: KvEventLog | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks: must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        self.events = events if events is not None else KvEventLog()
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._cached: dict[BlockHash, Block] = {}
@@ -96,18 +102,21 @@ class BlockPool:
         block.block_hash = block_hash
         block.token_ids = tuple(token_ids)
         self._cached[block_hash] = block
+        self.events.stored(block_hash)
 
     def reset_cache(self) -> None:
         """Forget every cached hash (all KV contents become anonymous)."""
-        for block in self._cached.values():
+        for block_hash, block in self._cached.items():
             block.block_hash = None
             block.token_ids = None
+            self.events.removed(block_hash)
         self._cached.clear()
 
     def _evict(self, block: Block) -> None:
         if block.block_hash is not None:
             if self._cached.get(block.block_hash) is block:
                 del self._cached[block.block_hash]
+                self.events.removed(block.block_hash)
             block.block_hash = None
             block.token_ids = None
 

@@ -27,6 +27,7 @@ from pdserve.engine.core import EngineCore
 from pdserve.engine.disagg import ExportSlice, LayerHook, NoCapacityError, RemoteKV, Reservation
 from pdserve.engine.group import SequenceGroup
 from pdserve.engine.kv_cache import KVCacheManager
+from pdserve.engine.kv_events import KvEventLog
 from pdserve.engine.model_runner import ModelRunner, kv_bytes_per_block
 from pdserve.engine.output import OutputProcessor, TokenDelta, TokenHook
 from pdserve.engine.outputs import RequestOutput
@@ -212,6 +213,13 @@ class LLMEngine:
     def cached_block_hashes(self) -> list[bytes]:
         """Hashes of the blocks whose KV this worker's prefix cache holds right now."""
         return [b.block_hash for b in self.pool.blocks if b.block_hash is not None]
+
+    @property
+    def kv_events(self) -> KvEventLog:
+        """The prefix cache's stored / removed hashes as numbered batches
+        (engine/kv_events.py): whoever owns the engine thread calls `flush()` after
+        each step or call that may have changed the cache."""
+        return self.pool.events
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()

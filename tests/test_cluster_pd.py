@@ -224,7 +224,7 @@ def test_parallel_sampling_and_beam_search_prefill_once(pd2, client2, llm):
 
 def warm_up(client: Client, up: UpProcess, prompt: str, want: list[int]) -> tuple[pb.WorkerInfo, pb.WorkerInfo]:
     """Send `prompt`; (the prefill worker that computed it, the other one), once the
-    router has polled what the first one caches."""
+    router knows what the first one caches."""
     prefills = workers(up, pb.ROLE_PREFILL)
     before = counters(prefills, up.auth)
     (seq,) = collect(client.generate(prompt, max_tokens=len(want), temperature=0.0)).values()
@@ -232,7 +232,7 @@ def warm_up(client: Client, up: UpProcess, prompt: str, want: list[int]) -> tupl
     now = counters(prefills, up.auth)
     (holder,) = [w for w in prefills if now[w.worker_id].prefix_cache_queries > before[w.worker_id].prefix_cache_queries]
     (other,) = [w for w in prefills if w.worker_id != holder.worker_id]
-    time.sleep(1.5)  # the router polls Stats every 0.5 s
+    time.sleep(1.5)  # the router's view follows the holder's KV events (and its load, Stats every 0.5 s)
     return holder, other
 
 

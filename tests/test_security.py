@@ -198,22 +198,28 @@ def test_worker_rpcs_without_cluster_credentials_are_refused(guarded):
     before = worker_stats(guarded, "decode").prefix_cache_queries
     target = pb.KVTarget(worker_id="x", kv_endpoint="tcp://127.0.0.1:9", block_ids=[1, 2, 3])
     calls = {
-        "decode": [
-            lambda s, m: s.Reserve(pb.ReserveRequest(request_id="r", token_ids=prompt, sampling=OPTIONS), timeout=5, metadata=m),
-            lambda s, m: s.Decode(pb.DecodeRequest(request_id="d", local_prefill=True, token_ids=prompt, sampling=OPTIONS),
-                                  timeout=5, metadata=m),
-            lambda s, m: s.Abort(pb.AbortRequest(request_id="d"), timeout=5, metadata=m),
-            lambda s, m: s.Stats(pb.StatsRequest(include_block_hashes=True), timeout=5, metadata=m),
-        ],
-        "prefill": [
-            lambda s, m: s.Prefill(pb.PrefillRequest(request_id="p", token_ids=prompt, sampling=OPTIONS, target=target),
-                                   timeout=5, metadata=m),
-        ],
+        "decode": {
+            "Reserve": lambda s, m: s.Reserve(pb.ReserveRequest(request_id="r", token_ids=prompt, sampling=OPTIONS),
+                                              timeout=5, metadata=m),
+            "Decode": lambda s, m: s.Decode(pb.DecodeRequest(request_id="d", local_prefill=True, token_ids=prompt,
+                                                             sampling=OPTIONS), timeout=5, metadata=m),
+            "Abort": lambda s, m: s.Abort(pb.AbortRequest(request_id="d"), timeout=5, metadata=m),
+            "Stats": lambda s, m: s.Stats(pb.StatsRequest(include_block_hashes=True), timeout=5, metadata=m),
+            "Drain": lambda s, m: s.Drain(pb.DrainRequest(grace_seconds=0), timeout=5, metadata=m),
+            "KvEvents": lambda s, m: s.KvEvents(pb.KvEventsRequest(), timeout=5, metadata=m),
+        },
+        "prefill": {
+            "Prefill": lambda s, m: s.Prefill(pb.PrefillRequest(request_id="p", token_ids=prompt, sampling=OPTIONS,
+                                                                target=target), timeout=5, metadata=m),
+        },
     }
+    # Every Worker RPC is tried: one added later is refused here too, or this fails.
+    tried = {name for role_calls in calls.values() for name in role_calls}
+    assert tried == set(pb.DESCRIPTOR.services_by_name["Worker"].methods_by_name)
     for role, role_calls in calls.items():
         channel, stub = worker_stub(guarded[role].address)
         with channel:
-            for call in role_calls:
+            for call in role_calls.values():
                 for metadata in (None, ((TOKEN_METADATA, "x" * 64),)):
                     status, details = refused(lambda: call(stub, metadata))
                     assert status == UNAUTHENTICATED and "cluster credentials" in details, (role, details)
@@ -223,6 +229,23 @@ def test_worker_rpcs_without_cluster_credentials_are_refused(guarded):
             assert health.status == health_pb2.HealthCheckResponse.SERVING  # probes need no credentials
     assert worker_stats(guarded, "decode").prefix_cache_queries == before  # nothing ran
     assert all_free(guarded, "decode") and all_free(guarded, "prefill")
+
+
+def test_the_router_follows_kv_events_with_the_cluster_credentials(guarded):
+    """KvEvents is internal like every Worker RPC: the router's subscription presents
+    the cluster's credentials, and its view of what the decode worker caches follows."""
+    prompt = code("followed", 4)
+    collect(guarded["client"].generate(prompt, max_tokens=4, temperature=0.0))
+
+    def router_view() -> set[bytes]:
+        (handle,) = [h for h in guarded["router"].registry.live() if h.worker_id == "decode-0"]
+        return set(handle.cached)
+
+    wait_for(lambda: worker_stats(guarded, "decode", hashes=True).cached_block_hashes, 10,
+             "the decode worker to cache the prompt")
+    wait_for(lambda: router_view() == set(worker_stats(guarded, "decode", hashes=True).cached_block_hashes), 10,
+             "the router's view of the decode worker's cache")
+    assert router_view()  # not empty: the subscription was admitted
 
 
 # -- the KV channel ------------------------------------------------------------------------

@@ -13,6 +13,7 @@ What is recorded where (one call per event, at the place it happens):
              ResponseBuilder                 first_token, tokens, sequence_finished,
                                              request_finished
              Dispatcher                      prefill_path, retry, worker_chosen
+             KvSubscriber (per worker)       kv_event(kind): batch, snapshot, gap
              scrape time                     live workers per pool (the registry)
     worker   EngineLoop._step                step(seconds, batch)
              EngineLoop._finished            request_finished(times): queue, prefill, decode
@@ -90,6 +91,10 @@ METRICS: Mapping[str, Spec] = types.MappingProxyType({
     "router_retries": Spec("counter", "Attempts moved to another worker after one failed", ("kind",)),
     "router_worker_selected": Spec("counter", "Workers chosen for request attempts", ("target", "target_role")),
     "num_live_workers": Spec("gauge_family", "Workers registered and alive, per pool", ("pool",)),
+    "router_kv_events": Spec(
+        "counter", "KV event messages from workers applied to the router's view of their caches: batch (a "
+                   "delta), snapshot (a full resync: new subscription, restarted or lagging worker), gap (out of "
+                   "order: resubscribed)", ("kind",)),
     # -- every worker: the engine ----------------------------------------------------------
     "request_queue_time_seconds": Spec("histogram", "Arrival at the worker's engine to first scheduled"),
     "request_prefill_time_seconds": Spec("histogram", "First scheduled to first token sampled (prompt computed here)"),
@@ -120,7 +125,7 @@ METRICS: Mapping[str, Spec] = types.MappingProxyType({
 ROUTER_METRICS = (
     "time_to_first_token_seconds", "inter_token_latency_seconds", "request_time_per_output_token_seconds",
     "e2e_request_latency_seconds", "prompt_tokens", "generation_tokens", "request_success", "request_failure",
-    "num_requests_inflight", "router_prefill_path", "router_retries", "router_worker_selected",
+    "num_requests_inflight", "router_prefill_path", "router_retries", "router_worker_selected", "router_kv_events",
 )
 WORKER_METRICS = (
     "request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
@@ -303,6 +308,9 @@ class RouterMetrics(_Recorder):
 
     def worker_chosen(self, worker_id: str, role: str) -> None:
         self.child("router_worker_selected", worker_id, role).inc()
+
+    def kv_event(self, kind: str) -> None:
+        self.child("router_kv_events", kind).inc()
 
 
 class WorkerMetrics(_Recorder):

@@ -41,7 +41,8 @@ class RouterConfig:
                                          "queue) | round_robin (in turn, ignoring caches: a baseline)")
     heartbeat_interval: float = flag(1.0, "seconds between worker heartbeats")
     worker_timeout: float = flag(3.0, "drop a worker not heard from for this many seconds")
-    stats_interval: float = flag(1.0, "seconds between Stats polls (load, cached block hashes)")
+    stats_interval: float = flag(1.0, "seconds between Stats polls of worker load (what workers cache "
+                                               "comes as KV events)")
     request_timeout: float = flag(600.0, "deadline of requests whose client set none")
     max_attempts: int = flag(3, "workers tried for a request that has produced no token yet")
     max_concurrent_requests: int = flag(256, "Generate calls in flight; more get RESOURCE_EXHAUSTED")

@@ -50,8 +50,8 @@ class Router:
         tokenizer = Tokenizer(config.model) if has_tokenizer(config.model) else None
         self.auth = ClusterAuth(config.credentials)
         self.api_keys = ApiKeys(config.api_keys_file) if config.api_keys_file else None
-        self.registry = WorkerRegistry(config, config.model_name, max_model_len, self.auth)
         self.metrics = router_metrics(config.metrics, config.model_name)
+        self.registry = WorkerRegistry(config, config.model_name, max_model_len, self.auth, self.metrics.kv_event)
         self.metrics.watch_workers(lambda: [h.role for h in self.registry.live()])
         public_checks = [self.api_keys.interceptor()] if self.api_keys is not None else []
         self.server = GrpcServer(threads=config.max_concurrent_requests + SPARE_THREADS, interceptors=public_checks)

@@ -1,5 +1,9 @@
 """The router's view of its workers: who is alive, their load, what they cache.
 
+Load comes from heartbeats and a Stats poll every `stats_interval` (counts only);
+what a worker caches from its KV events stream, one subscription per worker
+(kv_view.py), never more than the batch in flight behind.
+
 A worker is live from a successful Register (the router first checks it answers
 Stats) until it is dropped: no heartbeat or Stats answer for `worker_timeout`, or
 a Stats poll finds it unreachable. Dropping closes its channel, which cancels every
@@ -17,7 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -29,6 +33,7 @@ from pdserve.services.common.credentials import ClusterAuth
 from pdserve.services.common.server import CHANNEL_OPTIONS
 from pdserve.services.router import policy
 from pdserve.services.router.config import RouterConfig
+from pdserve.services.router.kv_view import KvSubscriber, KvView
 
 log = logging.getLogger(__name__)
 
@@ -43,13 +48,18 @@ class WorkerHandle:
     running: int = 0
     waiting: int = 0
     free_blocks: int = 0
-    cached: frozenset[bytes] = field(default_factory=frozenset)
+    kv: KvView = field(default_factory=KvView)  # changed under the registry's lock
     dropped: bool = False
     draining: bool = False
 
     @property
     def worker_id(self) -> str:
         return self.info.worker_id
+
+    @property
+    def cached(self) -> set[bytes]:
+        """Block hashes the worker caches, as of the last KV event batch applied."""
+        return self.kv.hashes
 
     @property
     def role(self) -> str:
@@ -69,7 +79,7 @@ class WorkerHandle:
 
 class WorkerRegistry:
     def __init__(self, config: RouterConfig, model_name: str, max_model_len: int,
-                 auth: ClusterAuth | None = None) -> None:
+                 auth: ClusterAuth | None = None, count_kv: Callable[[str], None] | None = None) -> None:
         self.config = config
         self.auth = auth or ClusterAuth()  # what the router presents to its workers
         self.model_name = model_name
@@ -80,6 +90,7 @@ class WorkerRegistry:
         self._probe = threading.Event()
         self._monitor = threading.Thread(target=self._watch, name="worker-monitor", daemon=True)
         self._prefill_turn = 0  # round_robin: prefill choices made so far
+        self._count_kv = count_kv or (lambda _kind: None)  # KV event batches and resyncs, for metrics
 
     # -- membership ---------------------------------------------------------------------
 
@@ -90,7 +101,7 @@ class WorkerRegistry:
         channel = self.auth.channel(info.address, CHANNEL_OPTIONS)
         stub = pb_grpc.WorkerStub(channel)
         try:
-            stats = stub.Stats(pb.StatsRequest(include_block_hashes=True), timeout=self.config.worker_timeout)
+            stats = stub.Stats(pb.StatsRequest(), timeout=self.config.worker_timeout)
         except grpc.RpcError as e:
             channel.close()
             raise ConnectionError(f"address: {info.address} does not answer Stats ({e.code().name})") from e
@@ -102,6 +113,8 @@ class WorkerRegistry:
             self._workers[info.worker_id] = handle
         if old is not None:
             self._close(old, "replaced by a new registration")
+        KvSubscriber(info.worker_id, stub, handle.kv, self._lock, lambda: handle.dropped or self._stop.is_set(),
+                     self._stop, self._count_kv).start()
         log.info("worker %s (%s) joined at %s", info.worker_id, handle.role, info.address)
 
     def _check_compatible(self, info: pb.WorkerInfo) -> None:
@@ -228,10 +241,11 @@ class WorkerRegistry:
                 next_poll = time.monotonic() + self.config.stats_interval
 
     def _poll_stats(self) -> None:
-        """Every live worker's Stats, in parallel, each within half the worker timeout."""
+        """Every live worker's Stats (load, not hashes), in parallel, each within half
+        the worker timeout."""
         timeout = self.config.worker_timeout / 2
         pending = [
-            (h, h.stub.Stats.future(pb.StatsRequest(include_block_hashes=True), timeout=timeout)) for h in self.live()
+            (h, h.stub.Stats.future(pb.StatsRequest(), timeout=timeout)) for h in self.live()
         ]
         for handle, future in pending:
             try:
@@ -251,4 +265,3 @@ class WorkerRegistry:
     @staticmethod
     def _apply_stats(handle: WorkerHandle, stats: pb.StatsResponse) -> None:
         handle.free_blocks, handle.running, handle.waiting = stats.num_free_blocks, stats.num_running, stats.num_waiting
-        handle.cached = frozenset(stats.cached_block_hashes)

@@ -231,6 +231,7 @@ class EngineLoop:
             self._expire(time.monotonic())
             if self.engine.has_scheduled_work() and not self._stop.is_set():
                 self._step()
+            self.engine.kv_events.flush()  # this iteration's cache changes, as one batch
             self._snapshot = {**self.engine.stats(), "num_requests_reserved": len(self._reservations),
                               "at": time.monotonic()}
         self._run_commands(block=False)

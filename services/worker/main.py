@@ -120,6 +120,7 @@ class Worker:
     def stop(self, grace: float = 2.0) -> None:
         if self.registrar is not None:
             self.registrar.stop()
+        self.engine.kv_events.close()  # ends KvEvents streams, which would hold server.stop for its grace
         self.server.stop(grace)
         self.loop.close()
         self.connector.close()

@@ -1,13 +1,14 @@
 """pdserve.v1.Worker for every role: dispatches each RPC to the role that serves it.
 
-    role      Reserve  Prefill  Decode  Abort  Stats  Drain
-    prefill     -        x        -       x      x      x
-    decode      x        -        x       x      x      x
-    mixed       x        x        x       x      x      x
+    role      Reserve  Prefill  Decode  Abort  Stats  Drain  KvEvents
+    prefill     -        x        -       x      x      x       x
+    decode      x        -        x       x      x      x       x
+    mixed       x        x        x       x      x      x       x
 
 An RPC the role does not serve answers UNIMPLEMENTED, naming the role. Reserve,
 Prefill and Decode calls are counted while in flight (`busy`), so a draining worker
-knows when stopping loses nothing.
+knows when stopping loses nothing; a KvEvents subscription (the router's, for as
+long as it follows this worker) is not.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pdserve.services.decode.service import DecodeService
 from pdserve.services.prefill.service import PrefillService
 from pdserve.services.worker.config import WorkerConfig
 from pdserve.services.worker.engine_loop import EngineLoop
+from pdserve.services.worker.kv_events import kv_event_stream
 
 STATS_TIMEOUT = 5.0
 MAX_DRAIN_GRACE = 3600.0
@@ -99,6 +101,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                           f"grace_seconds: must be in [0, {MAX_DRAIN_GRACE:.0f}], got {request.grace_seconds}")
         drained, remaining = self.drain(request.grace_seconds)
         return pb.DrainResponse(drained=drained, remaining=remaining)
+
+    def KvEvents(self, request: pb.KvEventsRequest, context: grpc.ServicerContext) -> Iterator[pb.KvEventBatch]:
+        yield from kv_event_stream(self.loop.engine.kv_events, request, context)
 
 
 def stats_message(config: WorkerConfig, stats: dict) -> pb.StatsResponse:

@@ -362,6 +362,30 @@ class StatsResponse(_message.Message):
     kv_transfer_failures: int
     def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_held: _Optional[int] = ..., num_reserved: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., cached_block_hashes: _Optional[_Iterable[bytes]] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfers: _Optional[int] = ..., kv_transfer_failures: _Optional[int] = ...) -> None: ...
 
+class KvEventsRequest(_message.Message):
+    __slots__ = ("since_seq", "epoch")
+    SINCE_SEQ_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    since_seq: int
+    epoch: str
+    def __init__(self, since_seq: _Optional[int] = ..., epoch: _Optional[str] = ...) -> None: ...
+
+class KvEventBatch(_message.Message):
+    __slots__ = ("seq", "epoch", "stored", "removed", "snapshot", "more")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    epoch: str
+    stored: _containers.RepeatedScalarFieldContainer[bytes]
+    removed: _containers.RepeatedScalarFieldContainer[bytes]
+    snapshot: bool
+    more: bool
+    def __init__(self, seq: _Optional[int] = ..., epoch: _Optional[str] = ..., stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ..., snapshot: _Optional[bool] = ..., more: _Optional[bool] = ...) -> None: ...
+
 class WorkerInfo(_message.Message):
     __slots__ = ("worker_id", "role", "address", "model", "kv_endpoint", "block_size", "max_model_len", "num_blocks", "pid", "metrics_port")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]

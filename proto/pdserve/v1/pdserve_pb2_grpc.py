@@ -191,6 +191,11 @@ class WorkerStub:
                 request_serializer=pdserve_dot_v1_dot_pdserve__pb2.DrainRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_pdserve__pb2.DrainResponse.FromString,
                 _registered_method=True)
+        self.KvEvents = channel.unary_stream(
+                '/pdserve.v1.Worker/KvEvents',
+                request_serializer=pdserve_dot_v1_dot_pdserve__pb2.KvEventsRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_pdserve__pb2.KvEventBatch.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -244,6 +249,15 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def KvEvents(self, request, context):
+        """The prefix cache's changes (KV events), for prefix-aware routing: a snapshot of
+        every cached block hash first unless (epoch, since_seq) names a batch this worker
+        still keeps, then one batch per engine iteration that stored or evicted a block.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -276,6 +290,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=pdserve_dot_v1_dot_pdserve__pb2.DrainRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_pdserve__pb2.DrainResponse.SerializeToString,
+            ),
+            'KvEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.KvEvents,
+                    request_deserializer=pdserve_dot_v1_dot_pdserve__pb2.KvEventsRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_pdserve__pb2.KvEventBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -442,6 +461,33 @@ class Worker:
             '/pdserve.v1.Worker/Drain',
             pdserve_dot_v1_dot_pdserve__pb2.DrainRequest.SerializeToString,
             pdserve_dot_v1_dot_pdserve__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KvEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.Worker/KvEvents',
+            pdserve_dot_v1_dot_pdserve__pb2.KvEventsRequest.SerializeToString,
+            pdserve_dot_v1_dot_pdserve__pb2.KvEventBatch.FromString,
             options,
             channel_credentials,
             insecure,
