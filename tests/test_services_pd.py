@@ -201,3 +201,37 @@ def test_a_dead_prefill_worker_is_skipped_for_the_next(llm, caplog):
         for worker in (decode, prefills["prefill-a"]):
             worker.stop()
         router.stop()
+
+
+def test_a_reservation_without_room_prefills_on_the_decode_worker(llm):
+    """The decode worker's cache is busy with one request: a second one's Reserve finds
+    no room (RESOURCE_EXHAUSTED, a transient state). The router prefills it on the
+    decode worker instead, whose scheduler queues it until room frees, rather than
+    failing it with UNAVAILABLE (found by tests/test_load.py with a small cache)."""
+    router = Router(RouterConfig(port=0, local_prefill_threshold=0))
+    address = router.start()
+    receiver = LoopbackReceiver("loopback://decode-r")
+    sender = LoopbackSender({receiver.endpoint: receiver})
+    decode = Worker(WorkerConfig(role="decode", router=router.internal_address, worker_id="decode-r", num_blocks=16),
+                    Connector(receiver=receiver))
+    prefill = Worker(WorkerConfig(role="prefill", router=router.internal_address, worker_id="prefill-r", num_blocks=64),
+                     Connector(sender=sender))
+    busy, queued = list(range(100, 260)), list(range(300, 400))  # 10 and 7 of the decode worker's 16 blocks
+    params = dict(max_tokens=24, temperature=0.0, ignore_eos=True)
+    want = llm.generate([queued], SamplingParams(**params))[0].outputs[0].token_ids
+    try:
+        decode.start()
+        prefill.start()
+        with Client(address, timeout=60) as client:
+            first = client.generate(busy, **params)
+            next(first)  # running on the decode worker, its blocks held
+            got = collect(client.generate(queued, **params))[0]
+            assert len(collect(first)[0].token_ids) == params["max_tokens"] - 1
+        assert list(got.token_ids) == want
+        assert len(sender.shipped) == 1  # only the first request's KV crossed
+        wait_for(lambda: all_blocks_free(decode.address) and all_blocks_free(prefill.address), 10,
+                 "every block to be free")
+    finally:
+        prefill.stop()
+        decode.stop()
+        router.stop()
