@@ -90,6 +90,18 @@ class LoopbackSender:
         pass
 
 
+def loopback_pair(router: Router, suffix: str, decode_blocks: int, prefill_blocks: int = 256):
+    """decode-<suffix> and prefill-<suffix> (not started), registering with `router`,
+    the KV crossing through the loopback double: (receiver, sender, decode, prefill)."""
+    receiver = LoopbackReceiver(f"loopback://decode-{suffix}")
+    sender = LoopbackSender({receiver.endpoint: receiver})
+    decode = Worker(WorkerConfig(role="decode", router=router.internal_address, worker_id=f"decode-{suffix}",
+                                 num_blocks=decode_blocks), Connector(receiver=receiver))
+    prefill = Worker(WorkerConfig(role="prefill", router=router.internal_address, worker_id=f"prefill-{suffix}",
+                                  num_blocks=prefill_blocks), Connector(sender=sender))
+    return receiver, sender, decode, prefill
+
+
 @pytest.fixture(scope="module")
 def llm():
     torch.set_num_threads(1)
@@ -100,12 +112,7 @@ def llm():
 def cluster():
     router = Router(RouterConfig(port=0, local_prefill_threshold=20, worker_timeout=3.0))
     address = router.start()
-    receiver = LoopbackReceiver("loopback://decode-0")
-    sender = LoopbackSender({receiver.endpoint: receiver})
-    decode = Worker(WorkerConfig(role="decode", router=router.internal_address, worker_id="decode-0", num_blocks=256),
-                    Connector(receiver=receiver))
-    prefill = Worker(WorkerConfig(role="prefill", router=router.internal_address, worker_id="prefill-0", num_blocks=256),
-                     Connector(sender=sender))
+    receiver, sender, decode, prefill = loopback_pair(router, "0", decode_blocks=256)
     decode.start()
     prefill.start()
     client = Client(address, timeout=60)
@@ -210,12 +217,7 @@ def test_a_reservation_without_room_prefills_on_the_decode_worker(llm):
     failing it with UNAVAILABLE (found by tests/test_load.py with a small cache)."""
     router = Router(RouterConfig(port=0, local_prefill_threshold=0))
     address = router.start()
-    receiver = LoopbackReceiver("loopback://decode-r")
-    sender = LoopbackSender({receiver.endpoint: receiver})
-    decode = Worker(WorkerConfig(role="decode", router=router.internal_address, worker_id="decode-r", num_blocks=16),
-                    Connector(receiver=receiver))
-    prefill = Worker(WorkerConfig(role="prefill", router=router.internal_address, worker_id="prefill-r", num_blocks=64),
-                     Connector(sender=sender))
+    _, sender, decode, prefill = loopback_pair(router, "r", decode_blocks=16)
     busy, queued = list(range(100, 260)), list(range(300, 400))  # 10 and 7 of the decode worker's 16 blocks
     params = dict(max_tokens=24, temperature=0.0, ignore_eos=True)
     want = llm.generate([queued], SamplingParams(**params))[0].outputs[0].token_ids
