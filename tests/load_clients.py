@@ -14,7 +14,8 @@ starts the next. Kinds:
   n        parallel sampling, n > 1
   beam     beam search (beam_width > 1, n > 1)
   cancel   the client cancels the call after its first `cancel_after` tokens
-  tiny     a deadline of a few tens of milliseconds
+  tiny     a deadline of 10 ms to 2 s (log-uniform): it expires before dispatch, or
+           during the prefill, the KV transfer or the decode
 
 Every call carries a deadline; a record says whether the call outlived it by more
 than `LoadConfig.slack` (a hang). A call that ends with status OK must have ended
@@ -63,7 +64,8 @@ class LoadConfig:
     cancel_after: tuple[int, int] = (1, 3)  # tokens read before cancelling
     cancel_max_tokens: int = 64  # long enough that the cancel lands mid-stream
     deadline: float = 60.0  # seconds, every kind but tiny
-    tiny_deadline: tuple[float, float] = (0.01, 0.1)  # seconds
+    # seconds, log-uniform: from before the router dispatches to mid-prefill, mid-transfer, mid-decode
+    tiny_deadline: tuple[float, float] = (0.01, 2.0)
     slack: float = 2.0  # a call that outlives its deadline by more is a hang
     seed: int = 0
 
@@ -130,7 +132,8 @@ def make_request(cfg: LoadConfig, kind: str, rng: random.Random, vocab_size: int
         sampling.update(max_tokens=cfg.cancel_max_tokens)
         cancel_after = rng.randint(*cfg.cancel_after)
     elif kind == "tiny":
-        deadline = rng.uniform(*cfg.tiny_deadline)
+        lo, hi = cfg.tiny_deadline
+        deadline = lo * (hi / lo) ** rng.random()
     return Request(kind, prompt, sampling, deadline, cancel_after)
 
 
