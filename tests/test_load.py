@@ -127,6 +127,11 @@ def test_200_streaming_clients_for_60s(cluster):
         wait_for(lambda: all_blocks_free(w.address, cluster.auth), 30, f"{w.worker_id}'s blocks free after the load")
     rss_end = {name: rss_bytes(pid) for name, pid in names.items() if name not in dead}
     print(rss_report(names, rss_warm, rss_end), flush=True)
+    for w in workers:
+        st = cluster.stats(w.address)
+        print(f"{w.worker_id}: {st.num_blocks} blocks, {st.num_preemptions} preemptions, {st.kv_transfers} KV transfers "
+              f"({st.kv_transfer_failures} failed), prefix cache hits {st.prefix_cache_hits}/{st.prefix_cache_queries} "
+              "tokens", flush=True)
     wait_for(lambda: sample(router_metrics(cluster), "pdserve:num_requests_inflight") == 0, 30,
              "the router to have no call in flight")
     metrics = router_metrics(cluster)
