@@ -45,6 +45,7 @@ from pdserve.engine.scheduler import Scheduler
 log = logging.getLogger(__name__)
 
 Scheduled = list[tuple[Request, int]]
+NO_ROOM_PREFIX = "kv cache:"  # RequestOutput.error of a request that can never fit the pool
 
 
 class EngineCore:
@@ -67,6 +68,7 @@ class EngineCore:
         self._numbers = itertools.count()  # arrival numbers of groups and sequences (priority)
         self.forker = Forker(kv, runner, scheduler, self.track)
         self.last_batch: tuple[int, int] = (0, 0)  # (sequences, tokens) the last step ran: for metrics
+        self.last_scheduled: tuple[str, ...] = ()  # request ids of the last step's batch (failure isolation)
 
     # -- groups -------------------------------------------------------------------------
 
@@ -156,8 +158,11 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample; returns outputs of finished requests."""
+        self.last_scheduled = ()
         plan = self.scheduler.schedule()
         self.last_batch = (len(plan.scheduled), plan.num_tokens)
+        self.last_scheduled = tuple(dict.fromkeys(
+            g.request_id for r, _ in plan.scheduled if (g := self._seq_group.get(r.request_id)) is not None))
         if not plan.scheduled:
             return self._resolve_stall(plan.preempted, plan.preempted_self)
         finished: list[RequestOutput] = []
@@ -302,7 +307,7 @@ class EngineCore:
                     sched.preempt(seq)
             return []
         log.warning("request %s can never fit in the KV cache: failing it", head.request_id)
-        return [self.abort_group(head, "kv cache: the request needs more blocks than the whole pool")]
+        return [self.abort_group(head, f"{NO_ROOM_PREFIX} the request needs more blocks than the whole pool")]
 
     def _waiting_for_remote_kv(self) -> bool:
         return any(g.live and g.live[0].status == RequestStatus.WAITING_FOR_REMOTE_KV for g in self.groups.values())

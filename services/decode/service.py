@@ -11,6 +11,7 @@ from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.services.common.convert import params_from_options
 from pdserve.services.common.deadline import Deadline
 from pdserve.services.common.errors import rpc_errors
+from pdserve.services.common.write_guard import WriteGuard
 from pdserve.services.decode.stream import DecodeStream
 from pdserve.services.worker.config import WorkerConfig
 from pdserve.services.worker.engine_loop import EngineLoop
@@ -25,6 +26,8 @@ class DecodeService:
         self.loop = loop
         self.receiver = receiver
         self.config = config
+        # A reader that stops reading (a router stuck behind its client) is cut off.
+        self.write_guard = WriteGuard(config.stream_write_timeout, f"decode worker {config.id}")
 
     def reserve(self, request: pb.ReserveRequest, context: grpc.ServicerContext) -> pb.ReserveResponse:
         """Blocks for a prompt whose KV a prefill worker will send (P/D seam)."""
@@ -57,7 +60,7 @@ class DecodeService:
                 stream = self._attach(rid, context)
         decode = DecodeStream(stream)
         try:
-            yield from decode.messages(self.loop, context, deadline)
+            yield from self.write_guard.guarded(decode.messages(self.loop, context, deadline), context, f"request {rid}")
         finally:
             # Cancelled, deadline passed, failed: free it (the loop cancels it on the KV
             # receiver first). A finished request is freed already.

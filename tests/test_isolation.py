@@ -1,0 +1,92 @@
+"""A request that makes the engine step fail fails alone (issue 13), seen from the
+engine thread's streams: the model raises whenever its batch holds a poisoned token
+(a device fault only some inputs trigger; the seam is a wrapper around the real
+model, nothing of the engine or the loop is replaced). The other requests stream
+exactly the tokens of their solo runs, and every block is free at the end."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+import torch
+
+from pdserve.engine import SamplingParams
+from pdserve.engine.config import CacheConfig
+from pdserve.engine.engine import EngineConfig, LLMEngine
+from pdserve.engine.llm import DEFAULT_MODEL
+from pdserve.services.worker.engine_loop import EngineLoop
+from pdserve.services.worker.events import FailedEvent, Failure, FinishedEvent, RequestStream, TokenEvent
+from test_engine_semantics import POISON, Poisoned
+
+NUM_BLOCKS = 64
+PROMPTS = {"greedy": [5, 6, 7, 8, 9, 10, 11, 12], "sampled": list(range(20, 60)), "pair": [40, 41, 42]}
+PARAMS = {
+    "greedy": SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
+    "sampled": SamplingParams(max_tokens=16, temperature=0.8, seed=7, ignore_eos=True),
+    "pair": SamplingParams(max_tokens=16, temperature=0.9, seed=3, n=2, ignore_eos=True),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def engine() -> LLMEngine:
+    return LLMEngine(EngineConfig(model=DEFAULT_MODEL, cache=CacheConfig(num_blocks=NUM_BLOCKS)))
+
+
+def drain(stream: RequestStream, timeout: float = 60.0) -> list:
+    events: list = []
+    give_up = time.monotonic() + timeout
+    while not events or isinstance(events[-1], TokenEvent):
+        assert time.monotonic() < give_up, f"no end of {stream.request_id} within {timeout}s"
+        events += stream.get(0.5)
+    return events
+
+
+def solo_runs() -> dict[str, dict[int, list[int]]]:
+    """Each request's tokens per sequence, run alone (one after another) on a clean engine."""
+    loop = EngineLoop(engine(), idle_wait=0.05).start()
+    out = {}
+    try:
+        for rid in PROMPTS:
+            *_, end = drain(loop.submit(rid, PROMPTS[rid], PARAMS[rid], timeout=10))
+            assert isinstance(end, FinishedEvent)
+            out[rid] = {c.index: c.token_ids for c in end.output.outputs}
+        return out
+    finally:
+        loop.close()
+
+
+def test_a_request_that_breaks_the_step_fails_alone(caplog):
+    expected = solo_runs()
+    poisoned = engine()
+    poisoned.runner.model = Poisoned(poisoned.runner.model, POISON)
+    loop = EngineLoop(poisoned, idle_wait=0.05).start()
+    try:
+        streams = {rid: loop.submit(rid, PROMPTS[rid], PARAMS[rid], timeout=10) for rid in PROMPTS}
+        firsts = {rid: s.get(30) for rid, s in streams.items()}  # all of them are running now
+        assert all(firsts.values())
+        with caplog.at_level(logging.ERROR, logger="pdserve.engine.core"):
+            bad = drain(loop.submit("bad", [5, POISON, 7, 8], SamplingParams(max_tokens=16, temperature=0.0), 10))
+            ends = {rid: firsts[rid] + drain(s) for rid, s in streams.items()}
+        assert isinstance(bad[-1], FailedEvent) and bad[-1].failure == Failure.INTERNAL
+        assert "device fault" in bad[-1].message
+        assert any("bad" in r.getMessage() for r in caplog.records), "the failure is logged with its request id"
+        for rid, events in ends.items():
+            assert isinstance(events[-1], FinishedEvent), (rid, events[-1])
+            streamed: dict[int, list[int]] = {}
+            for e in events[:-1]:
+                streamed.setdefault(e.delta.index, []).append(e.delta.token_id)
+            assert streamed == expected[rid], rid
+        stats = loop.stats(5)
+        assert stats["num_free_blocks"] == NUM_BLOCKS and stats["num_requests_running"] == 0
+        loop.call(lambda e: e.check_integrity(), 5)
+    finally:
+        loop.close()
