@@ -9,9 +9,9 @@ import threading
 
 import grpc
 import pytest
-import torch
 
 from cluster_helpers import all_blocks_free, wait_for
+from test_services_engine_loop import one_thread  # noqa: F401 (an autouse fixture: one torch thread)
 from pdserve.engine import SamplingParams
 from pdserve.engine.config import CacheConfig
 from pdserve.engine.engine import EngineConfig, LLMEngine
@@ -33,14 +33,6 @@ WRITE_TIMEOUT = 1.0
 TIGHT = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 65536)]
 # ~300 bytes a message (20 top logprobs each), ~1000 messages: far past any window.
 FLOOD = dict(max_tokens=1000, temperature=0.0, ignore_eos=True, logprobs=20)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -7,18 +7,15 @@ exactly the tokens of their solo runs, and every block is free at the end."""
 from __future__ import annotations
 
 import logging
-import time
-
-import pytest
-import torch
 
 from pdserve.engine import SamplingParams
 from pdserve.engine.config import CacheConfig
 from pdserve.engine.engine import EngineConfig, LLMEngine
 from pdserve.engine.llm import DEFAULT_MODEL
 from pdserve.services.worker.engine_loop import EngineLoop
-from pdserve.services.worker.events import FailedEvent, Failure, FinishedEvent, RequestStream, TokenEvent
+from pdserve.services.worker.events import FailedEvent, Failure, FinishedEvent
 from test_engine_semantics import POISON, Poisoned
+from test_services_engine_loop import drain, one_thread  # noqa: F401 (one_thread: an autouse fixture)
 
 NUM_BLOCKS = 64
 PROMPTS = {"greedy": [5, 6, 7, 8, 9, 10, 11, 12], "sampled": list(range(20, 60)), "pair": [40, 41, 42]}
@@ -29,25 +26,8 @@ PARAMS = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def engine() -> LLMEngine:
     return LLMEngine(EngineConfig(model=DEFAULT_MODEL, cache=CacheConfig(num_blocks=NUM_BLOCKS)))
-
-
-def drain(stream: RequestStream, timeout: float = 60.0) -> list:
-    events: list = []
-    give_up = time.monotonic() + timeout
-    while not events or isinstance(events[-1], TokenEvent):
-        assert time.monotonic() < give_up, f"no end of {stream.request_id} within {timeout}s"
-        events += stream.get(0.5)
-    return events
 
 
 def solo_runs() -> dict[str, dict[int, list[int]]]:
