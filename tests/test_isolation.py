@@ -70,3 +70,20 @@ def test_a_request_that_breaks_the_step_fails_alone(caplog):
         loop.call(lambda e: e.check_integrity(), 5)
     finally:
         loop.close()
+
+
+def test_a_request_that_can_never_fit_fails_alone_as_no_room():
+    """Beams the whole pool cannot hold: that request ends with NO_ROOM (the decode
+    worker answers RESOURCE_EXHAUSTED, and the router may try another worker), while
+    a small request beside it finishes."""
+    small = LLMEngine(EngineConfig(model=DEFAULT_MODEL, cache=CacheConfig(num_blocks=6, block_size=16)))
+    loop = EngineLoop(small, idle_wait=0.05).start()
+    try:
+        huge = loop.submit("huge", [5] * 40, SamplingParams(max_tokens=60, beam_width=4, n=2, ignore_eos=True), 10)
+        fine = loop.submit("fine", [6, 7, 8], SamplingParams(max_tokens=4, temperature=0.0), 10)
+        end = drain(huge)[-1]
+        assert isinstance(end, FailedEvent) and end.failure == Failure.NO_ROOM, end
+        assert isinstance(drain(fine)[-1], FinishedEvent)
+        assert loop.stats(5)["num_free_blocks"] == 6
+    finally:
+        loop.close()
