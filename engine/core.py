@@ -39,12 +39,13 @@ from pdserve.engine.output import OutputProcessor
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampler import Sampler
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import SamplingParams, check_field
 from pdserve.engine.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
 Scheduled = list[tuple[Request, int]]
+MAX_REQUEST_ID = 256  # characters of a request id (the router's are 32-character uuids plus a suffix)
 NO_ROOM_PREFIX = "kv cache:"  # RequestOutput.error of a request that can never fit the pool
 
 
@@ -74,6 +75,8 @@ class EngineCore:
 
     def new_group(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
         """Register a request's group; its first sequence (not yet scheduled)."""
+        check_field(isinstance(request_id, str) and 0 < len(request_id) <= MAX_REQUEST_ID, "request_id",
+                    f"must be a string of 1..{MAX_REQUEST_ID} characters", request_id)
         if request_id in self.groups or request_id in self.held:
             raise ValueError(f"request_id: {request_id!r} is already running")
         request = Request(

@@ -132,12 +132,23 @@ def test_hostile_requests_fail_alone_naming_the_field(pd):
                 error = refusal(call)
                 outcomes[f"worker: {what}"] = (error.code(), field, error.details())
                 assert_names(error, field, f"worker: {what}")
+            error = refusal(worker.Decode(pb.DecodeRequest(request_id="r" * 10_000, local_prefill=True,
+                                                           token_ids=[5, 6]), timeout=60))
+            outcomes["worker: 10 kB request id"] = (error.code(), "request_id", error.details())
+            assert_names(error, "request_id", "worker: 10 kB request id")
+            for timeout in (NAN, INF, -1.0):  # a reservation that would never expire, or be born expired
+                with pytest.raises(grpc.RpcError) as info:
+                    worker.Reserve(pb.ReserveRequest(request_id=f"reserve-{timeout}", token_ids=[5, 6, 7],
+                                                     timeout_seconds=timeout), timeout=60)
+                outcomes[f"worker: Reserve timeout {timeout}"] = (info.value.code(), "timeout_seconds",
+                                                                  info.value.details())
+                assert_names(info.value, "timeout_seconds", f"worker: Reserve timeout {timeout}")
         during = len(long.tokens)  # tokens streamed by the time the last refusal came back
         long.join(180)
     print(f"poison pill: {len(outcomes)} hostile requests refused while the long request streamed "
           f"(token {during} of {len(long.tokens)} when the last refusal came back)")
     for what, (code, field, details) in outcomes.items():
-        print(f"  {what}: {code.name} {details[:100]}")
+        print(f"  {what}: {code.name} {field} {details[:100]}")
     assert long.error is None, long.error
     assert long.tokens == solo.tokens
     assert len(outcomes) >= 25

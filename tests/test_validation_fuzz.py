@@ -142,7 +142,7 @@ def _options(draw_kwargs: dict) -> pb.SamplingOptions:
                 opts.stop_token_ids.extend(value)
             elif value is not None:
                 setattr(opts, name, value)
-        except (ValueError, TypeError):  # out of the proto type's range: a client cannot send it
+        except (ValueError, TypeError, OverflowError):  # out of the proto type's range: a client cannot send it
             continue
     return opts
 

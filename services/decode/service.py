@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterator
 
 import grpc
 
+from pdserve.engine.sampling_params import check_field
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.services.common.convert import params_from_options
 from pdserve.services.common.deadline import Deadline
@@ -33,8 +35,8 @@ class DecodeService:
         """Blocks for a prompt whose KV a prefill worker will send (P/D seam)."""
         if self.receiver is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "Reserve: this worker has no KV receiver (--kv-connector)")
-        lease = min(request.timeout_seconds or self.config.reservation_timeout, self.config.reservation_timeout)
         with rpc_errors(context):
+            lease = self._lease(request.timeout_seconds)
             params = params_from_options(request.sampling, request.cache_salt)
             reservation = self.loop.reserve(request.request_id, list(request.token_ids), params, lease, CALL_TIMEOUT)
         try:
@@ -46,6 +48,13 @@ class DecodeService:
             kv_endpoint=self.receiver.endpoint, num_cached_tokens=reservation.num_cached_tokens,
             block_ids=reservation.block_ids, block_size=self.config.block_size, transfer_target=plan,
         )
+
+    def _lease(self, seconds: float) -> float:
+        """The reservation's lifetime: the router's, at most --reservation-timeout (0:
+        that). NaN or inf would make a reservation that never expires."""
+        check_field(math.isfinite(seconds) and seconds >= 0, "timeout_seconds", "must be a finite number >= 0",
+                    seconds)
+        return min(seconds or self.config.reservation_timeout, self.config.reservation_timeout)
 
     def decode(self, request: pb.DecodeRequest, context: grpc.ServicerContext) -> Iterator[pb.DecodeResponse]:
         deadline = Deadline.of_rpc(context, self.config.request_timeout)
