@@ -87,3 +87,46 @@ def test_a_request_that_can_never_fit_fails_alone_as_no_room():
         assert loop.stats(5)["num_free_blocks"] == 6
     finally:
         loop.close()
+
+
+class FailingOnce:
+    """The engine's scheduler, whose next `schedule()` raises (a bug outside the
+    engine's per-request isolation); every other call goes to the real one."""
+
+    def __init__(self, scheduler) -> None:
+        self._scheduler = scheduler
+        self.armed = False
+
+    def schedule(self):
+        if self.armed:
+            self.armed = False
+            raise RuntimeError("scheduler bug")
+        return self._scheduler.schedule()
+
+    def __getattr__(self, name):
+        return getattr(self._scheduler, name)
+
+
+def test_a_step_failing_outside_the_engine_spares_reservations_and_the_engine_goes_on(caplog):
+    eng = engine()
+    failing = FailingOnce(eng.core.scheduler)
+    eng.core.scheduler = failing
+    loop = EngineLoop(eng, idle_wait=0.05).start()
+    try:
+        loop.reserve("waiting-for-kv", PROMPTS["greedy"], PARAMS["greedy"], lease=60.0, timeout=10)
+        running = loop.submit("running", PROMPTS["sampled"], PARAMS["sampled"], timeout=10)
+        first = running.get(30)
+        assert first
+        with caplog.at_level(logging.ERROR, logger="pdserve.services.worker.engine_loop"):
+            loop.call(lambda e: setattr(failing, "armed", True), 5)
+            end = drain(running)[-1]
+        assert isinstance(end, FailedEvent) and end.failure == Failure.INTERNAL and "scheduler bug" in end.message
+        assert any("running" in r.getMessage() for r in caplog.records)
+        assert loop.stats(5)["num_requests_reserved"] == 1  # the reservation was in no batch: kept
+        after = drain(loop.submit("after", PROMPTS["pair"], PARAMS["pair"], timeout=10))[-1]
+        assert isinstance(after, FinishedEvent)  # the engine is consistent and serves on
+        loop.abort("waiting-for-kv")
+        free = loop.call(lambda e: e.check_integrity() or e.stats()["num_free_blocks"], 5)
+        assert free == NUM_BLOCKS
+    finally:
+        loop.close()

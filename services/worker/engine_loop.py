@@ -275,7 +275,9 @@ class EngineLoop:
         self._flush()
 
     def _step_failed(self, error: Exception) -> None:
-        suspects = list(self.engine.last_scheduled) or list(self.engine.groups)
+        # The batch, or (failed before it was known) every request the scheduler holds;
+        # reservations waiting for their KV are in no batch and stay.
+        suspects = list(self.engine.last_scheduled) or [r for r in self.engine.groups if r not in self._reservations]
         try:
             self.engine.check_integrity()
         except Exception:
