@@ -77,6 +77,26 @@ def test_a_client_that_stops_reading_is_cut_off_and_frees_its_blocks(cluster):
         assert [m for m in client.generate("x = ", max_tokens=3, temperature=0.0)][-1].finish_reason == "length"
 
 
+def test_a_decode_reader_that_stops_reading_is_cut_off_by_the_worker(cluster):
+    """The worker guards its own streams: a reader of Decode (a router stuck behind
+    its client, or gone quiet) that stops reading is cut off, the request freed."""
+    router, worker, address = cluster
+    channel = grpc.insecure_channel(worker.address, options=TIGHT)
+    try:
+        call = pb_grpc.WorkerStub(channel).Decode(pb.DecodeRequest(
+            request_id="stalled-reader", local_prefill=True, token_ids=[5, 6, 7, 8],
+            sampling=options_from_kwargs(**FLOOD)), timeout=120)
+        assert next(call).deltas
+        wait_for(lambda: worker.decode.write_guard.cut >= 1, 120, "the worker to cut the stalled reader off")
+        wait_for(lambda: all_blocks_free(worker.address), 60, "the worker to free the request's blocks")
+        with pytest.raises(grpc.RpcError) as info:
+            for message in call:
+                assert not message.finished, "the stalled request ran to its end"
+        assert info.value.code() == grpc.StatusCode.CANCELLED
+    finally:
+        channel.close()
+
+
 def test_a_full_admission_queue_refuses_with_a_retry_hint(cluster):
     router, worker, address = cluster
     admission = router.generation.admission
