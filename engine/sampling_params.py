@@ -25,6 +25,9 @@ MAX_VALUE_REPR = 120  # characters of a refused value an error message quotes
 SEED_RANGE = (-(1 << 63), 1 << 64)  # int64 or uint64: what a seed can mean anywhere
 # Temperatures below this sample as greedy (as vLLM): dividing by them overflows.
 GREEDY_TEMPERATURE = 1e-5
+# Logits divided by a smaller penalty overflow float32 (and the request samples from
+# NaNs); a larger one only zeroes them. vLLM takes any value > 0.
+REPETITION_PENALTY_RANGE = (1e-6, 1e6)
 # |length_penalty| above this overflows gen_len ** length_penalty in a float.
 MAX_LENGTH_PENALTY = 16.0
 FLOAT_FIELDS = (
@@ -91,7 +94,9 @@ class SamplingParams:
         check_field(self.top_k >= 0, "top_k", "must be >= 0 (or -1 for off)", self.top_k)
         check_field(0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p)
         check_field(0 <= self.min_p <= 1, "min_p", "must be in [0, 1]", self.min_p)
-        check_field(self.repetition_penalty > 0, "repetition_penalty", "must be > 0", self.repetition_penalty)
+        check_field(REPETITION_PENALTY_RANGE[0] <= self.repetition_penalty <= REPETITION_PENALTY_RANGE[1],
+                    "repetition_penalty", f"must be in [{REPETITION_PENALTY_RANGE[0]:g}, {REPETITION_PENALTY_RANGE[1]:g}]",
+                    self.repetition_penalty)
         check_field(-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]", self.presence_penalty)
         check_field(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]", self.frequency_penalty)
         check_field(self.n >= 1, "n", "must be >= 1", self.n)

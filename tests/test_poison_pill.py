@@ -37,6 +37,7 @@ HOSTILE: list[tuple[str, object, dict, dict, str]] = [
     ("min_p above one", "x", {}, dict(min_p=2.0), "min_p"),
     ("negative top_k", "x", {}, dict(top_k=-5), "top_k"),
     ("zero repetition penalty", "x", {}, dict(repetition_penalty=0.0), "repetition_penalty"),
+    ("subnormal repetition penalty", "x", {}, dict(repetition_penalty=5e-324), "repetition_penalty"),
     ("huge presence penalty", "x", {}, dict(presence_penalty=1e308), "presence_penalty"),
     ("-inf frequency penalty", "x", {}, dict(frequency_penalty=-INF), "frequency_penalty"),
     ("NaN length penalty", "x", {}, dict(length_penalty=NAN), "length_penalty"),
