@@ -38,7 +38,7 @@ FLOOD = dict(max_tokens=1000, temperature=0.0, ignore_eos=True, logprobs=20)
 @pytest.fixture(scope="module")
 def cluster():
     router = Router(RouterConfig(port=0, max_concurrent_requests=1, max_queued_requests=1, max_queue_wait=60.0,
-                                 stream_write_timeout=WRITE_TIMEOUT, metrics=False))
+                                 stream_write_timeout=WRITE_TIMEOUT))
     address = router.start()
     worker = Worker(WorkerConfig(role="mixed", router=router.internal_address, worker_id="mixed-0", num_blocks=256,
                                  stream_write_timeout=WRITE_TIMEOUT, metrics=False))
@@ -47,6 +47,12 @@ def cluster():
     yield router, worker, address
     worker.stop()
     router.stop()
+
+
+def cutoffs(registry) -> float:
+    """pdserve:stream_write_cutoffs_total, as /metrics would show it."""
+    return sum(sample.value for metric in registry.collect() for sample in metric.samples
+               if sample.name == "pdserve:stream_write_cutoffs_total")
 
 
 def generate(address: str, options: list | None = None, **sampling) -> tuple[grpc.Channel, grpc.Call]:
@@ -62,6 +68,7 @@ def test_a_client_that_stops_reading_is_cut_off_and_frees_its_blocks(cluster):
         first = next(call)  # the request runs; from now on this client reads nothing
         assert first.token_ids
         wait_for(lambda: router.generation.write_guard.cut >= 1, 120, "the router to cut the stalled client off")
+        assert cutoffs(router.metrics.registry) >= 1
         wait_for(lambda: all_blocks_free(worker.address), 60, "the worker to free the request's blocks")
         received = 1
         with pytest.raises(grpc.RpcError) as info:

@@ -29,7 +29,8 @@ class DecodeService:
         self.receiver = receiver
         self.config = config
         # A reader that stops reading (a router stuck behind its client) is cut off.
-        self.write_guard = WriteGuard(config.stream_write_timeout, f"decode worker {config.id}")
+        self.write_guard = WriteGuard(config.stream_write_timeout, f"decode worker {config.id}",
+                                      on_cut=loop.metrics.stream_cut_off)
 
     def reserve(self, request: pb.ReserveRequest, context: grpc.ServicerContext) -> pb.ReserveResponse:
         """Blocks for a prompt whose KV a prefill worker will send (P/D seam)."""

@@ -43,7 +43,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self.dispatcher = dispatcher
         self.metrics = metrics
         self.admission = Admission(config.max_concurrent_requests, config.max_queued_requests, config.max_queue_wait)
-        self.write_guard = WriteGuard(config.stream_write_timeout, "router")
+        self.write_guard = WriteGuard(config.stream_write_timeout, "router", on_cut=metrics.stream_cut_off)
 
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
         """The request's messages; each write to the client is bounded by
