@@ -8,7 +8,8 @@
 
 Every request the loop has accepted has exactly one `RequestStream` until it ends:
 finished (`FinishedEvent`), or failed (`FailedEvent`: aborted, reservation expired,
-transfer failed, engine error). Every path out frees the request's blocks.
+transfer failed, engine error, reader too far behind). Every path out frees the
+request's blocks. A request the engine fails alone (engine/core.py) fails alone here.
 Deadlines owned here:
   - a reservation (decode side) expires if its KV is not committed in time;
   - held exported blocks (prefill side) are released when their lease runs out.
@@ -26,11 +27,11 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TypeVar
 
+from pdserve.engine.core import NO_ROOM_PREFIX
 from pdserve.engine.engine import LLMEngine, Reservation, TokenDelta
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.services.common.metrics import Disabled, WorkerMetrics
-from pdserve.engine.core import NO_ROOM_PREFIX
 from pdserve.services.worker.events import (
     MAX_BATCHES, Event, FailedEvent, Failure, FinishedEvent, RequestStream, TokenEvent,
 )
