@@ -124,6 +124,12 @@ def test_hostile_requests_fail_alone_naming_the_field(pd):
             error = refusal(stub.Generate(request_of(prompt, fields, sampling), timeout=60))
             outcomes[what] = (error.code(), field, error.details())
             assert_names(error, field, what)
+        raw = client._channel.unary_stream("/pdserve.v1.Generation/Generate")  # bytes as they come
+        for what, garbage in (("garbage bytes", b"\xff\xff\xff"), ("a truncated field", b"\x1a\xff\xff\xff\xff\x0f"),
+                              ("invalid UTF-8 text", b"\x1a\x03\xff\xfe\xfd")):
+            error = refusal(raw(garbage, timeout=60))
+            outcomes[what] = (error.code(), "request", error.details())
+            assert_names(error, "request", what)
         with pd.auth.channel(decode.address) as channel:
             worker = pb_grpc.WorkerStub(channel)
             for what, ids, sampling, field in HOSTILE_TO_WORKER:
