@@ -173,3 +173,27 @@ def test_proto_requests_are_refused_naming_a_field_or_become_jobs(validator, kwa
         return
     assert 0 < len(job.prompt) <= 200 and all(0 <= t < 4096 for t in job.prompt)
     assert all(math.isfinite(getattr(job.params, f)) for f in ("temperature", "top_p", "min_p", "length_penalty"))
+
+
+VALID_WIRE = pb.GenerateRequest(text="def f(x):", sampling=pb.SamplingOptions(max_tokens=4, temperature=0.5,
+                                                                              stop=["\n"])).SerializeToString()
+
+
+@FUZZ
+@given(raw=st.one_of(st.binary(max_size=64), st.builds(
+    lambda cut, junk, at: VALID_WIRE[:at] + junk + VALID_WIRE[at + cut:],
+    st.integers(0, 4), st.binary(max_size=6), st.integers(0, len(VALID_WIRE)))))
+def test_request_bytes_parse_then_validate_or_are_refused(validator, raw):
+    """What the server does with a request's bytes (services/common/malformed.py):
+    a DecodeError (answered INVALID_ARGUMENT 'request: ...'), or a message that
+    validation turns into a job or refuses naming a field."""
+    from google.protobuf.message import DecodeError
+
+    try:
+        request = pb.GenerateRequest.FromString(raw)
+    except DecodeError:
+        return
+    try:
+        validator.validate(request)
+    except ValueError as e:
+        _assert_names_a_field(e, REQUEST_FIELDS)
