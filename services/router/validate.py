@@ -1,8 +1,9 @@
 """A GenerateRequest -> a `Job` the dispatcher can run, or ValueError naming the field.
 
 Every check the engine would make is made here first, so a bad request never
-reaches a worker: model name, prompt (text or ids, non-empty, in the vocabulary,
-fits max_model_len), every sampling field (engine.SamplingParams, then the engine's
+reaches a worker: model name, prompt (text or ids, non-empty, text within
+--max-prompt-bytes before it is tokenized, within --max-prompt-tokens and below
+max_model_len, in the vocabulary), every sampling field (engine.SamplingParams, then the engine's
 own `validate_sampling_params` with the workers' limits: n and beam_width within
 --max-n, logprobs within --max-logprobs, stop strings and ids), prompt + max_tokens
 within max_model_len, cache_salt.
