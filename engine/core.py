@@ -39,12 +39,14 @@ from pdserve.engine.output import OutputProcessor
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampler import Sampler
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import SamplingParams, check_field
 from pdserve.engine.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
 Scheduled = list[tuple[Request, int]]
+MAX_REQUEST_ID = 256  # characters of a request id (the router's are 32-character uuids plus a suffix)
+NO_ROOM_PREFIX = "kv cache:"  # RequestOutput.error of a request that can never fit the pool
 
 
 class EngineCore:
@@ -67,11 +69,14 @@ class EngineCore:
         self._numbers = itertools.count()  # arrival numbers of groups and sequences (priority)
         self.forker = Forker(kv, runner, scheduler, self.track)
         self.last_batch: tuple[int, int] = (0, 0)  # (sequences, tokens) the last step ran: for metrics
+        self.last_scheduled: tuple[str, ...] = ()  # request ids of the last step's batch (failure isolation)
 
     # -- groups -------------------------------------------------------------------------
 
     def new_group(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
         """Register a request's group; its first sequence (not yet scheduled)."""
+        check_field(isinstance(request_id, str) and 0 < len(request_id) <= MAX_REQUEST_ID, "request_id",
+                    f"must be a string of 1..{MAX_REQUEST_ID} characters", request_id)
         if request_id in self.groups or request_id in self.held:
             raise ValueError(f"request_id: {request_id!r} is already running")
         request = Request(
@@ -156,8 +161,11 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample; returns outputs of finished requests."""
+        self.last_scheduled = ()
         plan = self.scheduler.schedule()
         self.last_batch = (len(plan.scheduled), plan.num_tokens)
+        self.last_scheduled = tuple(dict.fromkeys(
+            g.request_id for r, _ in plan.scheduled if (g := self._seq_group.get(r.request_id)) is not None))
         if not plan.scheduled:
             return self._resolve_stall(plan.preempted, plan.preempted_self)
         finished: list[RequestOutput] = []
@@ -302,7 +310,7 @@ class EngineCore:
                     sched.preempt(seq)
             return []
         log.warning("request %s can never fit in the KV cache: failing it", head.request_id)
-        return [self.abort_group(head, "kv cache: the request needs more blocks than the whole pool")]
+        return [self.abort_group(head, f"{NO_ROOM_PREFIX} the request needs more blocks than the whole pool")]
 
     def _waiting_for_remote_kv(self) -> bool:
         return any(g.live and g.live[0].status == RequestStatus.WAITING_FOR_REMOTE_KV for g in self.groups.values())

@@ -205,6 +205,11 @@ class LLMEngine:
         """(sequences, tokens) the last step() ran: for batch-size metrics."""
         return self.core.last_batch
 
+    @property
+    def last_scheduled(self) -> tuple[str, ...]:
+        """Request ids in the last step's batch (empty before its schedule is made)."""
+        return self.core.last_scheduled
+
     def has_scheduled_work(self) -> bool:
         """Whether `step()` has anything to run (reservations waiting for remote KV and
         held exported blocks do not count: they only change through calls)."""

@@ -21,8 +21,13 @@ from typing import Literal
 
 EarlyStopping = bool | Literal["never"]
 MAX_CACHE_SALT = 512
+MAX_VALUE_REPR = 120  # characters of a refused value an error message quotes
+SEED_RANGE = (-(1 << 63), 1 << 64)  # int64 or uint64: what a seed can mean anywhere
 # Temperatures below this sample as greedy (as vLLM): dividing by them overflows.
 GREEDY_TEMPERATURE = 1e-5
+# Logits divided by a smaller penalty overflow float32 (and the request samples from
+# NaNs); a larger one only zeroes them. vLLM takes any value > 0.
+REPETITION_PENALTY_RANGE = (1e-6, 1e6)
 # |length_penalty| above this overflows gen_len ** length_penalty in a float.
 MAX_LENGTH_PENALTY = 16.0
 FLOAT_FIELDS = (
@@ -64,8 +69,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        for name in ("stop", "stop_token_ids"):  # None: none; any other non-list is refused
+            value = () if getattr(self, name) is None else getattr(self, name)
+            check_field(isinstance(value, (list, tuple)), name, "must be a list", value)
+            object.__setattr__(self, name, tuple(value))
         check_field(all(_is_int(t) for t in self.stop_token_ids), "stop_token_ids", "must be integers", self.stop_token_ids)
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         if self.top_k == -1:
@@ -78,6 +85,8 @@ class SamplingParams:
         for name in ("seed", "logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             check_field(value is None or _is_int(value), name, "must be an integer or unset", value)
+        check_field(self.seed is None or SEED_RANGE[0] <= self.seed < SEED_RANGE[1], "seed", "must fit in 64 bits",
+                    self.seed)
         check_field(all(isinstance(s, str) for s in self.stop), "stop", "must be strings", self.stop)
         check_field(self.max_tokens >= 1, "max_tokens", "must be >= 1", self.max_tokens)
         check_field(0 <= self.min_tokens <= self.max_tokens, "min_tokens", "must be in [0, max_tokens]", self.min_tokens)
@@ -85,7 +94,9 @@ class SamplingParams:
         check_field(self.top_k >= 0, "top_k", "must be >= 0 (or -1 for off)", self.top_k)
         check_field(0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p)
         check_field(0 <= self.min_p <= 1, "min_p", "must be in [0, 1]", self.min_p)
-        check_field(self.repetition_penalty > 0, "repetition_penalty", "must be > 0", self.repetition_penalty)
+        check_field(REPETITION_PENALTY_RANGE[0] <= self.repetition_penalty <= REPETITION_PENALTY_RANGE[1],
+                    "repetition_penalty", f"must be in [{REPETITION_PENALTY_RANGE[0]:g}, {REPETITION_PENALTY_RANGE[1]:g}]",
+                    self.repetition_penalty)
         check_field(-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]", self.presence_penalty)
         check_field(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]", self.frequency_penalty)
         check_field(self.n >= 1, "n", "must be >= 1", self.n)
@@ -127,8 +138,16 @@ class SamplingParams:
 
 
 def check_field(ok: bool, name: str, rule: str, value: object) -> None:
+    """Raise ValueError "<name>: <rule>, got <value>" unless `ok`. The value is cut
+    short: the message becomes a gRPC status, and a client's megabyte string must
+    not make it one (nor fill a log)."""
     if not ok:
-        raise ValueError(f"{name}: {rule}, got {value!r}")
+        raise ValueError(f"{name}: {rule}, got {short_repr(value)}")
+
+
+def short_repr(value: object, limit: int = MAX_VALUE_REPR) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def _is_int(value: object) -> bool:

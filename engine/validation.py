@@ -65,6 +65,8 @@ def validate_prompt(
     """The prompt is non-empty, in the vocabulary, and leaves room for max_tokens
     (`ids_field`: what the caller's surface calls the token ids)."""
     check_field(len(prompt) > 0, "prompt", "must contain at least one token", len(prompt))
+    check_field(len(prompt) < max_model_len, "prompt", f"{len(prompt)} tokens leave no room below max_model_len "
+                f"{max_model_len}", len(prompt))
     bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
     check_field(bad is None, ids_field, f"token outside the vocabulary [0, {vocab_size})", bad)
     if len(prompt) + params.max_tokens > max_model_len:

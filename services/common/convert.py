@@ -1,9 +1,11 @@
-"""Between proto messages (pdserve.v1) and engine types. No policy here."""
+"""Between proto messages (pdserve.v1) and engine types. No policy here, beyond
+refusing oversized repeated fields before they are copied."""
 
 from __future__ import annotations
 
 from pdserve.engine.engine import TokenDelta
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import SamplingParams, check_field
+from pdserve.engine.validation import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 
 _SCALARS = (
@@ -23,6 +25,11 @@ def params_from_options(options: pb.SamplingOptions, cache_salt: str = "") -> Sa
     SamplingParams refuses."""
     kwargs: dict[str, object] = {name: getattr(options, name) for name in _SCALARS if options.HasField(name)}
     kwargs["cache_salt"] = cache_salt or None
+    # Counted before anything is copied: a 4 MB message holds a million stop ids.
+    check_field(len(options.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} stop strings",
+                len(options.stop))
+    check_field(len(options.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
+                f"at most {MAX_STOP_TOKEN_IDS} ids", len(options.stop_token_ids))
     if options.stop:
         kwargs["stop"] = tuple(options.stop)
     if options.stop_token_ids:

@@ -120,16 +120,22 @@ METRICS: Mapping[str, Spec] = types.MappingProxyType({
     "num_held_blocks": Spec("gauge_family", "Prefill: KV blocks held for shipping"),
     "num_requests_reserved": Spec("gauge_family", "Decode: reservations waiting for their KV"),
     "reservations_expired": Spec("counter", "Decode: reservations whose KV did not arrive in time"),
+    # -- backpressure (router and decode workers) -------------------------------------------
+    "stream_write_cutoffs": Spec(
+        "counter", "Streams cut off because one message waited longer than --stream-write-timeout to be written "
+                   "(the reader stopped reading)"),
 })
 
 ROUTER_METRICS = (
     "time_to_first_token_seconds", "inter_token_latency_seconds", "request_time_per_output_token_seconds",
     "e2e_request_latency_seconds", "prompt_tokens", "generation_tokens", "request_success", "request_failure",
     "num_requests_inflight", "router_prefill_path", "router_retries", "router_worker_selected", "router_kv_events",
+    "stream_write_cutoffs",
 )
 WORKER_METRICS = (
     "request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
     "engine_step_seconds", "batch_num_seqs", "batch_num_tokens", "kv_transfer_seconds", "reservations_expired",
+    "stream_write_cutoffs",
 )
 # engine.stats() / connector stats key -> metric, read at scrape time
 ENGINE_GAUGES = {
@@ -174,6 +180,10 @@ class _Recorder:
     def child(self, name: str, *extra: str) -> Any:
         """The metric `name` with the base labels (and `extra` ones) set."""
         return self._families[name].labels(*self.base, *extra)
+
+    def stream_cut_off(self) -> None:
+        """A reader stopped reading and its stream was cut off (services/common/write_guard.py)."""
+        self.child("stream_write_cutoffs").inc()
 
     def collect_with(self, collect: Callable[[], Iterator[Metric]]) -> None:
         """Add metrics produced at scrape time by `collect()`."""

@@ -9,7 +9,8 @@ health checking (grpc.health.v1) and server reflection (grpc.reflection.v1alpha)
 
 Health reports NOT_SERVING until `set_serving()`, and again from `stop()` on, for
 the overall server ("") and for each named service. A server may take interceptors
-(credential checks: services/common/auth.py) and TLS credentials (`start`).
+(credential checks: services/common/auth.py) and TLS credentials (`start`); a
+request that is no valid message is INVALID_ARGUMENT (services/common/malformed.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from pdserve.services.common.malformed import MalformedRequests
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +50,7 @@ class GrpcServer:
                  interceptors: Sequence[grpc.ServerInterceptor] = ()) -> None:
         self._pool = futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grpc")
         self.grpc = grpc.server(self._pool, options=SERVER_OPTIONS, maximum_concurrent_rpcs=max_concurrent_rpcs,
-                                interceptors=list(interceptors))
+                                interceptors=[MalformedRequests(), *interceptors])
         self.health = health.HealthServicer(experimental_non_blocking=True)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         self._services: list[str] = []

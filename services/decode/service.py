@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterator
 
 import grpc
 
+from pdserve.engine.sampling_params import check_field
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.services.common.convert import params_from_options
 from pdserve.services.common.deadline import Deadline
 from pdserve.services.common.errors import rpc_errors
+from pdserve.services.common.write_guard import WriteGuard
 from pdserve.services.decode.stream import DecodeStream
 from pdserve.services.worker.config import WorkerConfig
 from pdserve.services.worker.engine_loop import EngineLoop
@@ -25,13 +28,16 @@ class DecodeService:
         self.loop = loop
         self.receiver = receiver
         self.config = config
+        # A reader that stops reading (a router stuck behind its client) is cut off.
+        self.write_guard = WriteGuard(config.stream_write_timeout, f"decode worker {config.id}",
+                                      on_cut=loop.metrics.stream_cut_off)
 
     def reserve(self, request: pb.ReserveRequest, context: grpc.ServicerContext) -> pb.ReserveResponse:
         """Blocks for a prompt whose KV a prefill worker will send (P/D seam)."""
         if self.receiver is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "Reserve: this worker has no KV receiver (--kv-connector)")
-        lease = min(request.timeout_seconds or self.config.reservation_timeout, self.config.reservation_timeout)
         with rpc_errors(context):
+            lease = self._lease(request.timeout_seconds)
             params = params_from_options(request.sampling, request.cache_salt)
             reservation = self.loop.reserve(request.request_id, list(request.token_ids), params, lease, CALL_TIMEOUT)
         try:
@@ -43,6 +49,13 @@ class DecodeService:
             kv_endpoint=self.receiver.endpoint, num_cached_tokens=reservation.num_cached_tokens,
             block_ids=reservation.block_ids, block_size=self.config.block_size, transfer_target=plan,
         )
+
+    def _lease(self, seconds: float) -> float:
+        """The reservation's lifetime: the router's, at most --reservation-timeout (0:
+        that). NaN or inf would make a reservation that never expires."""
+        check_field(math.isfinite(seconds) and seconds >= 0, "timeout_seconds", "must be a finite number >= 0",
+                    seconds)
+        return min(seconds or self.config.reservation_timeout, self.config.reservation_timeout)
 
     def decode(self, request: pb.DecodeRequest, context: grpc.ServicerContext) -> Iterator[pb.DecodeResponse]:
         deadline = Deadline.of_rpc(context, self.config.request_timeout)
@@ -57,7 +70,7 @@ class DecodeService:
                 stream = self._attach(rid, context)
         decode = DecodeStream(stream)
         try:
-            yield from decode.messages(self.loop, context, deadline)
+            yield from self.write_guard.guarded(decode.messages(self.loop, context, deadline), context, f"request {rid}")
         finally:
             # Cancelled, deadline passed, failed: free it (the loop cancels it on the KV
             # receiver first). A finished request is freed already.

@@ -27,6 +27,7 @@ _FAILURE_STATUS = {
     Failure.EXPIRED: grpc.StatusCode.DEADLINE_EXCEEDED,
     Failure.TRANSFER: grpc.StatusCode.UNAVAILABLE,
     Failure.INTERNAL: grpc.StatusCode.INTERNAL,
+    Failure.NO_ROOM: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from pdserve.engine.llm import DEFAULT_MODEL
 from pdserve.services.common.credentials import ClusterCredentials
 from pdserve.services.common.flags import check, flag
+from pdserve.services.router.validate import DEFAULT_MAX_PROMPT_BYTES
 
 PREFILL_POLICIES = ("prefix", "round_robin")
 
@@ -35,6 +36,9 @@ class RouterConfig:
     max_model_len: int | None = flag(None, "longest prompt + output (default: the model's)")
     max_n: int = flag(8, "largest n and beam_width accepted")
     max_logprobs: int = flag(20, "largest logprobs and prompt_logprobs accepted (workers must match)")
+    max_prompt_bytes: int = flag(DEFAULT_MAX_PROMPT_BYTES, "largest text prompt in bytes (UTF-8), refused before "
+                                                           "it is tokenized")
+    max_prompt_tokens: int | None = flag(None, "largest prompt in tokens (default: max_model_len - 1)")
     local_prefill_threshold: int = flag(64, "uncached prompts shorter than this prefill on the decode worker")
     prefill_queue_weight: int = flag(256, "prefill choice: one queued request costs this many cached tokens")
     prefill_policy: str = flag("prefix", "prefill worker choice: prefix (longest cached prefix, balanced by "
@@ -45,7 +49,12 @@ class RouterConfig:
                                                "comes as KV events)")
     request_timeout: float = flag(600.0, "deadline of requests whose client set none")
     max_attempts: int = flag(3, "workers tried for a request that has produced no token yet")
-    max_concurrent_requests: int = flag(256, "Generate calls in flight; more get RESOURCE_EXHAUSTED")
+    max_concurrent_requests: int = flag(256, "Generate calls in flight; more wait in the admission queue")
+    max_queued_requests: int = flag(64, "Generate calls waiting for a slot; more get RESOURCE_EXHAUSTED with a "
+                                        "retry hint (0: no queue)")
+    max_queue_wait: float = flag(1.0, "longest a call waits in the admission queue before RESOURCE_EXHAUSTED")
+    stream_write_timeout: float = flag(10.0, "cut off a client that takes longer than this to accept one message "
+                                             "(it stopped reading); its request is aborted on every worker")
     log_level: str = flag("INFO", "DEBUG | INFO | WARNING | ERROR")
     # Prometheus (services/common/metrics.py)
     metrics: bool = flag(True, "record Prometheus metrics and serve them at /metrics")
@@ -76,7 +85,12 @@ class RouterConfig:
               self.prefill_policy)
         check(self.max_attempts >= 1, "max_attempts", "must be >= 1", self.max_attempts)
         check(self.max_concurrent_requests >= 1, "max_concurrent_requests", "must be >= 1", self.max_concurrent_requests)
-        for name in ("heartbeat_interval", "worker_timeout", "stats_interval", "request_timeout"):
+        check(self.max_queued_requests >= 0, "max_queued_requests", "must be >= 0", self.max_queued_requests)
+        check(self.max_queue_wait >= 0, "max_queue_wait", "must be >= 0", self.max_queue_wait)
+        check(self.max_prompt_bytes >= 1, "max_prompt_bytes", "must be >= 1", self.max_prompt_bytes)
+        check(self.max_prompt_tokens is None or self.max_prompt_tokens >= 1, "max_prompt_tokens", "must be >= 1",
+              self.max_prompt_tokens)
+        for name in ("heartbeat_interval", "worker_timeout", "stats_interval", "request_timeout", "stream_write_timeout"):
             check(getattr(self, name) > 0, name, "must be > 0", getattr(self, name))
         check(self.worker_timeout > self.heartbeat_interval, "worker_timeout", "must exceed heartbeat_interval",
               self.worker_timeout)

@@ -46,7 +46,7 @@ class Router:
         if max_model_len > model.max_position_embeddings:
             raise ValueError(f"max_model_len: {max_model_len} exceeds the model's {model.max_position_embeddings}")
         self.limits = Limits(config.model_name, model.vocab_size, max_model_len, config.max_n, config.block_size,
-                             config.max_logprobs)
+                             config.max_logprobs, config.max_prompt_bytes, config.max_prompt_tokens)
         tokenizer = Tokenizer(config.model) if has_tokenizer(config.model) else None
         self.auth = ClusterAuth(config.credentials)
         self.api_keys = ApiKeys(config.api_keys_file) if config.api_keys_file else None
@@ -54,10 +54,13 @@ class Router:
         self.registry = WorkerRegistry(config, config.model_name, max_model_len, self.auth, self.metrics.kv_event)
         self.metrics.watch_workers(lambda: [h.role for h in self.registry.live()])
         public_checks = [self.api_keys.interceptor()] if self.api_keys is not None else []
-        self.server = GrpcServer(threads=config.max_concurrent_requests + SPARE_THREADS, interceptors=public_checks)
+        # A thread for each call in flight or in the admission queue; beyond that, calls
+        # are refused at once (and gRPC's own limit bounds what waits for a thread).
+        threads = config.max_concurrent_requests + config.max_queued_requests + SPARE_THREADS
+        self.server = GrpcServer(threads=threads, max_concurrent_rpcs=2 * threads, interceptors=public_checks)
         dispatcher = Dispatcher(self.registry, config, self.metrics)
-        generation = GenerationServicer(config, self.limits, tokenizer, dispatcher, self.metrics, self.api_keys)
-        pb_grpc.add_GenerationServicer_to_server(generation, self.server.grpc)
+        self.generation = GenerationServicer(config, self.limits, tokenizer, dispatcher, self.metrics, self.api_keys)
+        pb_grpc.add_GenerationServicer_to_server(self.generation, self.server.grpc)
         self.internal_server = GrpcServer(threads=INTERNAL_THREADS, interceptors=self.auth.interceptors())
         self.registry_service = RegistryServicer(self.registry, config)
         pb_grpc.add_RegistryServicer_to_server(self.registry_service, self.internal_server.grpc)
@@ -89,6 +92,7 @@ class Router:
         self.server.stop(grace)
         self.internal_server.stop(grace)
         self.registry.stop()
+        self.generation.write_guard.close()
         self.metrics.close()
 
     def _public_tls(self) -> grpc.ServerCredentials | None:

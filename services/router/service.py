@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Iterator
 
@@ -15,6 +14,8 @@ from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from pdserve.services.common.auth import metadata_of
 from pdserve.services.common.deadline import Deadline
 from pdserve.services.common.errors import rpc_errors
+from pdserve.services.common.write_guard import WriteGuard
+from pdserve.services.router.admission import Admission
 from pdserve.services.router.api_keys import ApiKeys
 from pdserve.services.common.metrics import RouterMetrics
 from pdserve.services.router.config import RouterConfig
@@ -24,6 +25,8 @@ from pdserve.services.router.validate import Limits, Validator
 
 log = logging.getLogger(__name__)
 DEADLINE_TOLERANCE = 0.25  # seconds
+RETRY_AFTER_KEY = "retry-after-ms"
+PUSHBACK_KEY = "grpc-retry-pushback-ms"
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
@@ -40,21 +43,27 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self.validator = Validator(limits, tokenizer)
         self.dispatcher = dispatcher
         self.metrics = metrics
-        self._slots = threading.BoundedSemaphore(config.max_concurrent_requests)
+        self.admission = Admission(config.max_concurrent_requests, config.max_queued_requests, config.max_queue_wait)
+        self.write_guard = WriteGuard(config.stream_write_timeout, "router", on_cut=metrics.stream_cut_off)
 
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
+        """The request's messages; each write to the client is bounded by
+        --stream-write-timeout (a client that stops reading is cut off, and the
+        request aborted on its workers: they watch this call)."""
+        return self.write_guard.guarded(self._generate(request, context), context, "Generate")
+
+    def _generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
         arrival = time.monotonic()
         self.metrics.request_started()
         acquired = succeeded = False
         try:
-            acquired = self._slots.acquire(blocking=False)
-            if not acquired:
-                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                              f"router: {self.config.max_concurrent_requests} requests in flight (--max-concurrent-requests)")
             tenant = self._tenant(context)
-            with rpc_errors(context):
+            with rpc_errors(context):  # a bad request is refused before it waits for a slot
                 job = self.validator.validate(request, tenant)
             deadline = Deadline.of_rpc(context, self.config.request_timeout)
+            acquired = self.admission.acquire(deadline.remaining())
+            if not acquired:
+                self._refuse(context)
             builder = ResponseBuilder(job, self.tokenizer, arrival, self.metrics)
             try:
                 for message in self.dispatcher.run(job, deadline, context, builder.note_cached_tokens):
@@ -66,8 +75,19 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 context.abort(e.code, e.message)
         finally:
             if acquired:
-                self._slots.release()
+                self.admission.release()
             self.metrics.request_ended(None if succeeded else _failure(context))
+
+    def _refuse(self, context: grpc.ServicerContext) -> None:
+        """RESOURCE_EXHAUSTED with when to retry, in trailing metadata: `retry-after-ms`
+        and gRPC's own `grpc-retry-pushback-ms` (honoured by gRPC retry policies)."""
+        ms = str(int(self.admission.retry_after() * 1000))
+        context.set_trailing_metadata(((RETRY_AFTER_KEY, ms), (PUSHBACK_KEY, ms)))
+        cfg = self.config
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                      f"router: {cfg.max_concurrent_requests} requests in flight (--max-concurrent-requests) and "
+                      f"{cfg.max_queued_requests} waiting (--max-queued-requests, --max-queue-wait "
+                      f"{cfg.max_queue_wait:g}s); retry after {ms} ms")
 
     def _tenant(self, context: grpc.ServicerContext) -> str | None:
         if not self.config.salt_cache_by_key or self.api_keys is None:

@@ -1,8 +1,9 @@
 """A GenerateRequest -> a `Job` the dispatcher can run, or ValueError naming the field.
 
 Every check the engine would make is made here first, so a bad request never
-reaches a worker: model name, prompt (text or ids, non-empty, in the vocabulary,
-fits max_model_len), every sampling field (engine.SamplingParams, then the engine's
+reaches a worker: model name, prompt (text or ids, non-empty, text within
+--max-prompt-bytes before it is tokenized, within --max-prompt-tokens and below
+max_model_len, in the vocabulary), every sampling field (engine.SamplingParams, then the engine's
 own `validate_sampling_params` with the workers' limits: n and beam_width within
 --max-n, logprobs within --max-logprobs, stop strings and ids), prompt + max_tokens
 within max_model_len, cache_salt.
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 
 from pdserve.engine.config import DEFAULT_MAX_LOGPROBS
 from pdserve.engine.hashing import hash_blocks
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import SamplingParams, check_field
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.engine.validation import SamplingLimits, validate_prompt, validate_sampling_params
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
@@ -27,6 +28,7 @@ from pdserve.services.common.convert import params_from_options
 
 MAX_REQUEST_ID = 256
 MAX_CACHE_SALT = 256
+DEFAULT_MAX_PROMPT_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,13 @@ class Limits:
     max_n: int
     block_size: int
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
+    max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES  # of a text prompt, checked before tokenizing it
+    max_prompt_tokens: int | None = None  # None: max_model_len - 1
+
+    @property
+    def prompt_token_cap(self) -> int:
+        longest = self.max_model_len - 1
+        return longest if self.max_prompt_tokens is None else min(self.max_prompt_tokens, longest)
 
 
 class Validator:
@@ -62,8 +71,8 @@ class Validator:
     def validate(self, request: pb.GenerateRequest, tenant: str | None = None) -> Job:
         """The job of a request; `tenant` (an API key's id) goes in front of its salt."""
         lim = self.limits
-        if request.model and request.model != lim.model_name:
-            raise ValueError(f"model: unknown model {request.model!r}; this router serves {lim.model_name!r}")
+        check_field(not request.model or request.model == lim.model_name, "model",
+                    f"unknown model; this router serves {lim.model_name!r}", request.model)
         if len(request.request_id) > MAX_REQUEST_ID:
             raise ValueError(f"request_id: longer than {MAX_REQUEST_ID} characters")
         prompt = self._prompt(request)
@@ -74,8 +83,6 @@ class Validator:
         validate_sampling_params(params, SamplingLimits(
             lim.vocab_size, max_n=lim.max_n, max_logprobs=lim.max_logprobs, has_tokenizer=self.tokenizer is not None,
         ))
-        if len(prompt) >= lim.max_model_len:
-            raise ValueError(f"prompt: {len(prompt)} tokens leave no room below max_model_len {lim.max_model_len}")
         validate_prompt(prompt, params, lim.vocab_size, lim.max_model_len, ids_field="token_ids")
         worker_id = uuid.uuid4().hex
         return Job(
@@ -90,13 +97,23 @@ class Validator:
         if which == "text":
             if not request.text:
                 raise ValueError("prompt: text must not be empty")
+            size = len(request.text.encode("utf-8", "surrogatepass"))
+            check_field(size <= self.limits.max_prompt_bytes, "text",
+                        f"must be at most {self.limits.max_prompt_bytes} bytes of UTF-8 (--max-prompt-bytes)", size)
             if self.tokenizer is None:
                 raise ValueError("prompt: text given but the model has no tokenizer; send token_ids")
             ids = self.tokenizer.encode(request.text)
             if not ids:
                 raise ValueError("prompt: text encodes to no tokens")
-            return ids
+            return self._capped(ids)
         ids = list(request.token_ids.ids)
         if not ids:
             raise ValueError("prompt: token_ids must not be empty")
+        return self._capped(ids)
+
+    def _capped(self, ids: list[int]) -> list[int]:
+        """The prompt within --max-prompt-tokens (and below max_model_len)."""
+        cap = self.limits.prompt_token_cap
+        check_field(len(ids) <= cap, "prompt", f"may hold at most {cap} tokens (--max-prompt-tokens, "
+                    f"max_model_len {self.limits.max_model_len})", len(ids))
         return ids

@@ -68,6 +68,8 @@ class WorkerConfig:
     held_lease: float = flag(30.0, "prefill: longest time exported blocks wait to be shipped")
     request_timeout: float = flag(600.0, "longest a request may run when its caller set no deadline")
     register_timeout: float = flag(60.0, "how long to keep trying to register with the router")
+    stream_write_timeout: float = flag(10.0, "decode: cut off a token stream whose reader takes longer than this "
+                                             "to accept one message (it stopped reading); its blocks are freed")
     grpc_threads: int | None = flag(None, "gRPC handler threads, each stream holds one (default: max_num_seqs + 16)")
     log_level: str = flag("INFO", "DEBUG | INFO | WARNING | ERROR")
     credentials: ClusterCredentials = flag(ClusterCredentials(), "the cluster's credentials (internal surface)")
@@ -89,7 +91,7 @@ class WorkerConfig:
         if self.cpu_affinity is not None:
             parse_cpus(self.cpu_affinity)  # raises ValueError naming the field
         check(self.grpc_threads is None or self.grpc_threads >= 4, "grpc_threads", "must be >= 4", self.grpc_threads)
-        for name in ("reservation_timeout", "held_lease", "request_timeout", "register_timeout"):
+        for name in ("reservation_timeout", "held_lease", "request_timeout", "register_timeout", "stream_write_timeout"):
             check(getattr(self, name) > 0, name, "must be > 0", getattr(self, name))
 
     @property

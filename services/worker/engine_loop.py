@@ -8,7 +8,8 @@
 
 Every request the loop has accepted has exactly one `RequestStream` until it ends:
 finished (`FinishedEvent`), or failed (`FailedEvent`: aborted, reservation expired,
-transfer failed, engine error). Every path out frees the request's blocks.
+transfer failed, engine error, reader too far behind). Every path out frees the
+request's blocks. A request the engine fails alone (engine/core.py) fails alone here.
 Deadlines owned here:
   - a reservation (decode side) expires if its KV is not committed in time;
   - held exported blocks (prefill side) are released when their lease runs out;
@@ -29,11 +30,14 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TypeVar
 
+from pdserve.engine.core import NO_ROOM_PREFIX
 from pdserve.engine.engine import LLMEngine, Reservation, TokenDelta
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.services.common.metrics import Disabled, WorkerMetrics
-from pdserve.services.worker.events import Event, FailedEvent, Failure, FinishedEvent, RequestStream, TokenEvent
+from pdserve.services.worker.events import (
+    MAX_BATCHES, Event, FailedEvent, Failure, FinishedEvent, RequestStream, TokenEvent,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -46,9 +50,12 @@ HELD_POLL = 0.005
 class EngineLoop:
     def __init__(
         self, engine: LLMEngine, *, idle_wait: float = 0.25, held_lease: float = 30.0,
-        metrics: WorkerMetrics | None = None, unclaimed_ttl: float = 30.0,
+        metrics: WorkerMetrics | None = None, unclaimed_ttl: float = 30.0, max_stream_batches: int = MAX_BATCHES,
     ) -> None:
+        """`max_stream_batches`: engine steps' worth of events a request's reader may
+        fall behind before the request ends (services/worker/events.py)."""
         self.engine = engine
+        self.max_stream_batches = max_stream_batches
         self.metrics = metrics or Disabled()
         self.idle_wait = idle_wait
         self.held_lease = held_lease
@@ -228,7 +235,7 @@ class EngineLoop:
             raise
 
     def _open(self, request_id: str) -> RequestStream:
-        stream = RequestStream(request_id)
+        stream = RequestStream(request_id, self.max_stream_batches)
         self._streams[request_id] = stream
         return stream
 
@@ -261,18 +268,35 @@ class EngineLoop:
                 return
 
     def _step(self) -> None:
+        """One engine step. The engine keeps a failure to the requests behind it
+        (engine/core.py: bisected forward pass, row-by-row sampling); a request it
+        failed ends here with its own status. Should anything escape the engine
+        anyway, only the requests of that step's batch fail (every request when the
+        batch is unknown, or the engine no longer checks out), each logged by id."""
         start = time.perf_counter()
         try:
             outputs = self.engine.step()
-        except Exception as e:  # the batch's requests are in an unknown state: fail them all
-            log.exception("engine step failed")
-            for request_id in list(self._streams):
-                self._end(request_id, Failure.INTERNAL, f"engine: {type(e).__name__}: {e}")
+        except Exception as e:
+            self._step_failed(e)
             return
         self.metrics.step(time.perf_counter() - start, self.engine.last_batch)
         for output in outputs:
             self._finished(output)
         self._flush()
+
+    def _step_failed(self, error: Exception) -> None:
+        # The batch, or (failed before it was known) every request the scheduler holds;
+        # reservations waiting for their KV are in no batch and stay.
+        suspects = list(self.engine.last_scheduled) or [r for r in self.engine.groups if r not in self._reservations]
+        try:
+            self.engine.check_integrity()
+        except Exception:
+            log.exception("engine state inconsistent after a failed step: failing every request")
+            suspects = list(self._streams)
+        log.error("engine step failed (%s: %s): failing requests %s", type(error).__name__, error, suspects,
+                  exc_info=error)
+        for request_id in suspects:
+            self._end(request_id, Failure.INTERNAL, f"engine: {type(error).__name__}: {error}")
 
     def _poll(self) -> None:
         for poll in self._pollers:
@@ -285,10 +309,18 @@ class EngineLoop:
         self._batch.setdefault(stream.request_id, (stream, []))[1].append(event)
 
     def _flush(self) -> None:
-        """Hand each stream this step's events in one batch."""
+        """Hand each stream this step's events in one batch. A stream whose reader is
+        too far behind (its client stopped reading) ends here, its blocks freed."""
+        behind = []
         for stream, events in self._batch.values():
-            stream.put(*events)
+            final = isinstance(events[-1], (FinishedEvent, FailedEvent))
+            if not stream.put(*events, final=final):
+                behind.append(stream.request_id)
         self._batch.clear()
+        for request_id in behind:
+            log.warning("request %s: its reader is %d engine steps behind: ending it", request_id,
+                        self.max_stream_batches)
+            self._end(request_id, Failure.ABORTED, "the client stopped reading the stream")
 
     def _on_token(self, delta: TokenDelta) -> None:
         stream = self._streams.get(delta.request_id)
@@ -302,8 +334,13 @@ class EngineLoop:
         if output.request_id in self.engine.held:
             self._held[output.request_id] = time.monotonic() + self.held_lease
         self.metrics.request_finished(output.times)
-        if stream is not None:
+        if stream is None:
+            return
+        if output.error is None:
             self._emit(stream, FinishedEvent(output))
+        else:  # the engine failed this request (alone): its tokens so far, then why
+            failure = Failure.NO_ROOM if output.error.startswith(NO_ROOM_PREFIX) else Failure.INTERNAL
+            self._emit(stream, FailedEvent(failure, output.error))
 
     def _commit(self, request_id: str, first_token: int | None) -> None:
         if self._reservations.pop(request_id, None) is None:
@@ -333,7 +370,7 @@ class EngineLoop:
         stream = self._streams.pop(request_id, None)
         self._keep_unattached(request_id, stream)
         if stream is not None:
-            stream.put(FailedEvent(failure, message))
+            stream.put(FailedEvent(failure, message), final=True)
 
     def _keep_unattached(self, request_id: str, stream: RequestStream | None) -> None:
         """A request ending before `attach`: its stream waits for it (unclaimed_ttl)."""

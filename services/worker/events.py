@@ -3,13 +3,17 @@
     TokenEvent*  then exactly one of  FinishedEvent | FailedEvent
 
 A `RequestStream` is the thread-safe queue between them: the engine thread puts,
-one gRPC handler thread gets (with a timeout, never forever).
+one gRPC handler thread gets (with a timeout, never forever). It is bounded: a reader
+that falls `max_batches` engine steps behind (its client stopped reading, so its
+handler is stuck in a write) makes `put` refuse, and the engine loop ends the request
+there and then (its blocks freed); only the final event always fits.
 """
 
 from __future__ import annotations
 
 import enum
 import queue
+import threading
 from dataclasses import dataclass
 
 from pdserve.engine.engine import TokenDelta
@@ -31,6 +35,7 @@ class Failure(enum.Enum):
     EXPIRED = "expired"  # a reservation's KV did not arrive in time
     TRANSFER = "transfer"  # the KV transfer reported an error
     INTERNAL = "internal"  # the engine raised while stepping
+    NO_ROOM = "no_room"  # the request needs more KV blocks than the whole pool
 
 
 @dataclass(frozen=True)
@@ -40,27 +45,43 @@ class FailedEvent:
 
 
 Event = TokenEvent | FinishedEvent | FailedEvent
+# Engine steps' worth of events a reader may fall behind before its request ends:
+# far more than a reader that is only slow needs (it takes every batch at each get).
+MAX_BATCHES = 4096
 
 
 class RequestStream:
     """Events go in batches (one engine step's worth), so a reader never sees a
     sequence's last token without the request's finish that came with it."""
 
-    def __init__(self, request_id: str) -> None:
+    def __init__(self, request_id: str, max_batches: int = MAX_BATCHES) -> None:
         self.request_id = request_id
+        self.max_batches = max_batches
         self._queue: queue.SimpleQueue[tuple[Event, ...]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._queued = 0  # batches put and not yet got
 
-    def put(self, *events: Event) -> None:
+    def put(self, *events: Event, final: bool = False) -> bool:
+        """Queue one step's events; False (nothing queued) when the reader is
+        `max_batches` behind, unless `final` (the request's last event)."""
+        with self._lock:
+            if self._queued >= self.max_batches and not final:
+                return False
+            self._queued += 1
         self._queue.put(events)
+        return True
 
     def get(self, timeout: float) -> list[Event]:
         """Every event available: waits up to `timeout` for the first, none after."""
         try:
-            events = list(self._queue.get(timeout=max(timeout, 0.0)))
+            batches = [self._queue.get(timeout=max(timeout, 0.0))]
         except queue.Empty:
             return []
         while True:
             try:
-                events.extend(self._queue.get_nowait())
+                batches.append(self._queue.get_nowait())
             except queue.Empty:
-                return events
+                break
+        with self._lock:
+            self._queued -= len(batches)
+        return [event for batch in batches for event in batch]

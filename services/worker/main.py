@@ -54,6 +54,7 @@ class Worker:
         self.metrics.watch(self.loop.snapshot, self.connector.stats)
         prefill = PrefillService(self.loop, self.connector.sender, config) if config.role != "decode" else None
         decode = DecodeService(self.loop, self.connector.receiver, config) if config.role != "prefill" else None
+        self.decode = decode
         threads = config.grpc_threads or config.max_num_seqs + 16  # each stream holds one
         self.server = GrpcServer(threads=threads, max_concurrent_rpcs=threads, interceptors=self.auth.interceptors())
         self.servicer = WorkerServicer(config, self.loop, prefill, decode, self.connector.stats, self.drain)
@@ -123,6 +124,8 @@ class Worker:
         self.engine.kv_events.close()  # ends KvEvents streams, which would hold server.stop for its grace
         self.server.stop(grace)
         self.loop.close()
+        if self.decode is not None:
+            self.decode.write_guard.close()
         self.connector.close()
         self.metrics.close()
 
