@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from pdserve.engine.engine import TokenDelta
+from typing import TYPE_CHECKING
+
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
+
+if TYPE_CHECKING:  # the engine (torch) is the workers'; the router imports this module without it
+    from pdserve.engine.output import TokenDelta
 
 _SCALARS = (
     "max_tokens", "min_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
