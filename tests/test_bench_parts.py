@@ -1,6 +1,6 @@
 """The benchmarks' parts without a cluster: workloads, arrivals, metrics, SLO, the
-consistency check, interleaved repeats, stopping clusters together, and the flags the benchmarks added to the
-services (worker CPU pinning, round-robin prefill choice)."""
+consistency check, interleaved repeats, stopping clusters together, and the flags the
+benchmarks added to the services (worker CPU pinning, round-robin prefill choice)."""
 
 from __future__ import annotations
 
