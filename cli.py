@@ -161,7 +161,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pdserve.engine.llm import DEFAULT_MODEL
+    from pdserve.engine.config import DEFAULT_MODEL
     from pdserve.launch.cluster import PER_WORKER, LaunchConfig
     from pdserve.launch.credentials import LAUNCH_MADE
     from pdserve.launch.ray_config import RayConfig

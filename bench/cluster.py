@@ -138,8 +138,9 @@ def clusters_up(configs: Mapping[str, ClusterConfig], model: ModelShape | None, 
                 timeout: float) -> Iterator[dict[str, Up]]:
     """Every cluster started (all at once: most of a start is waiting for imports and
     registrations) before the block runs, all serving one model: `model` saved to a
-    temporary directory, or the embedded one for None; all stopped, and the model
-    removed, on the way out (also when one of them failed to start)."""
+    temporary directory, or the embedded one for None; all stopped (all at once too:
+    each stop waits for its processes to exit), and the model removed, on the way out
+    (also when one of them failed to start)."""
     tmp = Path(tempfile.mkdtemp(prefix="pdserve-bench-model-"))
     try:
         model_dir = None
@@ -147,6 +148,8 @@ def clusters_up(configs: Mapping[str, ClusterConfig], model: ModelShape | None, 
             save_model(model, tmp / "model", seed)
             model_dir = str(tmp / "model")
         with contextlib.ExitStack() as stack:
+            running: list[contextlib.AbstractContextManager[Started]] = []
+            stack.callback(_exit_all, running)  # last on the way out: after the clients are closed
             with ThreadPoolExecutor(max_workers=len(configs), thread_name_prefix="cluster-start") as pool:
                 futures = {name: pool.submit(_enter, local_cluster(replace(cfg, model=model_dir)))
                            for name, cfg in configs.items()}
@@ -154,10 +157,10 @@ def clusters_up(configs: Mapping[str, ClusterConfig], model: ModelShape | None, 
             for name, future in futures.items():
                 try:
                     cm, started[name] = future.result()
-                except BaseException as e:  # the others are stopped by the stack, then this is raised
+                except BaseException as e:  # the others are stopped on the way out, then this is raised
                     failure = failure or e
                     continue
-                stack.push(cm.__exit__)
+                running.append(cm)
             if failure is not None:
                 raise failure
             yield {name: Up(s, stack.enter_context(Client(s.address, timeout=timeout))) for name, s in started.items()}
@@ -167,6 +170,16 @@ def clusters_up(configs: Mapping[str, ClusterConfig], model: ModelShape | None, 
 
 def _enter(cm: contextlib.AbstractContextManager[Started]) -> tuple[contextlib.AbstractContextManager[Started], Started]:
     return cm, cm.__enter__()
+
+
+def _exit_all(cms: list[contextlib.AbstractContextManager[Started]]) -> None:
+    """Leave every context at once; the first error, if any, once all have been left."""
+    if not cms:
+        return
+    with ThreadPoolExecutor(max_workers=len(cms), thread_name_prefix="cluster-stop") as pool:
+        futures = [pool.submit(cm.__exit__, None, None, None) for cm in cms]
+    for future in futures:
+        future.result()
 
 
 def say(line: str) -> None:

@@ -11,24 +11,29 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = ("float32", "float16", "bfloat16")
 DEFAULT_MAX_LOGPROBS = 20  # as vLLM's max_logprobs
+# The embedded default model (models/ at the repository root).
+DEFAULT_MODEL = str(Path(__file__).resolve().parent.parent / "models" / "pdserve-tiny-code")
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    import torch  # here, not at the top: the router reads this module's configs without torch
+
     if isinstance(name, torch.dtype):
-        if name not in DTYPES.values():
+        if name not in {getattr(torch, n) for n in DTYPES}:
             raise ValueError(f"dtype: unsupported {name}; choose one of {sorted(DTYPES)}")
         return name
     if name not in DTYPES:
         raise ValueError(f"dtype: unsupported {name!r}; choose one of {sorted(DTYPES)}")
-    return DTYPES[name]
+    return getattr(torch, name)
 
 
 @dataclass(frozen=True)

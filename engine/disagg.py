@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pdserve.engine.errors import NoCapacityError
 from pdserve.engine.kv_cache import KVCacheManager
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.request import Request, RequestStatus
@@ -23,10 +24,6 @@ from pdserve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from pdserve.engine.core import EngineCore
-
-
-class NoCapacityError(RuntimeError):
-    """Not enough free KV blocks to reserve for a remote prefill right now."""
 
 
 @dataclass(frozen=True)

@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from pathlib import Path
 
-from pdserve.engine.config import DEFAULT_MAX_LOGPROBS, CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine.config import DEFAULT_MAX_LOGPROBS, DEFAULT_MODEL, CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
-
-DEFAULT_MODEL = str(Path(__file__).resolve().parent.parent / "models" / "pdserve-tiny-code")
 
 
 class LLM:

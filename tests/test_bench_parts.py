@@ -1,16 +1,20 @@
 """The benchmarks' parts without a cluster: workloads, arrivals, metrics, SLO, the
-consistency check, interleaved repeats, and the flags the benchmarks added to the
-services (worker CPU pinning, round-robin prefill choice)."""
+consistency check, interleaved repeats, stopping clusters together, and the flags the
+benchmarks added to the services (worker CPU pinning, round-robin prefill choice)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import random
 import statistics
+import threading
+from collections.abc import Iterator
 
 import pytest
 
+from pdserve.bench.cluster import _exit_all
 from pdserve.bench.metrics import RequestResult, Slo, inconsistencies, percentile, request_record, summarize
 from pdserve.bench.repeat import Ratio, interleaved
 from pdserve.bench.workloads import (
@@ -177,3 +181,27 @@ def test_parse_cpus_and_round_robin_policy() -> None:
     loads = [policy.Load(w, 0, 0, 0, 10, frozenset()) for w in ("p-1", "p-0")]
     assert [policy.pick_round_robin(loads, t).worker_id for t in range(4)] == ["p-0", "p-1", "p-0", "p-1"]
     assert policy.pick_round_robin([], 0) is None
+
+
+def test_clusters_are_stopped_all_at_once_and_an_error_waits_for_the_rest() -> None:
+    """clusters_up leaves its clusters together: each stop below passes the barrier
+    only while the other two are stopping too (one by one, it breaks after 5 s)."""
+    barrier = threading.Barrier(3, timeout=5)
+    stopped: list[str] = []
+
+    @contextlib.contextmanager
+    def cluster(name: str, fails: bool = False) -> Iterator[str]:
+        try:
+            yield name
+        finally:
+            barrier.wait()
+            stopped.append(name)
+            if fails:
+                raise OSError(f"{name}: did not stop")
+
+    running = [cluster("a"), cluster("b", fails=True), cluster("c")]
+    for cm in running:
+        cm.__enter__()
+    with pytest.raises(OSError, match="b: did not stop"):
+        _exit_all(running)
+    assert sorted(stopped) == ["a", "b", "c"]

@@ -92,3 +92,20 @@ def test_sources_import_only_through_the_namespace() -> None:
         for match in bare.finditer(path.read_text()):
             offenders.append(f"{path.relative_to(REPO)}: {match.group(0).strip()}")
     assert not offenders, offenders
+
+
+def test_launchers_and_router_import_without_torch() -> None:
+    """The engine (and torch, ~1 s of CPU per process) loads on first use of `LLM` or
+    of a module that computes: a launcher (`pdserve up`, the benchmarks' cluster
+    starter and load generators) and the router's modules import without it."""
+    code = (
+        "import sys\n"
+        "import pdserve.services.router.main, pdserve.launch.local, pdserve.bench.prefix, pdserve.bench.disagg\n"
+        "from pdserve.cli import build_parser\n"
+        "from pdserve.engine import SamplingParams\n"
+        "build_parser()\n"
+        "print('torch' in sys.modules)\n"
+        "from pdserve.engine import LLM\n"
+        "print('torch' in sys.modules, LLM.__module__)\n"
+    )
+    assert _run(sys.executable, "-c", code, timeout=120).split() == ["False", "True", "pdserve.engine.llm"]

@@ -82,7 +82,10 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # Left uninitialised (the loader fills every weight from the checkpoint): nn.Embedding's
+        # own normal_() init, run on the meta device, imports torch._dynamo, ~1 s of CPU per process.
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

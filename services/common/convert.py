@@ -3,10 +3,14 @@ refusing oversized repeated fields before they are copied."""
 
 from __future__ import annotations
 
-from pdserve.engine.engine import TokenDelta
+from typing import TYPE_CHECKING
+
 from pdserve.engine.sampling_params import SamplingParams, check_field
 from pdserve.engine.validation import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
+
+if TYPE_CHECKING:  # the engine (torch) is the workers'; the router imports this module without it
+    from pdserve.engine.output import TokenDelta
 
 _SCALARS = (
     "max_tokens", "min_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 
 import grpc
 
-from pdserve.engine.engine import NoCapacityError
+from pdserve.engine.errors import NoCapacityError
 
 
 def status_of(error: BaseException) -> grpc.StatusCode:

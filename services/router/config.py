@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.engine.llm import DEFAULT_MODEL
+from pdserve.engine.config import DEFAULT_MODEL
 from pdserve.services.common.credentials import ClusterCredentials
 from pdserve.services.common.flags import check, flag
 from pdserve.services.router.validate import DEFAULT_MAX_PROMPT_BYTES

@@ -7,9 +7,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.engine.config import CacheConfig, SchedulerConfig
-from pdserve.engine.engine import EngineConfig
-from pdserve.engine.llm import DEFAULT_MODEL
+from pdserve.engine.config import DEFAULT_MODEL, CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.services.common.credentials import ClusterCredentials
 from pdserve.services.common.flags import check, flag
 
