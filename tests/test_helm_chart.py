@@ -207,7 +207,10 @@ def schema_keys(*path: str) -> set[str]:
 
 
 # Flags with no use in a pod: a launcher's handshake.
-NOT_RENDERED = {"address_file"}
+# drain_timeout (router and workers' SIGTERM grace) and admission_timeout (router: wait
+# for a decode worker to join) are new with issue 13's fault handling; the chart renders
+# its defaults until the chart's owner wires them (and the pods' terminationGracePeriod).
+NOT_RENDERED = {"address_file", "drain_timeout", "admission_timeout"}
 
 
 def values_fields(component: str) -> set[str]:

@@ -72,6 +72,10 @@ class GrpcServer:
     def set_serving(self) -> None:
         self._set_all(health_pb2.HealthCheckResponse.SERVING)
 
+    def set_not_serving(self) -> None:
+        """Draining: health checks say NOT_SERVING, calls in flight go on."""
+        self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
+
     def stop(self, grace: float) -> None:
         self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
         self.grpc.stop(grace).wait(grace + 1.0)

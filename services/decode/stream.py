@@ -24,6 +24,7 @@ POLL = 0.5  # seconds between checks that the caller is still there
 
 _FAILURE_STATUS = {
     Failure.ABORTED: grpc.StatusCode.ABORTED,
+    Failure.SHUTDOWN: grpc.StatusCode.UNAVAILABLE,
     Failure.EXPIRED: grpc.StatusCode.DEADLINE_EXCEEDED,
     Failure.TRANSFER: grpc.StatusCode.UNAVAILABLE,
     Failure.INTERNAL: grpc.StatusCode.INTERNAL,

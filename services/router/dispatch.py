@@ -1,7 +1,8 @@
 """Running one validated request on the workers, with retries.
 
     for each attempt (another decode worker each time, at most --max-attempts):
-        D = least loaded decode worker
+        D = least loaded decode worker (none left: wait up to --admission-timeout
+            for one to join or rejoin)
         if D and some prefill worker can move KV and the prompt's part D has not
            cached is >= --local-prefill-threshold tokens:         # P/D seam
             D.Reserve -> blocks + KV endpoint
@@ -11,6 +12,8 @@
               P failed: abort that reservation, next P with a fresh one
             stream D's tokens after the first
             no P left: abort the reservation, prefill on D instead
+        elif the prompt should cross but no P can take it (none, draining, all at
+           --max-prefill-queue): prefill on D (counted by reason)
         else:
             D.Decode(local_prefill=true) -> D's token stream
     A worker failure before any token reached the client: next attempt.
@@ -74,15 +77,22 @@ class Dispatcher:
     def run(
         self, job: Job, deadline: Deadline, context: grpc.ServicerContext, note_cached: Callable[[int], None]
     ) -> Iterator[pb.DecodeResponse]:
-        tried: set[str] = set()
+        """Serve `job` on a decode worker, trying another one (at most --max-attempts)
+        while no token has reached the client. When none (left) is serving, wait up to
+        --admission-timeout (within the deadline) for one to join: a restarted decode
+        worker is a pause, not a burst of UNAVAILABLE."""
+        tried: list[WorkerHandle] = []
         failures: list[str] = []
-        for number in range(self.config.max_attempts):
+        admission = Deadline.after(min(self.config.admission_timeout, deadline.remaining()))
+        while len(tried) < self.config.max_attempts:
             decode = self.registry.acquire_decode(job.block_hashes, tried)
             if decode is None:
+                if self.registry.wait_for_decode(tried, admission.remaining()) and context.is_active():
+                    continue
                 break
             self.metrics.worker_chosen(decode.worker_id, decode.role)
-            tried.add(decode.worker_id)
-            attempt = _Attempt(f"{job.worker_request_id}-{number}")
+            attempt = _Attempt(f"{job.worker_request_id}-{len(tried)}")
+            tried.append(decode)
             try:
                 yield from self._on(decode, job, attempt, deadline, context, note_cached)
                 return
@@ -98,6 +108,8 @@ class Dispatcher:
                 self.registry.probe_soon()
             finally:
                 self.registry.release(decode)
+        if not context.is_active():
+            raise ClientGone()
         detail = "; ".join(failures) if failures else "no decode worker is registered"
         raise RouterError(grpc.StatusCode.UNAVAILABLE, f"no decode worker could serve the request ({detail})")
 
@@ -106,12 +118,16 @@ class Dispatcher:
         context: grpc.ServicerContext, note_cached: Callable[[int], None],
     ) -> Iterator[pb.DecodeResponse]:
         path = "local"
-        if self._remote_prefill(job, decode):
-            served = yield from self._disaggregated(decode, job, attempt, deadline, context, note_cached)
-            if served:
-                return
-            attempt.worker_request_id += "-local"
+        if self._wants_remote_prefill(job, decode):
+            why = self.registry.no_remote_prefill()
+            if why is None:
+                why = yield from self._disaggregated(decode, job, attempt, deadline, context, note_cached)
+                if why is None:
+                    return
+                attempt.worker_request_id += "-local"
             path = "fallback"
+            self.metrics.local_prefill_fallback(why)
+            log.info("request %s: prefilling on decode worker %s (%s)", job.request_id, decode.worker_id, why)
         self.metrics.prefill_path(path)
         request = pb.DecodeRequest(
             request_id=attempt.worker_request_id, local_prefill=True, token_ids=job.prompt, sampling=job.options,
@@ -120,10 +136,10 @@ class Dispatcher:
         call = decode.stub.Decode(request, timeout=deadline.remaining())
         yield from self._stream(decode, call, attempt, context, skip_first=False)
 
-    def _remote_prefill(self, job: Job, decode: WorkerHandle) -> bool:
+    def _wants_remote_prefill(self, job: Job, decode: WorkerHandle) -> bool:
+        """Whether the prompt should cross from a prefill worker (whether one can is
+        asked next): D takes KV, and the part of the prompt D lacks is long enough."""
         if not decode.info.kv_endpoint or job.params.prompt_logprobs is not None:
-            return False
-        if not self.registry.has_remote_prefill():
             return False
         cached = policy.cached_prefix_tokens(job.block_hashes, decode.cached, self.config.block_size)
         return not policy.prefill_locally(len(job.prompt), cached, self.config.local_prefill_threshold)
@@ -133,9 +149,11 @@ class Dispatcher:
     def _disaggregated(
         self, decode: WorkerHandle, job: Job, attempt: _Attempt, deadline: Deadline,
         context: grpc.ServicerContext, note_cached: Callable[[int], None],
-    ) -> Generator[pb.DecodeResponse, None, bool]:
-        """Reserve on D, prefill on P into D's blocks, stream D. Returns False (nothing
-        sent) when the request should be prefilled on D after all.
+    ) -> Generator[pb.DecodeResponse, None, str | None]:
+        """Reserve on D, prefill on P into D's blocks, stream D. Returns None when
+        served, else why the request should be prefilled on D after all (nothing was
+        sent): "prefill_failed" (every prefill worker tried failed), "no_reservation"
+        (D cannot take KV), or what `no_remote_prefill` says.
 
         A prefill worker that fails gets no second chance with the same reservation:
         it may have shipped part of the KV, and pages of a dead transfer must never mix
@@ -146,14 +164,14 @@ class Dispatcher:
         for number in range(self.config.max_attempts):
             prefill = self.registry.acquire_prefill(job.block_hashes, tried)
             if prefill is None:  # none (left): prefill on D
-                return False
+                return "prefill_failed" if number else (self.registry.no_remote_prefill() or "queue_full")
             self.metrics.worker_chosen(prefill.worker_id, prefill.role)
             tried.add(prefill.worker_id)
             rid = attempt.worker_request_id = base if number == 0 else f"{base}-p{number}"
             try:
                 reservation = self._reserve(decode, job, rid, deadline, context)
                 if reservation is None:
-                    return False
+                    return "no_reservation"
                 call = decode.stub.Decode(pb.DecodeRequest(request_id=rid), timeout=deadline.remaining())
                 _cancel_with_client(context, call)
                 prefilled = self._prefill(prefill, decode, job, rid, reservation, deadline, context)
@@ -173,8 +191,8 @@ class Dispatcher:
                 yield pb.DecodeResponse(deltas=[pb.SequenceDelta(index=0, token_ids=[first.token_id], logprobs=logprobs)])
             yield from self._stream(decode, call, attempt, context, skip_first=first is not None,
                                     first_logprob=first.logprob if first is not None else 0.0)
-            return True
-        return False
+            return None
+        return "prefill_failed"
 
     def _reserve(
         self, decode: WorkerHandle, job: Job, rid: str, deadline: Deadline, context: grpc.ServicerContext

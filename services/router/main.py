@@ -56,8 +56,8 @@ class Router:
         public_checks = [self.api_keys.interceptor()] if self.api_keys is not None else []
         self.server = GrpcServer(threads=config.max_concurrent_requests + SPARE_THREADS, interceptors=public_checks)
         dispatcher = Dispatcher(self.registry, config, self.metrics)
-        generation = GenerationServicer(config, self.limits, tokenizer, dispatcher, self.metrics, self.api_keys)
-        pb_grpc.add_GenerationServicer_to_server(generation, self.server.grpc)
+        self.generation = GenerationServicer(config, self.limits, tokenizer, dispatcher, self.metrics, self.api_keys)
+        pb_grpc.add_GenerationServicer_to_server(self.generation, self.server.grpc)
         self.internal_server = GrpcServer(threads=INTERNAL_THREADS, interceptors=self.auth.interceptors())
         self.registry_service = RegistryServicer(self.registry, config)
         pb_grpc.add_RegistryServicer_to_server(self.registry_service, self.internal_server.grpc)
@@ -85,6 +85,12 @@ class Router:
     def reload_api_keys(self) -> bool:
         return self.api_keys.reload() if self.api_keys is not None else False
 
+    def drain(self, grace: float) -> bool:
+        """Stop admitting (health NOT_SERVING, new calls UNAVAILABLE); finish what is in
+        flight within `grace` seconds, then fail the rest with UNAVAILABLE."""
+        self.server.set_not_serving()
+        return self.generation.drain(grace)
+
     def stop(self, grace: float = 2.0) -> None:
         self.server.stop(grace)
         self.internal_server.stop(grace)
@@ -108,6 +114,7 @@ def run(config: RouterConfig) -> int:
         announce("router", address, config.address_file, internal=router.internal_address)
         while not stop.wait(1.0):
             pass
+        router.drain(config.drain_timeout)
     finally:
         router.stop()
     return 0

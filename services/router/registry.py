@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -75,6 +75,7 @@ class WorkerRegistry:
         self.model_name = model_name
         self.max_model_len = max_model_len
         self._lock = threading.Lock()
+        self._joined = threading.Condition(self._lock)  # notified when a worker registers
         self._workers: dict[str, WorkerHandle] = {}
         self._stop = threading.Event()
         self._probe = threading.Event()
@@ -100,6 +101,7 @@ class WorkerRegistry:
         with self._lock:
             old = self._workers.pop(info.worker_id, None)
             self._workers[info.worker_id] = handle
+            self._joined.notify_all()
         if old is not None:
             self._close(old, "replaced by a new registration")
         log.info("worker %s (%s) joined at %s", info.worker_id, handle.role, info.address)
@@ -161,16 +163,19 @@ class WorkerRegistry:
 
     # -- choosing (load is booked under the lock, so concurrent picks spread) ---------------
 
-    def acquire_decode(self, block_hashes: Sequence[bytes], exclude: set[str]) -> WorkerHandle | None:
+    def acquire_decode(self, block_hashes: Sequence[bytes], exclude: Collection[WorkerHandle]) -> WorkerHandle | None:
+        """The decode worker for a request, booked; None if every serving one is in
+        `exclude` (handles, not ids: a worker that registered anew is a new handle)."""
         with self._lock:
-            handles = {h.worker_id: h for h in self._serving() if h.can_decode and h.worker_id not in exclude}
+            handles = {h.worker_id: h for h in self._serving() if h.can_decode and h not in exclude}
             chosen = policy.pick_decode([h.load() for h in handles.values()], block_hashes, self.config.block_size)
             return self._book(handles, chosen)
 
     def acquire_prefill(self, block_hashes: Sequence[bytes], exclude: set[str]) -> WorkerHandle | None:
         with self._lock:
             handles = {
-                h.worker_id: h for h in self._serving() if h.can_prefill_remote and h.worker_id not in exclude
+                h.worker_id: h for h in self._serving()
+                if h.can_prefill_remote and h.worker_id not in exclude and not self._queue_full(h)
             }
             loads = [h.load() for h in handles.values()]
             if self.config.prefill_policy == "round_robin":
@@ -181,8 +186,33 @@ class WorkerRegistry:
             return self._book(handles, chosen)
 
     def has_remote_prefill(self) -> bool:
+        return self.no_remote_prefill() is None
+
+    def no_remote_prefill(self) -> str | None:
+        """Why no prefill worker can take a request now (None: one can):
+        "no_prefill_worker" (none registered), "draining" (all leaving),
+        "queue_full" (all at --max-prefill-queue)."""
         with self._lock:
-            return any(h.can_prefill_remote for h in self._serving())
+            senders = [h for h in self._workers.values() if h.can_prefill_remote]
+            serving = [h for h in senders if not h.draining]
+            if not senders:
+                return "no_prefill_worker"
+            if not serving:
+                return "draining"
+            if all(self._queue_full(h) for h in serving):
+                return "queue_full"
+            return None
+
+    def _queue_full(self, handle: WorkerHandle) -> bool:
+        limit = self.config.max_prefill_queue
+        return limit > 0 and handle.inflight + handle.waiting >= limit
+
+    def wait_for_decode(self, exclude: Collection[WorkerHandle], timeout: float) -> bool:
+        """Wait up to `timeout` s for a serving decode (or mixed) worker not in `exclude`
+        (one that joins, or rejoins after a restart); True if there is one."""
+        with self._joined:
+            return self._joined.wait_for(
+                lambda: any(h.can_decode and h not in exclude for h in self._serving()), timeout=max(0.0, timeout))
 
     @staticmethod
     def _book(handles: dict[str, WorkerHandle], chosen: policy.Load | None) -> WorkerHandle | None:

@@ -40,12 +40,40 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self.dispatcher = dispatcher
         self.metrics = metrics
         self._slots = threading.BoundedSemaphore(config.max_concurrent_requests)
+        self._inflight = 0
+        self._idle = threading.Condition()
+        self._closing = threading.Event()  # draining: admit nothing new
+        self._cut = threading.Event()  # the drain's grace ran out: fail what is left
+
+    def drain(self, grace: float) -> bool:
+        """Admit no new request (UNAVAILABLE), let those in flight finish for up to
+        `grace` seconds, then fail the rest with UNAVAILABLE (at their next message).
+        True when nothing was left to fail."""
+        self._closing.set()
+        give_up = time.monotonic() + grace
+        with self._idle:
+            drained = self._idle.wait_for(lambda: self._inflight == 0, timeout=grace)
+        if not drained:
+            log.warning("router: %d requests left after a %.0fs drain: failing them", self._inflight, grace)
+            self._cut.set()
+            with self._idle:
+                self._idle.wait_for(lambda: self._inflight == 0, timeout=max(1.0, give_up - time.monotonic()))
+        return drained
+
+    def _count(self, delta: int) -> None:
+        with self._idle:
+            self._inflight += delta
+            if self._inflight == 0:
+                self._idle.notify_all()
 
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
         arrival = time.monotonic()
         self.metrics.request_started()
+        self._count(1)
         acquired = succeeded = False
         try:
+            if self._closing.is_set():
+                context.abort(grpc.StatusCode.UNAVAILABLE, "router: shutting down (draining), admitting no request")
             acquired = self._slots.acquire(blocking=False)
             if not acquired:
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -57,6 +85,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             builder = ResponseBuilder(job, self.tokenizer, arrival, self.metrics)
             try:
                 for message in self.dispatcher.run(job, deadline, context, builder.note_cached_tokens):
+                    if self._cut.is_set():
+                        raise RouterError(grpc.StatusCode.UNAVAILABLE, "router: shut down before the request ended")
                     yield from builder.messages(message)
                 succeeded = True
             except ClientGone:
@@ -67,6 +97,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             if acquired:
                 self._slots.release()
             self.metrics.request_ended(None if succeeded else _failure(context))
+            self._count(-1)
 
     def _tenant(self, context: grpc.ServicerContext) -> str | None:
         if not self.config.salt_cache_by_key or self.api_keys is None:

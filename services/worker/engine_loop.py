@@ -71,10 +71,10 @@ class EngineLoop:
         return self
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stop the thread; every open request fails with ABORTED and is freed."""
+        """Stop the thread; every open request fails with SHUTDOWN and is freed."""
         if not self._thread.is_alive():
             return
-        self._commands.put(self._fail_all_aborted)
+        self._commands.put(self._fail_all)
         self._stop.set()
         self._thread.join(timeout)
 
@@ -341,9 +341,9 @@ class EngineLoop:
                 log.warning("lease on the exported KV of %r ran out: releasing", request_id)
                 self._release(request_id)
 
-    def _fail_all_aborted(self) -> None:
+    def _fail_all(self) -> None:
         for request_id in list(self._streams) + list(self._held):
-            self._end(request_id, Failure.ABORTED, "worker is shutting down")
+            self._end(request_id, Failure.SHUTDOWN, "worker is shutting down")
 
 
 def _nothing() -> None:

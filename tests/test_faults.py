@@ -1,0 +1,191 @@
+"""Degrading instead of failing (issue 13), with real gRPC services and real processes.
+
+In one process (router + workers over gRPC, KV over ZeroMQ tcp):
+  - a prompt meant for a prefill worker is prefilled on its decode worker when no
+    prefill worker can take it (draining, all at --max-prefill-queue), counted by reason;
+  - with no decode worker registered, a request waits (--admission-timeout) for one to
+    join instead of failing; past that wait it fails UNAVAILABLE.
+Real processes and SIGTERM:
+  - a worker drains: it leaves the router's pools, finishes its stream, exits 0;
+  - a router drains: it admits nothing new (UNAVAILABLE) and, past --drain-timeout,
+    fails what is left with UNAVAILABLE, then exits 0.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from cluster_helpers import REPO, child_env, wait_for
+from pdserve.engine import LLM, SamplingParams
+from pdserve.services.router.client import Client, collect
+from pdserve.services.router.config import RouterConfig
+from pdserve.services.router.main import Router
+from pdserve.services.worker.config import DEFAULT_KV_CONNECTOR, WorkerConfig
+from pdserve.services.worker.main import Worker
+
+LONG = "def compute(data):\n" + "".join(f"    step_{k} = data[{k}] * {k}\n" for k in range(12))
+FALLBACKS = "pdserve:router_local_prefill_fallbacks_total"
+
+
+@pytest.fixture(scope="module")
+def llm():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield LLM(num_blocks=256)
+    torch.set_num_threads(before)
+
+
+def greedy(llm: LLM, prompt: str, max_tokens: int) -> list[int]:
+    return llm.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0.0))[0].outputs[0].token_ids
+
+
+def fallbacks(router: Router, reason: str) -> float:
+    labels = dict(model_name=router.config.model_name, role="router", worker="router", reason=reason)
+    return router.metrics.registry.get_sample_value(FALLBACKS, labels) or 0.0
+
+
+@pytest.fixture(scope="module")
+def pd():
+    """Router (at most 1 request queued per prefill worker) + 1 prefill + 1 decode worker."""
+    router = Router(RouterConfig(port=0, local_prefill_threshold=16, max_prefill_queue=1))
+    address = router.start()
+    workers = [Worker(WorkerConfig(role=role, router=router.internal_address, worker_id=f"{role}-0", num_blocks=256,
+                                   kv_connector=DEFAULT_KV_CONNECTOR)) for role in ("prefill", "decode")]
+    for w in workers:
+        w.start()
+    client = Client(address, timeout=60)
+    yield dict(router=router, client=client, prefill=workers[0], decode=workers[1])
+    client.close()
+    for w in workers:
+        w.stop()
+    router.stop()
+
+
+def test_a_busy_prefill_pool_prefills_on_the_decode_worker(pd, llm):
+    router = pd["router"]
+    remote = collect(pd["client"].generate(LONG, max_tokens=8, temperature=0.0))[0]
+    assert list(remote.token_ids) == greedy(llm, LONG, 8) and fallbacks(router, "queue_full") == 0
+    held = router.registry.acquire_prefill([], set())  # books the prefill worker's one slot
+    try:
+        prompt = LONG + "    return step_3\n"
+        out = collect(pd["client"].generate(prompt, max_tokens=8, temperature=0.0))[0]
+    finally:
+        router.registry.release(held)
+    assert list(out.token_ids) == greedy(llm, prompt, 8)
+    assert fallbacks(router, "queue_full") == 1
+
+
+def test_a_draining_prefill_pool_prefills_on_the_decode_worker(pd, llm):
+    router, prefill = pd["router"], pd["prefill"]
+    router.registry.leave(prefill.config.id)
+    try:
+        prompt = LONG + "    return step_5\n"
+        out = collect(pd["client"].generate(prompt, max_tokens=8, temperature=0.0))[0]
+        assert list(out.token_ids) == greedy(llm, prompt, 8)
+        assert fallbacks(router, "draining") == 1
+    finally:
+        router.registry.register(prefill.info())  # serving again
+
+
+def test_without_a_decode_worker_a_request_waits_for_one_to_join(llm):
+    router = Router(RouterConfig(port=0, admission_timeout=60.0))
+    quick = Router(RouterConfig(port=0, admission_timeout=0.2))
+    address, quick_address = router.start(), quick.start()
+    worker = Worker(WorkerConfig(role="mixed", router=router.internal_address, worker_id="late", num_blocks=128))
+    try:
+        with Client(quick_address, timeout=30) as client:
+            with pytest.raises(grpc.RpcError) as failed:
+                collect(client.generate("def f(x):", max_tokens=4))
+            assert failed.value.code() == grpc.StatusCode.UNAVAILABLE, failed.value
+        with Client(address, timeout=60) as client:
+            result: dict = {}
+            thread = threading.Thread(target=lambda: result.update(collect(client.generate(
+                "def f(x):", max_tokens=6, temperature=0.0))))
+            thread.start()
+            time.sleep(0.5)  # the request is waiting now; then a decode worker joins
+            worker.start()
+            thread.join(60)
+            assert list(result[0].token_ids) == greedy(llm, "def f(x):", 6)
+    finally:
+        worker.stop()
+        router.stop()
+        quick.stop()
+
+
+# -- SIGTERM --------------------------------------------------------------------------
+
+
+def spawn(args: list[str], log: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "pdserve", *args], cwd=REPO, env=child_env(),
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=open(log, "wb"))
+
+
+def test_sigterm_on_a_worker_finishes_its_stream_and_leaves_the_pools(tmp_path, llm):
+    router = Router(RouterConfig(port=0, admission_timeout=0.0))
+    address = router.start()
+    proc = spawn(["mixed", "--router", router.internal_address, "--worker-id", "term-0", "--num-blocks", "128",
+                  "--drain-timeout", "60"], tmp_path / "worker.log")
+    try:
+        wait_for(lambda: router.registry.live(), 120, "the worker to register")
+        with Client(address, timeout=120) as client:
+            call = client.generate("class Stack:", max_tokens=300, ignore_eos=True, temperature=0.0)
+            stream = iter(call)
+            first = next(stream)
+            proc.send_signal(signal.SIGTERM)
+            wait_for(lambda: all(h.draining for h in router.registry.live()), 30, "the worker to leave the pools")
+            with pytest.raises(grpc.RpcError) as refused:  # nobody else to serve it
+                collect(client.generate("def f(x):", max_tokens=2))
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+            tokens = list(first.token_ids) + [t for m in stream for t in m.token_ids]
+        assert tokens == greedy(llm, "class Stack:", 300)[:len(tokens)] and len(tokens) == 300
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        router.stop()
+
+
+def test_sigterm_on_the_router_stops_admitting_then_fails_the_rest_unavailable(tmp_path):
+    address_file = tmp_path / "router.address"
+    proc = spawn(["router", "--port", "0", "--address-file", str(address_file), "--drain-timeout", "1"],
+                 tmp_path / "router.log")
+    worker = None
+    try:
+        wait_for(address_file.is_file, 120, "the router to serve")
+        address, internal = address_file.read_text().split()
+        worker = Worker(WorkerConfig(role="mixed", router=internal, worker_id="under-router", num_blocks=128))
+        worker.start()
+        with Client(address, timeout=120) as client:
+            stream = iter(client.generate("class Stack:", max_tokens=900, ignore_eos=True))
+            next(stream)
+            proc.send_signal(signal.SIGTERM)
+
+            def refused() -> bool:
+                try:
+                    collect(client.generate("def f(x):", max_tokens=1))
+                    return False
+                except grpc.RpcError as e:
+                    assert e.code() == grpc.StatusCode.UNAVAILABLE, e
+                    return True
+
+            wait_for(refused, 30, "the router to refuse new requests")
+            with pytest.raises(grpc.RpcError) as cut:
+                for _ in stream:
+                    pass
+            assert cut.value.code() == grpc.StatusCode.UNAVAILABLE, cut.value
+        assert proc.wait(30) == 0
+        wait_for(lambda: worker.loop.snapshot()["num_requests_running"] == 0, 20, "the worker to free the stream")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if worker is not None:
+            worker.stop()
