@@ -1,0 +1,255 @@
+"""A closed-loop load of streaming clients over real gRPC, for the load and chaos tests.
+
+    summary = run_clients(router_address, LoadConfig(clients=200, duration=60.0), vocab_size=4096)
+    print(summary.table())
+    assert not summary.problems()
+
+Each of `clients` threads loops until `duration` has passed: it picks a request kind
+from `LoadConfig.mix` (seeded per thread), sends one streaming Generate with a
+deadline, reads the stream to its end (or cancels it), records the outcome, and
+starts the next. Kinds:
+
+  short    a prompt below the router's local-prefill threshold (prefills on the decode worker)
+  long     a prompt above it (prefills on a prefill worker, its KV crosses)
+  n        parallel sampling, n > 1
+  beam     beam search (beam_width > 1, n > 1)
+  cancel   the client cancels the call after its first `cancel_after` tokens
+  tiny     a deadline of a few tens of milliseconds
+
+Every call carries a deadline; a record says whether the call outlived it by more
+than `LoadConfig.slack` (a hang). A call that ends with status OK must have ended
+every sequence it asked for (n of them) with a finish reason, else its code is
+INCOMPLETE. `Summary.problems()` lists every outcome outside `allowed` (by default:
+OK for every kind, CANCELLED for cancels, DEADLINE_EXCEEDED for tiny deadlines,
+RESOURCE_EXHAUSTED, the router's admission limit, for any) and every overrun.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import grpc
+
+from pdserve.bench.serving import InFlight
+from pdserve.bench.workloads import random_ids
+from pdserve.services.router.client import Client
+
+KINDS = ("short", "long", "n", "beam", "cancel", "tiny")
+INCOMPLETE = "INCOMPLETE"  # status OK without a finish reason for every sequence asked for
+EVERY_KIND = frozenset({"OK", "RESOURCE_EXHAUSTED"})
+ALLOWED: Mapping[str, frozenset[str]] = {
+    "short": EVERY_KIND, "long": EVERY_KIND, "n": EVERY_KIND, "beam": EVERY_KIND,
+    "cancel": EVERY_KIND | {"CANCELLED"}, "tiny": EVERY_KIND | {"DEADLINE_EXCEEDED"},
+}
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    clients: int = 200
+    duration: float = 60.0  # seconds each client keeps starting requests
+    # relative weights of the kinds (a kind not named is never sent)
+    mix: tuple[tuple[str, float], ...] = (("short", 4), ("long", 3), ("n", 1), ("beam", 1), ("cancel", 1),
+                                          ("tiny", 1))
+    short_prompt: tuple[int, int] = (4, 48)  # prompt tokens, inclusive
+    long_prompt: tuple[int, int] = (80, 320)
+    max_tokens: tuple[int, int] = (2, 12)
+    n: tuple[int, int] = (2, 3)  # for the n kind
+    beam_width: tuple[int, int] = (2, 3)  # for the beam kind (n = 2)
+    cancel_after: tuple[int, int] = (1, 3)  # tokens read before cancelling
+    cancel_max_tokens: int = 64  # long enough that the cancel lands mid-stream
+    deadline: float = 60.0  # seconds, every kind but tiny
+    tiny_deadline: tuple[float, float] = (0.01, 0.1)  # seconds
+    slack: float = 2.0  # a call that outlives its deadline by more is a hang
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name, weight in self.mix:
+            if name not in KINDS:
+                raise ValueError(f"mix: unknown kind {name!r} (one of {KINDS})")
+            if not weight >= 0:
+                raise ValueError(f"mix: weight of {name!r} must be >= 0, got {weight}")
+        if not sum(w for _, w in self.mix) > 0:
+            raise ValueError("mix: needs a positive weight")
+        if self.clients < 1:
+            raise ValueError(f"clients: must be >= 1, got {self.clients}")
+        if not self.duration > 0:
+            raise ValueError(f"duration: must be > 0, got {self.duration}")
+        for name in ("short_prompt", "long_prompt", "max_tokens", "n", "beam_width", "cancel_after"):
+            lo, hi = getattr(self, name)
+            if not 1 <= lo <= hi:
+                raise ValueError(f"{name}: needs 1 <= MIN <= MAX, got {lo} {hi}")
+        if not 0 < self.tiny_deadline[0] <= self.tiny_deadline[1]:
+            raise ValueError(f"tiny_deadline: needs 0 < MIN <= MAX, got {self.tiny_deadline}")
+
+
+@dataclass(frozen=True)
+class Record:
+    """One request as its client saw it (times: time.monotonic())."""
+
+    kind: str
+    client: int
+    started: float
+    ended: float
+    deadline: float  # seconds
+    code: str  # a grpc.StatusCode name, or INCOMPLETE
+    details: str
+    tokens: int  # token ids received, all sequences
+    sequences: int  # sequences asked for
+    finished: int  # sequences that ended with a finish reason
+
+    @property
+    def overran(self) -> float:
+        """Seconds the call lasted past its deadline (negative: it ended in time)."""
+        return self.ended - self.started - self.deadline
+
+
+@dataclass(frozen=True)
+class Request:
+    kind: str
+    prompt: tuple[int, ...]
+    sampling: dict = field(hash=False)
+    deadline: float
+    cancel_after: int = 0  # > 0: cancel after this many tokens
+
+
+def make_request(cfg: LoadConfig, kind: str, rng: random.Random, vocab_size: int) -> Request:
+    prompt_range = cfg.long_prompt if kind == "long" else cfg.short_prompt
+    prompt = random_ids(rng.randint(*prompt_range), vocab_size, rng)
+    sampling: dict = dict(max_tokens=rng.randint(*cfg.max_tokens), temperature=0.0, ignore_eos=True)
+    deadline, cancel_after = cfg.deadline, 0
+    if kind == "n":
+        sampling.update(n=rng.randint(*cfg.n), temperature=0.8, seed=rng.randrange(1 << 30))
+    elif kind == "beam":
+        sampling.update(beam_width=rng.randint(*cfg.beam_width), n=2)
+    elif kind == "cancel":
+        sampling.update(max_tokens=cfg.cancel_max_tokens)
+        cancel_after = rng.randint(*cfg.cancel_after)
+    elif kind == "tiny":
+        deadline = rng.uniform(*cfg.tiny_deadline)
+    return Request(kind, prompt, sampling, deadline, cancel_after)
+
+
+def run_one(client: Client, request: Request, index: int, inflight: InFlight) -> Record:
+    """Send one request, read its stream to the end (or cancel it); never raises for
+    an RPC failure."""
+    started = time.monotonic()
+    sequences = request.sampling.get("n", 1)
+    tokens, finished = 0, set()
+    code, details = "OK", ""
+    call = client.generate(request.prompt, timeout=request.deadline, **request.sampling)
+    if not inflight.add(call):
+        code, details = "CANCELLED", "load stopped"
+    else:
+        try:
+            for message in call:
+                tokens += len(message.token_ids)
+                if message.finish_reason:
+                    finished.add(message.index)
+                if request.cancel_after and tokens >= request.cancel_after:
+                    call.cancel()
+        except grpc.RpcError as e:
+            code, details = e.code().name, e.details() or ""
+        finally:
+            inflight.discard(call)
+    if code == "OK" and len(finished) < sequences:
+        code, details = INCOMPLETE, f"{len(finished)}/{sequences} sequences finished, {tokens} tokens"
+    return Record(request.kind, index, started, time.monotonic(), request.deadline, code, details, tokens,
+                  sequences, len(finished))
+
+
+@dataclass(frozen=True)
+class Summary:
+    records: tuple[Record, ...]
+    slack: float
+    allowed: Mapping[str, frozenset[str]] = field(default_factory=lambda: ALLOWED)
+
+    def counts(self) -> Counter[tuple[str, str]]:
+        return Counter((r.kind, r.code) for r in self.records)
+
+    def overruns(self) -> list[Record]:
+        return [r for r in self.records if r.overran > self.slack]
+
+    def unexpected(self) -> list[Record]:
+        return [r for r in self.records if r.code not in self.allowed.get(r.kind, EVERY_KIND)]
+
+    def problems(self) -> list[str]:
+        """Every outcome outside `allowed`, and every call that outlived its deadline +
+        slack, grouped (one line per kind, code and first details)."""
+        lines = Counter(f"{r.kind}: {r.code}: {r.details[:160]}" for r in self.unexpected())
+        out = [f"x{count} {line}" for line, count in sorted(lines.items())]
+        overruns = self.overruns()
+        if overruns:
+            worst = max(overruns, key=lambda r: r.overran)
+            out.append(f"{len(overruns)} calls outlived their deadline by > {self.slack}s; worst: {worst.kind} "
+                       f"{worst.code} {worst.overran:.2f}s past a {worst.deadline:.2f}s deadline")
+        return out
+
+    def table(self) -> str:
+        """Requests by kind (rows) and final status (columns), then latency by kind."""
+        counts = self.counts()
+        codes = sorted({c for _, c in counts}, key=lambda c: (c != "OK", c))
+        width = max([6, *(len(c) + 2 for c in codes)])
+        lines = [f"{'kind':<8}" + "".join(f"{c:>{width}}" for c in codes) + f"{'total':>8}"]
+        for kind in [k for k in KINDS if any(key[0] == k for key in counts)]:
+            row = [counts[kind, c] for c in codes]
+            lines.append(f"{kind:<8}" + "".join(f"{v:>{width}}" for v in row) + f"{sum(row):>8}")
+        totals = [sum(counts[k, c] for k in KINDS) for c in codes]
+        lines.append(f"{'total':<8}" + "".join(f"{v:>{width}}" for v in totals) + f"{sum(totals):>8}")
+        lines.append(f"{'kind':<8}{'p50 s':>10}{'p99 s':>10}{'max s':>10}{'tokens':>10}")
+        for kind in KINDS:
+            times = sorted(r.ended - r.started for r in self.records if r.kind == kind)
+            if times:
+                tokens = sum(r.tokens for r in self.records if r.kind == kind)
+                lines.append(f"{kind:<8}{times[len(times) // 2]:>10.2f}{times[min(len(times) - 1, int(len(times) * 0.99))]:>10.2f}"
+                             f"{times[-1]:>10.2f}{tokens:>10}")
+        return "\n".join(lines)
+
+
+def run_clients(address: str, cfg: LoadConfig, vocab_size: int, stop: threading.Event | None = None,
+                channels: int = 8) -> Summary:
+    """`cfg.clients` threads sending requests until `cfg.duration` has passed (or
+    `stop` is set: calls in flight are then cancelled); returns every request's
+    record once every thread has ended. The threads share `channels` gRPC channels."""
+    stop = stop or threading.Event()
+    inflight = InFlight()
+    records: list[Record] = []
+    lock = threading.Lock()
+    clients = [Client(address, timeout=cfg.deadline) for _ in range(max(1, min(channels, cfg.clients)))]
+    kinds, weights = zip(*cfg.mix)
+    end = time.monotonic() + cfg.duration
+
+    def loop(index: int) -> None:
+        rng = random.Random(cfg.seed * 100003 + index)
+        client = clients[index % len(clients)]
+        while time.monotonic() < end and not stop.is_set():
+            kind = rng.choices(kinds, weights)[0]
+            record = run_one(client, make_request(cfg, kind, rng, vocab_size), index, inflight)
+            with lock:
+                records.append(record)
+
+    threads = [threading.Thread(target=loop, args=(i,), name=f"load-{i}", daemon=True) for i in range(cfg.clients)]
+    # every call has a deadline: a thread ends at most one deadline (+ slack) after `end`
+    give_up = end + cfg.deadline + cfg.slack + 5.0
+    try:
+        for t in threads:
+            t.start()
+        while any(t.is_alive() for t in threads) and time.monotonic() < give_up:
+            if stop.wait(0.2):
+                inflight.close()  # calls in flight are cancelled, new ones too
+        stuck = sum(t.is_alive() for t in threads)
+    finally:
+        inflight.close()
+        stop.set()
+    for t in threads:
+        t.join(5.0)
+    for c in clients:
+        c.close()
+    if stuck:
+        raise TimeoutError(f"{stuck} client threads still in a call {cfg.deadline + cfg.slack + 5.0}s after the load "
+                           "ended, though every call has a deadline")
+    return Summary(tuple(records), cfg.slack)
