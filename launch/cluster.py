@@ -62,7 +62,7 @@ from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from pdserve.services.common.credentials import ClusterAuth
 from pdserve.services.common.flags import check, flag, to_argv
-from pdserve.services.common.server import CHANNEL_OPTIONS, LAUNCHER_PID_ENV
+from pdserve.services.common.server import LAUNCHER_PID_ENV
 from pdserve.services.router.config import RouterConfig
 from pdserve.services.router.pools import POOLS
 from pdserve.services.worker.config import DEFAULT_KV_CONNECTOR, WorkerConfig, parse_cpus
@@ -351,7 +351,7 @@ class Cluster(ABC):
     def _channel(self, address: str) -> grpc.Channel:
         """The one place the launcher dials an internal service of its cluster (the
         Registry, a worker), presenting this launch's credentials."""
-        return self._auth.channel(address, options=CHANNEL_OPTIONS)
+        return self._auth.channel(address)
 
     channel = _channel  # for operators' tools and tests
 

@@ -24,7 +24,7 @@ import grpc
 import pytest
 import torch
 
-from cluster_helpers import REPO, child_env, wait_for
+from cluster_helpers import REPO, child_env, list_workers, wait_for
 from pdserve.engine import LLM, SamplingParams
 from pdserve.services.router.client import Client, collect
 from pdserve.services.router.config import RouterConfig
@@ -189,3 +189,55 @@ def test_sigterm_on_the_router_stops_admitting_then_fails_the_rest_unavailable(t
             proc.kill()
         if worker is not None:
             worker.stop()
+
+
+# -- the router killed and restarted on its ports --------------------------------------
+
+
+def test_a_killed_router_frees_the_streams_blocks_and_its_restart_serves_again(tmp_path, llm):
+    """SIGKILL the router mid-stream: the client's call fails UNAVAILABLE, the decode
+    worker sees its caller gone and frees every block within seconds; a router started
+    again on the same ports is re-joined by the worker (heartbeat NOT_FOUND -> Register)
+    and serves new requests."""
+    address_file = tmp_path / "router.address"
+    procs = [spawn(["router", "--port", "0", "--address-file", str(address_file)], tmp_path / "router.log")]
+    worker = None
+    try:
+        wait_for(address_file.is_file, 120, "the router to serve")
+        address, internal = address_file.read_text().split()
+        worker = Worker(WorkerConfig(role="mixed", router=internal, worker_id="survivor", num_blocks=128))
+        worker.start()
+        with Client(address, timeout=120) as client:
+            stream = iter(client.generate("class Stack:", max_tokens=900, ignore_eos=True))
+            next(stream)
+            procs[0].kill()
+            with pytest.raises(grpc.RpcError) as cut:
+                for _ in stream:
+                    pass
+            assert cut.value.code() == grpc.StatusCode.UNAVAILABLE, cut.value
+        wait_for(lambda: (s := worker.loop.snapshot())["num_free_blocks"] == s["num_blocks"]
+                 and s["num_requests_running"] == 0, 10, "the worker to free the orphaned stream's blocks")
+        procs[0].wait(10)
+        address_file.unlink()
+        port, internal_port = address.rpartition(":")[2], internal.rpartition(":")[2]
+        procs.append(spawn(["router", "--port", port, "--internal-port", internal_port, "--address-file",
+                            str(address_file)], tmp_path / "router2.log"))
+        wait_for(address_file.is_file, 120, "the restarted router to serve")
+        assert address_file.read_text().split() == [address, internal]
+        wait_for(lambda: _registered(internal), 20, "the worker to register again")
+        with Client(address, timeout=60) as client:
+            out = collect(client.generate("def f(x):", max_tokens=6, temperature=0.0))[0]
+        assert list(out.token_ids) == greedy(llm, "def f(x):", 6)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+        if worker is not None:
+            worker.stop()
+
+
+def _registered(internal: str) -> bool:
+    try:
+        return any(w.worker_id == "survivor" for w in list_workers(internal))
+    except grpc.RpcError:
+        return False

@@ -26,7 +26,6 @@ from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from pdserve.services.common.convert import ROLE_NAMES
 from pdserve.services.common.credentials import ClusterAuth
-from pdserve.services.common.server import CHANNEL_OPTIONS
 from pdserve.services.router import policy
 from pdserve.services.router.config import RouterConfig
 
@@ -88,7 +87,7 @@ class WorkerRegistry:
         """Add (or replace) a worker after checking it fits and answers. Raises
         ValueError naming the mismatching field, or ConnectionError."""
         self._check_compatible(info)
-        channel = self.auth.channel(info.address, CHANNEL_OPTIONS)
+        channel = self.auth.channel(info.address)
         stub = pb_grpc.WorkerStub(channel)
         try:
             stats = stub.Stats(pb.StatsRequest(include_block_hashes=True), timeout=self.config.worker_timeout)
