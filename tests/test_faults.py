@@ -26,6 +26,9 @@ import torch
 
 from cluster_helpers import REPO, child_env, list_workers, wait_for
 from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.config import CacheConfig
+from pdserve.engine.engine import EngineConfig, LLMEngine
+from pdserve.engine.llm import DEFAULT_MODEL
 from pdserve.services.router.client import Client, collect
 from pdserve.services.router.config import RouterConfig
 from pdserve.services.router.main import Router
@@ -241,3 +244,57 @@ def _registered(internal: str) -> bool:
         return any(w.worker_id == "survivor" for w in list_workers(internal))
     except grpc.RpcError:
         return False
+
+
+# -- a KV transfer lost after the first token reached the client -----------------------
+
+
+def test_a_forced_first_token_continues_as_the_colocated_run(llm):
+    """The decode worker's fallback: the prompt computed with the first token another
+    worker sampled, then sampling from there: greedy and seeded runs go on unchanged."""
+    engine = LLMEngine(EngineConfig(model=DEFAULT_MODEL, cache=CacheConfig(num_blocks=64)))
+    for params in (SamplingParams(max_tokens=12, temperature=0.0),
+                   SamplingParams(max_tokens=12, temperature=0.9, seed=7)):
+        whole = llm.generate([LONG], params)[0].outputs[0].token_ids
+        assert engine.add_request("forced", llm.tokenizer.encode(LONG), params, first_token=whole[0]) == []
+        outputs = []
+        while engine.has_unfinished():
+            outputs += engine.step()
+        assert outputs[0].outputs[0].token_ids == whole
+    with pytest.raises(ValueError, match="first_token"):
+        engine.add_request("two", [5, 6, 7], SamplingParams(n=2, max_tokens=2), first_token=1)
+    engine.check_integrity()
+
+
+def test_a_reservation_that_expires_after_the_first_token_is_prefilled_on_the_decode_worker(tmp_path, llm):
+    """The prefill worker is stopped (SIGSTOP) while the request waits on it, so the
+    decode worker's reservation (1.5 s) expires; let go (SIGCONT), it prefills and sends
+    the first token, which reaches the client; its KV finds no reservation. The decode
+    worker prefills the prompt itself from that token: the client sees no error, and
+    the tokens of a colocated greedy run."""
+    router = Router(RouterConfig(port=0, local_prefill_threshold=16))
+    address = router.start()
+    decode = Worker(WorkerConfig(role="decode", router=router.internal_address, worker_id="decode-x", num_blocks=256,
+                                 kv_connector=DEFAULT_KV_CONNECTOR, reservation_timeout=1.5))
+    decode.start()
+    prefill = spawn(["prefill", "--router", router.internal_address, "--worker-id", "prefill-x", "--num-blocks", "256",
+                     "--kv-connector", DEFAULT_KV_CONNECTOR], tmp_path / "prefill.log")
+    try:
+        wait_for(lambda: len(router.registry.live()) == 2, 120, "the prefill worker to register")
+        prefill.send_signal(signal.SIGSTOP)
+        with Client(address, timeout=60) as client:
+            call = client.generate(LONG, max_tokens=10, temperature=0.0)
+            time.sleep(2.5)  # the reservation expires meanwhile
+            prefill.send_signal(signal.SIGCONT)
+            out = collect(call)[0]
+        assert list(out.token_ids) == greedy(llm, LONG, 10)
+        assert fallbacks(router, "kv_transfer") + fallbacks(router, "prefill_failed") == 1
+        print(f"fallbacks: kv_transfer {fallbacks(router, 'kv_transfer')}, "
+              f"prefill_failed {fallbacks(router, 'prefill_failed')}")
+        wait_for(lambda: (s := decode.loop.snapshot())["num_free_blocks"] == s["num_blocks"], 10,
+                 "the decode worker to free every block")
+    finally:
+        prefill.send_signal(signal.SIGCONT)
+        prefill.kill()
+        decode.stop()
+        router.stop()

@@ -11,6 +11,8 @@
               -> first token, forwarded at once (TTFT)
               P failed: abort that reservation, next P with a fresh one
             stream D's tokens after the first
+              D's KV never came (transfer failed, reservation expired): D prefills
+              the prompt itself, continuing from the first token already sent
             no P left: abort the reservation, prefill on D instead
         elif the prompt should cross but no P can take it (none, draining, all at
            --max-prefill-queue): prefill on D (counted by reason)
@@ -33,6 +35,7 @@ import grpc
 
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.services.common.deadline import Deadline
+from pdserve.services.common.errors import FAILURE_METADATA
 from pdserve.services.common.metrics import RouterMetrics
 from pdserve.services.router import policy
 from pdserve.services.router.config import RouterConfig
@@ -43,6 +46,7 @@ log = logging.getLogger(__name__)
 ABORT_TIMEOUT = 1.0
 RESERVE_TIMEOUT = 10.0
 RESERVATION_LEASE = 30.0
+KV_FAILURES = ("transfer", "expired")  # events.Failure values of a lost KV transfer
 
 
 class RouterError(Exception):
@@ -60,6 +64,11 @@ class ClientGone(Exception):
 
 class WorkerFailed(Exception):
     """A worker died or refused in a way another worker may not."""
+
+
+class KVLost(Exception):
+    """D's reservation failed before any token of D's own: the KV transfer failed or
+    its reservation expired (D says so in its trailing metadata). D is fine."""
 
 
 @dataclass
@@ -189,10 +198,33 @@ class Dispatcher:
                 logprobs = [first] if job.params.logprobs is not None else []
                 attempt.produced = True
                 yield pb.DecodeResponse(deltas=[pb.SequenceDelta(index=0, token_ids=[first.token_id], logprobs=logprobs)])
-            yield from self._stream(decode, call, attempt, context, skip_first=first is not None,
-                                    first_logprob=first.logprob if first is not None else 0.0)
+            try:
+                yield from self._stream(decode, call, attempt, context, skip_first=first is not None,
+                                        first_logprob=first.logprob if first is not None else 0.0)
+            except KVLost as e:
+                if first is None:  # nothing reached the client: prefill on D as usual
+                    return "kv_transfer"
+                yield from self._kv_fallback(decode, job, attempt, deadline, context, first, str(e))
             return None
         return "prefill_failed"
+
+    def _kv_fallback(
+        self, decode: WorkerHandle, job: Job, attempt: _Attempt, deadline: Deadline, context: grpc.ServicerContext,
+        first: pb.TokenLogprob, why: str,
+    ) -> Iterator[pb.DecodeResponse]:
+        """The KV never reached D, but the client has the prefill worker's first token:
+        D prefills the prompt itself, continuing from that token (not sampling another),
+        so the client sees one slower token, not an error."""
+        log.warning("request %s: KV transfer to %s failed after the first token (%s); prefilling it there",
+                    job.request_id, decode.worker_id, why)
+        self.metrics.local_prefill_fallback("kv_transfer")
+        attempt.worker_request_id += "-kv"
+        request = pb.DecodeRequest(
+            request_id=attempt.worker_request_id, local_prefill=True, token_ids=job.prompt, sampling=job.options,
+            cache_salt=job.cache_salt, first_token=first.token_id,
+        )
+        call = decode.stub.Decode(request, timeout=deadline.remaining())
+        yield from self._stream(decode, call, attempt, context, skip_first=True, first_logprob=first.logprob)
 
     def _reserve(
         self, decode: WorkerHandle, job: Job, rid: str, deadline: Deadline, context: grpc.ServicerContext
@@ -247,6 +279,7 @@ class Dispatcher:
         the prefill worker: D's copy of it is dropped, and its logprob (which D did not
         compute) is added to the sequence's cumulative logprob."""
         _cancel_with_client(context, call)
+        decoded = False  # D sent a token of its own
         try:
             for message in call:
                 if skip_first:
@@ -256,9 +289,11 @@ class Dispatcher:
                         if result.index == 0:
                             result.cumulative_logprob += first_logprob
                 if any(d.token_ids for d in message.deltas) or any(r.token_ids for r in message.results):
-                    attempt.produced = True
+                    attempt.produced = decoded = True
                 yield message
         except grpc.RpcError as e:
+            if not decoded and context.is_active() and _kv_lost(e):
+                raise KVLost(e.details() or "") from None
             raise self._classify(worker, e, context, attempt.worker_request_id) from None
 
     def _classify(self, worker: WorkerHandle, error: grpc.RpcError, context: grpc.ServicerContext, rid: str) -> Exception:
@@ -291,6 +326,15 @@ def _drop_first_token(message: pb.DecodeResponse) -> bool:
             del delta.token_ids[0]
             return True
     return False
+
+
+def _kv_lost(error: grpc.RpcError) -> bool:
+    """Whether a decode stream failed because its KV never arrived (not D's fault)."""
+    try:
+        metadata = error.trailing_metadata() or ()
+    except AttributeError:  # not a call's error
+        return False
+    return any(key == FAILURE_METADATA and value in KV_FAILURES for key, value in metadata)
 
 
 def _abort_quietly(worker: WorkerHandle, rid: str) -> None:
