@@ -37,6 +37,7 @@ class UpProcess:
     operator's tool would, to the cluster's internal services."""
 
     def __init__(self, args: list[str], log_path: Path, timeout: float = 240.0, env: dict[str, str] | None = None) -> None:
+        self.log_path = log_path
         self.log = open(log_path, "wb")
         self.secrets = log_path.parent / "secrets"
         self.proc = subprocess.Popen(

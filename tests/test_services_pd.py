@@ -90,6 +90,18 @@ class LoopbackSender:
         pass
 
 
+def loopback_pair(router: Router, suffix: str, decode_blocks: int, prefill_blocks: int = 256):
+    """decode-<suffix> and prefill-<suffix> (not started), registering with `router`,
+    the KV crossing through the loopback double: (receiver, sender, decode, prefill)."""
+    receiver = LoopbackReceiver(f"loopback://decode-{suffix}")
+    sender = LoopbackSender({receiver.endpoint: receiver})
+    decode = Worker(WorkerConfig(role="decode", router=router.internal_address, worker_id=f"decode-{suffix}",
+                                 num_blocks=decode_blocks), Connector(receiver=receiver))
+    prefill = Worker(WorkerConfig(role="prefill", router=router.internal_address, worker_id=f"prefill-{suffix}",
+                                  num_blocks=prefill_blocks), Connector(sender=sender))
+    return receiver, sender, decode, prefill
+
+
 @pytest.fixture(scope="module")
 def llm():
     torch.set_num_threads(1)
@@ -100,12 +112,7 @@ def llm():
 def cluster():
     router = Router(RouterConfig(port=0, local_prefill_threshold=20, worker_timeout=3.0))
     address = router.start()
-    receiver = LoopbackReceiver("loopback://decode-0")
-    sender = LoopbackSender({receiver.endpoint: receiver})
-    decode = Worker(WorkerConfig(role="decode", router=router.internal_address, worker_id="decode-0", num_blocks=256),
-                    Connector(receiver=receiver))
-    prefill = Worker(WorkerConfig(role="prefill", router=router.internal_address, worker_id="prefill-0", num_blocks=256),
-                     Connector(sender=sender))
+    receiver, sender, decode, prefill = loopback_pair(router, "0", decode_blocks=256)
     decode.start()
     prefill.start()
     client = Client(address, timeout=60)
@@ -200,4 +207,33 @@ def test_a_dead_prefill_worker_is_skipped_for_the_next(llm, caplog):
     finally:
         for worker in (decode, prefills["prefill-a"]):
             worker.stop()
+        router.stop()
+
+
+def test_a_reservation_without_room_prefills_on_the_decode_worker(llm):
+    """The decode worker's cache is busy with one request: a second one's Reserve finds
+    no room (RESOURCE_EXHAUSTED, a transient state). The router prefills it on the
+    decode worker instead, whose scheduler queues it until room frees, rather than
+    failing it with UNAVAILABLE (found by tests/test_load.py with a small cache)."""
+    router = Router(RouterConfig(port=0, local_prefill_threshold=0))
+    address = router.start()
+    _, sender, decode, prefill = loopback_pair(router, "r", decode_blocks=16)
+    busy, queued = list(range(100, 260)), list(range(300, 400))  # 10 and 7 of the decode worker's 16 blocks
+    params = dict(max_tokens=24, temperature=0.0, ignore_eos=True)
+    want = llm.generate([queued], SamplingParams(**params))[0].outputs[0].token_ids
+    try:
+        decode.start()
+        prefill.start()
+        with Client(address, timeout=60) as client:
+            first = client.generate(busy, **params)
+            next(first)  # running on the decode worker, its blocks held
+            got = collect(client.generate(queued, **params))[0]
+            assert len(collect(first)[0].token_ids) == params["max_tokens"] - 1
+        assert list(got.token_ids) == want
+        assert len(sender.shipped) == 1  # only the first request's KV crossed
+        wait_for(lambda: all_blocks_free(decode.address) and all_blocks_free(prefill.address), 10,
+                 "every block to be free")
+    finally:
+        prefill.stop()
+        decode.stop()
         router.stop()

@@ -10,6 +10,7 @@
             P = best prefill worker (cached prefix vs queue); P.Prefill(D's endpoint)
               -> first token, forwarded at once (TTFT)
               P failed: abort that reservation, next P with a fresh one
+              D has no room to reserve now: prefill on D (its scheduler queues it)
             stream D's tokens after the first
               D's KV never came (transfer failed, reservation expired): D prefills
               the prompt itself, continuing from the first token already sent
@@ -237,6 +238,12 @@ class Dispatcher:
             return decode.stub.Reserve(request, timeout=min(deadline.remaining(), RESERVE_TIMEOUT))
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.FAILED_PRECONDITION:  # no KV receiver after all
+                return None
+            if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and context.is_active():
+                # No room in D's cache right now: a reservation cannot wait, but D's
+                # scheduler can, so prefill there (queued until running requests free blocks).
+                log.info("request %s: no room to reserve on %s (%s); prefilling there", job.request_id,
+                         decode.worker_id, e.details())
                 return None
             raise self._classify(decode, e, context, rid) from None
 
