@@ -104,8 +104,13 @@ class Dispatcher:
             attempt = _Attempt(f"{job.worker_request_id}-{len(tried)}")
             tried.append(decode)
             try:
-                yield from self._on(decode, job, attempt, deadline, context, note_cached)
-                return
+                try:
+                    yield from self._on(decode, job, attempt, deadline, context, note_cached)
+                    return
+                except ValueError as e:  # "Channel closed": the registry dropped it just now
+                    if not decode.dropped:
+                        raise
+                    raise WorkerFailed(f"worker {decode.worker_id} dropped ({e})") from None
             except WorkerFailed as e:
                 if attempt.produced:
                     log.warning("request %s: %s mid-stream; failing it", job.request_id, e)
@@ -266,6 +271,12 @@ class Dispatcher:
             future = prefill.stub.Prefill.future(request, timeout=deadline.remaining())
             _cancel_with_client(context, future)
             return future.result()
+        except ValueError:  # "Channel closed": the registry dropped it just now
+            if not prefill.dropped:
+                raise
+            log.warning("request %s: prefill worker %s was dropped; next prefill worker", job.request_id,
+                        prefill.worker_id)
+            return None
         except grpc.RpcError as e:
             error = self._classify(prefill, e, context, rid)
             if not isinstance(error, WorkerFailed):
