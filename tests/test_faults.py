@@ -24,7 +24,7 @@ import grpc
 import pytest
 import torch
 
-from cluster_helpers import REPO, child_env, list_workers, wait_for
+from cluster_helpers import REPO, all_blocks_free, child_env, list_workers, wait_for
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.config import CacheConfig
 from pdserve.engine.engine import EngineConfig, LLMEngine
@@ -271,14 +271,16 @@ def test_a_reservation_that_expires_after_the_first_token_is_prefilled_on_the_de
     decode worker's reservation (1.5 s) expires; let go (SIGCONT), it prefills and sends
     the first token, which reaches the client; its KV finds no reservation. The decode
     worker prefills the prompt itself from that token: the client sees no error, and
-    the tokens of a colocated greedy run."""
+    the tokens of a colocated greedy run. The prefill worker, told by the decode
+    worker's receiver that the reservation had ended (a failed ack to its first late
+    message), frees its held blocks at once, not when its 60 s lease ends."""
     router = Router(RouterConfig(port=0, local_prefill_threshold=16))
     address = router.start()
     decode = Worker(WorkerConfig(role="decode", router=router.internal_address, worker_id="decode-x", num_blocks=256,
                                  kv_connector=DEFAULT_KV_CONNECTOR, reservation_timeout=1.5))
     decode.start()
     prefill = spawn(["prefill", "--router", router.internal_address, "--worker-id", "prefill-x", "--num-blocks", "256",
-                     "--kv-connector", DEFAULT_KV_CONNECTOR], tmp_path / "prefill.log")
+                     "--kv-connector", DEFAULT_KV_CONNECTOR, "--held-lease", "60"], tmp_path / "prefill.log")
     try:
         wait_for(lambda: len(router.registry.live()) == 2, 120, "the prefill worker to register")
         prefill.send_signal(signal.SIGSTOP)
@@ -293,6 +295,8 @@ def test_a_reservation_that_expires_after_the_first_token_is_prefilled_on_the_de
               f"prefill_failed {fallbacks(router, 'prefill_failed')}")
         wait_for(lambda: (s := decode.loop.snapshot())["num_free_blocks"] == s["num_blocks"], 10,
                  "the decode worker to free every block")
+        (sender,) = [h for h in router.registry.live() if h.worker_id == "prefill-x"]
+        wait_for(lambda: all_blocks_free(sender.info.address), 10, "the prefill worker to free its held blocks")
     finally:
         prefill.send_signal(signal.SIGCONT)
         prefill.kill()
