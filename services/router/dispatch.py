@@ -76,6 +76,8 @@ class KVLost(Exception):
 class _Attempt:
     worker_request_id: str
     produced: bool = False  # a token reached the client
+    decoded: bool = False  # the decode worker sent a token of its own
+    kv_abandoned: bool = False  # its prefill worker died before D had the KV: D's reservation aborted
 
 
 class Dispatcher:
@@ -204,15 +206,32 @@ class Dispatcher:
                 logprobs = [first] if job.params.logprobs is not None else []
                 attempt.produced = True
                 yield pb.DecodeResponse(deltas=[pb.SequenceDelta(index=0, token_ids=[first.token_id], logprobs=logprobs)])
+            # A prefill worker that dies now may have left its last frames unsent: D
+            # would wait out the reservation. Abort it instead (if D has sent nothing).
+            unwatch = self.registry.watch(prefill, lambda: self._abandon(decode, rid, attempt))
             try:
                 yield from self._stream(decode, call, attempt, context, skip_first=first is not None,
                                         first_logprob=first.logprob if first is not None else 0.0)
             except KVLost as e:
+                attempt.kv_abandoned = False  # what follows is a stream of its own
                 if first is None:  # nothing reached the client: prefill on D as usual
                     return "kv_transfer"
                 yield from self._kv_fallback(decode, job, attempt, deadline, context, first, str(e))
+            finally:
+                unwatch()
             return None
         return "prefill_failed"
+
+    @staticmethod
+    def _abandon(decode: WorkerHandle, rid: str, attempt: _Attempt) -> None:
+        """The prefill worker of `rid` is gone: if D has not started decoding it, abort
+        the reservation (its KV may never complete); the stream then falls back."""
+        if attempt.decoded or attempt.worker_request_id != rid:
+            return
+        log.warning("request %s: its prefill worker was dropped before %s decoded; aborting the reservation",
+                    rid, decode.worker_id)
+        attempt.kv_abandoned = True
+        _abort_quietly(decode, rid)
 
     def _kv_fallback(
         self, decode: WorkerHandle, job: Job, attempt: _Attempt, deadline: Deadline, context: grpc.ServicerContext,
@@ -297,7 +316,6 @@ class Dispatcher:
         the prefill worker: D's copy of it is dropped, and its logprob (which D did not
         compute) is added to the sequence's cumulative logprob."""
         _cancel_with_client(context, call)
-        decoded = False  # D sent a token of its own
         try:
             for message in call:
                 if skip_first:
@@ -307,10 +325,10 @@ class Dispatcher:
                         if result.index == 0:
                             result.cumulative_logprob += first_logprob
                 if any(d.token_ids for d in message.deltas) or any(r.token_ids for r in message.results):
-                    attempt.produced = decoded = True
+                    attempt.produced = attempt.decoded = True
                 yield message
         except grpc.RpcError as e:
-            if not decoded and context.is_active() and _kv_lost(e):
+            if not attempt.decoded and context.is_active() and (_kv_lost(e) or attempt.kv_abandoned):
                 raise KVLost(e.details() or "") from None
             raise self._classify(worker, e, context, attempt.worker_request_id) from None
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -45,6 +45,8 @@ class WorkerHandle:
     cached: frozenset[bytes] = field(default_factory=frozenset)
     dropped: bool = False
     draining: bool = False
+    # called (on the monitor thread) when the worker is dropped: see WorkerRegistry.watch
+    watchers: set[Callable[[], None]] = field(default_factory=set)
 
     @property
     def worker_id(self) -> str:
@@ -149,8 +151,29 @@ class WorkerRegistry:
 
     def _close(self, handle: WorkerHandle, reason: str) -> None:
         log.warning("dropping worker %s at %s: %s", handle.worker_id, handle.info.address, reason)
-        handle.dropped = True
+        with self._lock:
+            handle.dropped = True
+            watchers, handle.watchers = list(handle.watchers), set()
         handle.channel.close()  # cancels its calls in flight
+        for watcher in watchers:
+            try:
+                watcher()
+            except Exception:
+                log.exception("a watcher of %s failed", handle.worker_id)
+
+    def watch(self, handle: WorkerHandle, on_drop: Callable[[], None]) -> Callable[[], None]:
+        """Call `on_drop()` once if `handle` is dropped (now, if it already is); returns
+        the function that stops watching."""
+        with self._lock:
+            if not handle.dropped:
+                handle.watchers.add(on_drop)
+                return lambda: self._unwatch(handle, on_drop)
+        on_drop()
+        return lambda: None
+
+    def _unwatch(self, handle: WorkerHandle, on_drop: Callable[[], None]) -> None:
+        with self._lock:
+            handle.watchers.discard(on_drop)
 
     def live(self) -> list[WorkerHandle]:
         with self._lock:
