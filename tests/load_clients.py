@@ -14,11 +14,15 @@ starts the next. Kinds:
   n        parallel sampling, n > 1
   beam     beam search (beam_width > 1, n > 1)
   cancel   the client cancels the call after its first `cancel_after` tokens
-  tiny     a deadline of a few tens of milliseconds
+  tiny     a deadline of 10 ms to 2 s (log-uniform): it expires before dispatch, or
+           during the prefill, the KV transfer or the decode
 
-Every call carries a deadline; a record says whether the call outlived it by more
+A share of the prompts (`shared_prefix_fraction`) starts with one of a few common
+prefixes (whole blocks), so cached blocks are shared, hit, evicted and freed by many
+requests at once. Every call carries a deadline; a record says whether the call outlived it by more
 than `LoadConfig.slack` (a hang). A call that ends with status OK must have ended
-every sequence it asked for (n of them) with a finish reason, else its code is
+every sequence it asked for (n of them) with a finish reason and have received
+exactly max_tokens tokens for each (every request sets ignore_eos), else its code is
 INCOMPLETE. `Summary.problems()` lists every outcome outside `allowed` (by default:
 OK for every kind, CANCELLED for cancels, DEADLINE_EXCEEDED for tiny deadlines,
 RESOURCE_EXHAUSTED, the router's admission limit, for any) and every overrun.
@@ -30,7 +34,7 @@ import random
 import threading
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -40,7 +44,7 @@ from pdserve.bench.workloads import random_ids
 from pdserve.services.router.client import Client
 
 KINDS = ("short", "long", "n", "beam", "cancel", "tiny")
-INCOMPLETE = "INCOMPLETE"  # status OK without a finish reason for every sequence asked for
+INCOMPLETE = "INCOMPLETE"  # status OK, but a sequence without its finish reason or max_tokens tokens
 EVERY_KIND = frozenset({"OK", "RESOURCE_EXHAUSTED"})
 ALLOWED: Mapping[str, frozenset[str]] = {
     "short": EVERY_KIND, "long": EVERY_KIND, "n": EVERY_KIND, "beam": EVERY_KIND,
@@ -62,8 +66,12 @@ class LoadConfig:
     beam_width: tuple[int, int] = (2, 3)  # for the beam kind (n = 2)
     cancel_after: tuple[int, int] = (1, 3)  # tokens read before cancelling
     cancel_max_tokens: int = 64  # long enough that the cancel lands mid-stream
+    shared_prefixes: int = 4
+    shared_prefix_tokens: int = 48  # 3 blocks of 16
+    shared_prefix_fraction: float = 0.3
     deadline: float = 60.0  # seconds, every kind but tiny
-    tiny_deadline: tuple[float, float] = (0.01, 0.1)  # seconds
+    # seconds, log-uniform: from before the router dispatches to mid-prefill, mid-transfer, mid-decode
+    tiny_deadline: tuple[float, float] = (0.01, 2.0)
     slack: float = 2.0  # a call that outlives its deadline by more is a hang
     seed: int = 0
 
@@ -83,6 +91,11 @@ class LoadConfig:
             lo, hi = getattr(self, name)
             if not 1 <= lo <= hi:
                 raise ValueError(f"{name}: needs 1 <= MIN <= MAX, got {lo} {hi}")
+        if not 0 <= self.shared_prefix_fraction <= 1:
+            raise ValueError(f"shared_prefix_fraction: must be in [0, 1], got {self.shared_prefix_fraction}")
+        if self.shared_prefixes < 1 or self.shared_prefix_tokens < 1:
+            raise ValueError(f"shared_prefixes, shared_prefix_tokens: must be >= 1, got {self.shared_prefixes}, "
+                             f"{self.shared_prefix_tokens}")
         if not 0 < self.tiny_deadline[0] <= self.tiny_deadline[1]:
             raise ValueError(f"tiny_deadline: needs 0 < MIN <= MAX, got {self.tiny_deadline}")
 
@@ -117,9 +130,21 @@ class Request:
     cancel_after: int = 0  # > 0: cancel after this many tokens
 
 
-def make_request(cfg: LoadConfig, kind: str, rng: random.Random, vocab_size: int) -> Request:
+def shared_prefixes(cfg: LoadConfig, vocab_size: int) -> list[tuple[int, ...]]:
+    rng = random.Random(cfg.seed)
+    return [random_ids(cfg.shared_prefix_tokens, vocab_size, rng) for _ in range(cfg.shared_prefixes)]
+
+
+def make_request(cfg: LoadConfig, kind: str, rng: random.Random, vocab_size: int,
+                 prefixes: Sequence[tuple[int, ...]] = ()) -> Request:
+    """One request of `kind`; its prompt starts with one of `prefixes` in a
+    `cfg.shared_prefix_fraction` share of requests (its length range still holds)."""
     prompt_range = cfg.long_prompt if kind == "long" else cfg.short_prompt
-    prompt = random_ids(rng.randint(*prompt_range), vocab_size, rng)
+    length = rng.randint(*prompt_range)
+    head: tuple[int, ...] = ()
+    if prefixes and rng.random() < cfg.shared_prefix_fraction:
+        head = rng.choice(prefixes)[:length - 1]
+    prompt = head + random_ids(length - len(head), vocab_size, rng)
     sampling: dict = dict(max_tokens=rng.randint(*cfg.max_tokens), temperature=0.0, ignore_eos=True)
     deadline, cancel_after = cfg.deadline, 0
     if kind == "n":
@@ -130,7 +155,8 @@ def make_request(cfg: LoadConfig, kind: str, rng: random.Random, vocab_size: int
         sampling.update(max_tokens=cfg.cancel_max_tokens)
         cancel_after = rng.randint(*cfg.cancel_after)
     elif kind == "tiny":
-        deadline = rng.uniform(*cfg.tiny_deadline)
+        lo, hi = cfg.tiny_deadline
+        deadline = lo * (hi / lo) ** rng.random()
     return Request(kind, prompt, sampling, deadline, cancel_after)
 
 
@@ -156,8 +182,9 @@ def run_one(client: Client, request: Request, index: int, inflight: InFlight) ->
             code, details = e.code().name, e.details() or ""
         finally:
             inflight.discard(call)
-    if code == "OK" and len(finished) < sequences:
-        code, details = INCOMPLETE, f"{len(finished)}/{sequences} sequences finished, {tokens} tokens"
+    expected = sequences * request.sampling["max_tokens"]
+    if code == "OK" and (len(finished) < sequences or tokens != expected):
+        code, details = INCOMPLETE, f"{len(finished)}/{sequences} sequences finished, {tokens}/{expected} tokens"
     return Record(request.kind, index, started, time.monotonic(), request.deadline, code, details, tokens,
                   sequences, len(finished))
 
@@ -221,6 +248,7 @@ def run_clients(address: str, cfg: LoadConfig, vocab_size: int, stop: threading.
     lock = threading.Lock()
     clients = [Client(address, timeout=cfg.deadline) for _ in range(max(1, min(channels, cfg.clients)))]
     kinds, weights = zip(*cfg.mix)
+    prefixes = shared_prefixes(cfg, vocab_size)
     end = time.monotonic() + cfg.duration
 
     def loop(index: int) -> None:
@@ -228,7 +256,7 @@ def run_clients(address: str, cfg: LoadConfig, vocab_size: int, stop: threading.
         client = clients[index % len(clients)]
         while time.monotonic() < end and not stop.is_set():
             kind = rng.choices(kinds, weights)[0]
-            record = run_one(client, make_request(cfg, kind, rng, vocab_size), index, inflight)
+            record = run_one(client, make_request(cfg, kind, rng, vocab_size, prefixes), index, inflight)
             with lock:
                 records.append(record)
 

@@ -113,6 +113,42 @@ def test_reservation_streams_after_commit_and_expires_without(loop):
     assert all_free(loop)
 
 
+def test_a_reservation_that_ends_before_its_stream_is_attached_still_streams(loop):
+    """Under load the router's Decode call can reach the worker after the KV was
+    committed and the request finished (or failed): the stream, every event in it,
+    waits for that one attach (found by tests/test_load.py as NOT_FOUND)."""
+    loop.reserve("quick", PROMPT, SamplingParams(max_tokens=2, temperature=0.0), lease=5.0, timeout=5)
+    loop.commit_remote("quick", first_token=7)
+    wait_for_free = time.monotonic() + 10
+    while loop.stats(5)["num_free_blocks"] != NUM_BLOCKS:  # finished: its blocks are back
+        assert time.monotonic() < wait_for_free
+        time.sleep(0.01)
+    *tokens, finished = drain(loop.attach("quick", timeout=5))
+    assert [t.delta.token_id for t in tokens][0] == 7 and isinstance(finished, FinishedEvent)
+    assert finished.output.outputs[0].token_ids == [t.delta.token_id for t in tokens]
+    with pytest.raises(KeyError, match="request_id"):
+        loop.attach("quick", timeout=5)  # once
+
+    loop.reserve("gone", PROMPT, GREEDY, lease=5.0, timeout=5)
+    loop.abort("gone")
+    end = drain(loop.attach("gone", timeout=5))[-1]
+    assert isinstance(end, FailedEvent) and end.failure is Failure.ABORTED
+    assert all_free(loop)
+
+
+def test_an_unattached_ended_stream_is_dropped_after_a_while():
+    engine = LLMEngine(EngineConfig(model=DEFAULT_MODEL, cache=CacheConfig(num_blocks=NUM_BLOCKS)))
+    loop = EngineLoop(engine, idle_wait=0.05, unclaimed_ttl=0.2).start()
+    try:
+        loop.reserve("never", PROMPT, GREEDY, lease=5.0, timeout=5)
+        loop.abort("never")
+        time.sleep(0.5)
+        with pytest.raises(KeyError, match="request_id"):
+            loop.attach("never", timeout=5)
+    finally:
+        loop.close()
+
+
 def test_reservation_without_room_raises(loop):
     with pytest.raises(NoCapacityError):
         loop.reserve("huge", [5] * (16 * NUM_BLOCKS + 10), SamplingParams(max_tokens=1), lease=5, timeout=5)

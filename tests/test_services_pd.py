@@ -237,3 +237,24 @@ def test_a_reservation_without_room_prefills_on_the_decode_worker(llm):
         prefill.stop()
         decode.stop()
         router.stop()
+
+
+def test_a_call_whose_deadline_passed_counts_as_deadline_exceeded(cluster):
+    """The router's failure counter tells a passed deadline from a client's cancel
+    (both leave the call inactive; the load test saw every deadline counted as a cancel)."""
+    metrics = cluster["router"].metrics
+    before = {code: metrics.registry.get_sample_value("pdserve:request_failure_total", {
+        "model_name": "pdserve-tiny-code", "role": "router", "worker": "router", "code": code}) or 0.0
+        for code in ("DEADLINE_EXCEEDED", "CANCELLED")}
+    call = cluster["client"].generate("x = 2\n" * 40, max_tokens=700, temperature=0.0, ignore_eos=True, timeout=1.0)
+    with pytest.raises(grpc.RpcError) as info:
+        list(call)
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+    def counted(code: str) -> float:
+        return (metrics.registry.get_sample_value("pdserve:request_failure_total", {
+            "model_name": "pdserve-tiny-code", "role": "router", "worker": "router", "code": code}) or 0.0) - before[code]
+
+    wait_for(lambda: counted("DEADLINE_EXCEEDED") == 1, 10, "the router to count the deadline")
+    assert counted("CANCELLED") == 0
+    wait_for(lambda: all_blocks_free(cluster["decode"].address), 10, "the decode worker's blocks to be free")

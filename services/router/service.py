@@ -23,6 +23,7 @@ from pdserve.services.router.responses import ResponseBuilder
 from pdserve.services.router.validate import Limits, Validator
 
 log = logging.getLogger(__name__)
+DEADLINE_TOLERANCE = 0.25  # seconds
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
@@ -115,9 +116,17 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
 
 def _failure(context: grpc.ServicerContext) -> str:
-    """The status a failed Generate ends with: the one it aborted with, CANCELLED when
-    the client went away, else UNKNOWN (an unexpected exception)."""
+    """The status a failed Generate ends with: the one it aborted with; for a call
+    that ended under it, DEADLINE_EXCEEDED when its deadline had passed, else
+    CANCELLED (the client went away); else UNKNOWN (an unexpected exception).
+    The client's timer fires first and resets the stream, while the server's copy of
+    the deadline (received as a timeout) lies later by the transit time: a call gone
+    within DEADLINE_TOLERANCE of its deadline counts as DEADLINE_EXCEEDED."""
     code = context.code()
     if isinstance(code, grpc.StatusCode) and code != grpc.StatusCode.OK:
         return code.name
-    return grpc.StatusCode.CANCELLED.name if not context.is_active() else grpc.StatusCode.UNKNOWN.name
+    if context.is_active():
+        return grpc.StatusCode.UNKNOWN.name
+    remaining = context.time_remaining()
+    expired = remaining is not None and remaining <= DEADLINE_TOLERANCE
+    return (grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED).name

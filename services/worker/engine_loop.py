@@ -11,7 +11,10 @@ finished (`FinishedEvent`), or failed (`FailedEvent`: aborted, reservation expir
 transfer failed, engine error). Every path out frees the request's blocks.
 Deadlines owned here:
   - a reservation (decode side) expires if its KV is not committed in time;
-  - held exported blocks (prefill side) are released when their lease runs out.
+  - held exported blocks (prefill side) are released when their lease runs out;
+  - a reserved request that ended before its stream was attached (its KV committed
+    and its few tokens decoded, or it failed, before the Decode call came) keeps its
+    stream, events and all, for `unclaimed_ttl` seconds, for that call to read.
 The idle loop blocks on its command queue with a timeout, so it never spins (the
 timeout is HELD_POLL instead of idle_wait while exported blocks wait for an ack).
 """
@@ -43,18 +46,20 @@ HELD_POLL = 0.005
 class EngineLoop:
     def __init__(
         self, engine: LLMEngine, *, idle_wait: float = 0.25, held_lease: float = 30.0,
-        metrics: WorkerMetrics | None = None,
+        metrics: WorkerMetrics | None = None, unclaimed_ttl: float = 30.0,
     ) -> None:
         self.engine = engine
         self.metrics = metrics or Disabled()
         self.idle_wait = idle_wait
         self.held_lease = held_lease
+        self.unclaimed_ttl = unclaimed_ttl
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         # Engine-thread state only (never touched from other threads):
         self._streams: dict[str, RequestStream] = {}
         self._unattached: set[str] = set()  # reserved, no reader yet
+        self._unclaimed: dict[str, tuple[RequestStream, float]] = {}  # ended unattached -> (stream, drop at)
         self._reservations: dict[str, float] = {}  # request id -> monotonic deadline
         self._held: dict[str, float] = {}  # request id -> lease end
         self._batch: dict[str, tuple[RequestStream, list[Event]]] = {}  # this step's events
@@ -176,10 +181,13 @@ class EngineLoop:
         """The stream of a reserved request (once). Raises KeyError if there is none."""
 
         def attach(_engine: LLMEngine) -> RequestStream:
-            if request_id not in self._unattached:
+            if request_id in self._unattached:
+                self._unattached.discard(request_id)
+                return self._streams[request_id]
+            ended = self._unclaimed.pop(request_id, None)
+            if ended is None:
                 raise KeyError(f"request_id: {request_id!r} has no reservation to stream")
-            self._unattached.discard(request_id)
-            return self._streams[request_id]
+            return ended[0]
 
         return self.call(attach, timeout)
 
@@ -301,7 +309,7 @@ class EngineLoop:
 
     def _finished(self, output: RequestOutput) -> None:
         stream = self._streams.pop(output.request_id, None)
-        self._unattached.discard(output.request_id)
+        self._keep_unattached(output.request_id, stream)
         self._reservations.pop(output.request_id, None)
         if output.request_id in self.engine.held:
             self._held[output.request_id] = time.monotonic() + self.held_lease
@@ -334,10 +342,17 @@ class EngineLoop:
             self.engine.abort(request_id)  # frees running, waiting, reserved and held blocks
         self._held.pop(request_id, None)
         self._reservations.pop(request_id, None)
-        self._unattached.discard(request_id)
         stream = self._streams.pop(request_id, None)
+        self._keep_unattached(request_id, stream)
         if stream is not None:
             stream.put(FailedEvent(failure, message))
+
+    def _keep_unattached(self, request_id: str, stream: RequestStream | None) -> None:
+        """A request ending before `attach`: its stream waits for it (unclaimed_ttl)."""
+        if request_id in self._unattached:
+            self._unattached.discard(request_id)
+            if stream is not None:
+                self._unclaimed[request_id] = (stream, time.monotonic() + self.unclaimed_ttl)
 
     def _release(self, request_id: str) -> None:
         self._held.pop(request_id, None)
@@ -353,6 +368,9 @@ class EngineLoop:
             if now >= deadline:
                 log.warning("lease on the exported KV of %r ran out: releasing", request_id)
                 self._release(request_id)
+        for request_id, (_, drop_at) in list(self._unclaimed.items()):
+            if now >= drop_at:
+                del self._unclaimed[request_id]
 
     def _fail_all(self) -> None:
         for request_id in list(self._streams) + list(self._held):
