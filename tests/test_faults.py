@@ -35,7 +35,13 @@ from pdserve.services.router.main import Router
 from pdserve.services.worker.config import DEFAULT_KV_CONNECTOR, WorkerConfig
 from pdserve.services.worker.main import Worker
 
-LONG = "def compute(data):\n" + "".join(f"    step_{k} = data[{k}] * {k}\n" for k in range(12))
+def long_prompt(name: str) -> str:
+    """A prompt well above the local-prefill threshold, whose first block no other has
+    (so no worker has any of it cached)."""
+    return f"def {name}(data):\n" + "".join(f"    step_{k} = data[{k}] * {k}\n" for k in range(12))
+
+
+LONG = long_prompt("compute")
 FALLBACKS = "pdserve:router_local_prefill_fallbacks_total"
 
 
@@ -79,7 +85,7 @@ def test_a_busy_prefill_pool_prefills_on_the_decode_worker(pd, llm):
     assert list(remote.token_ids) == greedy(llm, LONG, 8) and fallbacks(router, "queue_full") == 0
     held = router.registry.acquire_prefill([], set())  # books the prefill worker's one slot
     try:
-        prompt = LONG + "    return step_3\n"
+        prompt = long_prompt("busy")
         out = collect(pd["client"].generate(prompt, max_tokens=8, temperature=0.0))[0]
     finally:
         router.registry.release(held)
@@ -91,7 +97,7 @@ def test_a_draining_prefill_pool_prefills_on_the_decode_worker(pd, llm):
     router, prefill = pd["router"], pd["prefill"]
     router.registry.leave(prefill.config.id)
     try:
-        prompt = LONG + "    return step_5\n"
+        prompt = long_prompt("draining")
         out = collect(pd["client"].generate(prompt, max_tokens=8, temperature=0.0))[0]
         assert list(out.token_ids) == greedy(llm, prompt, 8)
         assert fallbacks(router, "draining") == 1
