@@ -130,9 +130,10 @@ def test_kill_prefill_decode_and_router_under_load(tmp_path):
         assert len(lost) <= chaos.decode_busy + len(late), (len(lost), chaos.decode_busy, len(late))
         # every event: serving normally within RECOVERY s: no request started later fails,
         # until the next event (or the end), and some succeed
+        unexpected = {id(r) for r in summary.unexpected()}
         for (name, _), lo, hi in zip(EVENTS, bounds, bounds[1:]):
             after = [r for r in summary.records if lo <= r.started and r.ended < hi]  # this event's doing
-            bad = [r for r in after if r in set(summary.unexpected())]
+            bad = [r for r in after if id(r) in unexpected]
             recovered = max((r.started for r in bad), default=lo) - lo
             print(f"{name}: serving normally again {recovered:.1f}s after the kill", flush=True)
             assert recovered <= RECOVERY, f"killing {name}: requests still failed {recovered:.1f}s later"
