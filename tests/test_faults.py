@@ -6,9 +6,16 @@ In one process (router + workers over gRPC, KV over ZeroMQ tcp):
   - with no decode worker registered, a request waits (--admission-timeout) for one to
     join instead of failing; past that wait it fails UNAVAILABLE.
 Real processes and SIGTERM:
-  - a worker drains: it leaves the router's pools, finishes its stream, exits 0;
+  - a worker drains: it leaves the router's pools, finishes its stream, exits 0; past
+    --drain-timeout it fails what is left with UNAVAILABLE;
   - a router drains: it admits nothing new (UNAVAILABLE) and, past --drain-timeout,
     fails what is left with UNAVAILABLE, then exits 0.
+Real processes killed:
+  - the router (SIGKILL) mid-stream: the worker frees the orphaned stream; a router
+    started again on the same ports is re-joined and serves;
+  - the prefill worker stopped (SIGSTOP) until the decode worker's reservation expired:
+    the decode worker prefills, continuing from the first token the client already has,
+    and the prefill worker, told the reservation ended, frees its blocks at once.
 """
 
 from __future__ import annotations
@@ -156,6 +163,28 @@ def test_sigterm_on_a_worker_finishes_its_stream_and_leaves_the_pools(tmp_path, 
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
             tokens = list(first.token_ids) + [t for m in stream for t in m.token_ids]
         assert tokens == greedy(llm, "class Stack:", 300)[:len(tokens)] and len(tokens) == 300
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        router.stop()
+
+
+def test_a_worker_whose_drain_runs_out_fails_the_rest_unavailable(tmp_path):
+    router = Router(RouterConfig(port=0, admission_timeout=0.0))
+    address = router.start()
+    proc = spawn(["mixed", "--router", router.internal_address, "--worker-id", "cut-0", "--num-blocks", "128",
+                  "--drain-timeout", "0.5"], tmp_path / "worker.log")
+    try:
+        wait_for(lambda: router.registry.live(), 120, "the worker to register")
+        with Client(address, timeout=120) as client:
+            stream = iter(client.generate("class Stack:", max_tokens=900, ignore_eos=True))
+            next(stream)
+            proc.send_signal(signal.SIGTERM)
+            with pytest.raises(grpc.RpcError) as cut:
+                for _ in stream:
+                    pass
+            assert cut.value.code() == grpc.StatusCode.UNAVAILABLE, cut.value
         assert proc.wait(60) == 0
     finally:
         if proc.poll() is None:
