@@ -474,8 +474,9 @@ def stop_processes(processes: dict[str, subprocess.Popen], grace: float) -> None
 
 def up(cluster: Cluster) -> int:
     """`pdserve up`: start, print `ready <address> internal <registry address>` (and
-    `prometheus <url>` with --prometheus), serve until SIGINT/SIGTERM; SIGHUP reloads
-    the router's API keys."""
+    `prometheus <url>` with --prometheus), serve until SIGINT/SIGTERM, then SIGTERM
+    every child (each drains within --drain-timeout); SIGHUP reloads the router's API
+    keys."""
     from pdserve.services.common import log as service_log
     from pdserve.services.common.server import shutdown_event
 
@@ -497,7 +498,8 @@ def up(cluster: Cluster) -> int:
     finally:
         if prometheus is not None:
             prometheus.stop()
-        cluster.stop()
+        # SIGTERM drains every service (--drain-timeout): let them finish before SIGKILL
+        cluster.stop(grace=max(cluster.spec.router.drain_timeout, cluster.spec.worker.drain_timeout) + 5.0)
 
 
 TARGETS_REFRESH = 5.0  # seconds between re-reading the cluster's /metrics endpoints
