@@ -10,7 +10,9 @@ Real processes and SIGTERM:
     --drain-timeout it fails what is left with UNAVAILABLE;
   - a router drains: it admits nothing new (UNAVAILABLE) and, past --drain-timeout,
     fails what is left with UNAVAILABLE, then exits 0.
-Real processes killed:
+Real processes killed or frozen:
+  - the router frozen (SIGSTOP) mid-stream, as in a partition: keepalive fails the
+    client's call within seconds;
   - the router (SIGKILL) mid-stream: the worker frees the orphaned stream; a router
     started again on the same ports is re-joined and serves;
   - the prefill worker stopped (SIGSTOP) until the decode worker's reservation expired:
@@ -270,6 +272,40 @@ def test_a_killed_router_frees_the_streams_blocks_and_its_restart_serves_again(t
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
+        if worker is not None:
+            worker.stop()
+
+
+def test_a_frozen_router_is_noticed_by_keepalive(tmp_path):
+    """SIGSTOP the router mid-stream: no socket closes (as in a partition), yet the
+    client's keepalive pings go unanswered, and its call fails UNAVAILABLE within
+    seconds instead of hanging until its 120 s deadline; the worker's stream ends and
+    its blocks are freed."""
+    address_file = tmp_path / "router.address"
+    proc = spawn(["router", "--port", "0", "--address-file", str(address_file)], tmp_path / "router.log")
+    worker = None
+    try:
+        wait_for(address_file.is_file, 120, "the router to serve")
+        address, internal = address_file.read_text().split()
+        worker = Worker(WorkerConfig(role="mixed", router=internal, worker_id="partitioned", num_blocks=128))
+        worker.start()
+        with Client(address, timeout=120) as client:
+            stream = iter(client.generate("class Stack:", max_tokens=900, ignore_eos=True, logprobs=20))
+            next(stream)
+            proc.send_signal(signal.SIGSTOP)
+            frozen = time.monotonic()
+            with pytest.raises(grpc.RpcError) as lost:
+                for _ in stream:
+                    pass
+            noticed = time.monotonic() - frozen
+        assert lost.value.code() == grpc.StatusCode.UNAVAILABLE, lost.value
+        assert noticed < 30, f"the frozen router went unnoticed for {noticed:.0f}s"  # 65 s without ping_timeout_ms
+        print(f"the client noticed the frozen router after {noticed:.1f}s")
+        wait_for(lambda: (s := worker.loop.snapshot())["num_free_blocks"] == s["num_blocks"]
+                 and s["num_requests_running"] == 0, 30, "the worker to end the orphaned stream")
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        proc.kill()
         if worker is not None:
             worker.stop()
 

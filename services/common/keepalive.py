@@ -17,6 +17,9 @@ KEEPALIVE_TIMEOUT_MS = 3000
 CHANNEL_OPTIONS: list[tuple[str, int]] = [
     ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
     ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    # grpc-core (1.85) waits this long for a keepalive ping's ack (default 60 s), not
+    # keepalive_timeout_ms: without it a frozen peer is noticed after ~65 s
+    ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
     # a peer that restarts (the router on its old ports) is dialled again within 2 s
@@ -28,6 +31,7 @@ CHANNEL_OPTIONS: list[tuple[str, int]] = [
 SERVER_OPTIONS: list[tuple[str, int]] = [
     ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
     ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 1000),
     ("grpc.http2.max_ping_strikes", 0),
