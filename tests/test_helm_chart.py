@@ -207,10 +207,11 @@ def schema_keys(*path: str) -> set[str]:
 
 
 # Flags with no use in a pod: a launcher's handshake.
-# drain_timeout (router and workers' SIGTERM grace) and admission_timeout (router: wait
-# for a decode worker to join) are new with issue 13's fault handling; the chart renders
-# its defaults until the chart's owner wires them (and the pods' terminationGracePeriod).
-NOT_RENDERED = {"address_file", "drain_timeout", "admission_timeout"}
+# drain_timeout (router and workers' SIGTERM grace), admission_timeout (router: wait for
+# a decode worker to join) and max_prefill_queue (router: a prefill worker's queue limit)
+# are new with issue 13's fault handling; the chart leaves them at their defaults until
+# the chart's owner wires them (drain_timeout with the pods' terminationGracePeriodSeconds).
+NOT_RENDERED = {"address_file", "drain_timeout", "admission_timeout", "max_prefill_queue"}
 
 
 def values_fields(component: str) -> set[str]:
