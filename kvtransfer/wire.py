@@ -509,6 +509,7 @@ class Inbox:
         # later (proving the secret) is answered with a failed ack, and the sender
         # frees its held blocks at once instead of at its lease's end. Bounded.
         self._ended: OrderedDict[str, tuple[bytes, str]] = OrderedDict()
+        self._replies: list[tuple[bytes, AckHeader]] = []  # (peer, failed ack) to send: see `take_replies`
         # Flat bytes of each layer, so a landing is a memoryview slice (no torch call).
         self._layer_bytes = [as_bytes_view(kv_cache[i]) for i in range(kv_cache.shape[0])] if kv_cache.device.type == "cpu" else None
 
@@ -550,7 +551,15 @@ class Inbox:
             return True
 
     def has_events(self) -> bool:
-        return bool(self._events)  # a racy peek is fine: take_events is the locked read
+        """Events or replies to hand out (a racy peek is fine: the takes are locked)."""
+        return bool(self._events or self._replies)
+
+    def take_replies(self) -> list[tuple[bytes, AckHeader]]:
+        """Failed acks for senders of reservations that had already ended (not events:
+        nothing changed state); the transport sends each to its peer."""
+        with self.lock:
+            replies, self._replies = self._replies, []
+            return replies
 
     def take_events(self) -> list[TransferEvent]:
         with self.lock:
@@ -664,7 +673,7 @@ class Inbox:
             ended = self._ended.get(h.request_id)
             if ended is not None and proves(h, ended[0]):  # its sender, late: tell it (once)
                 del self._ended[h.request_id]
-                self._events.append(TransferEvent(h.request_id, False, ended[1], (), peer, 0))
+                self._replies.append((peer, AckHeader(h.request_id, False, ended[1])))
                 raise WireError("ended_request", f"the reservation for {h.request_id!r} has ended: {ended[1]}")
             raise WireError("unknown_request", f"no reservation for {h.request_id!r}")
         if t.peer is not None and t.peer != peer:
