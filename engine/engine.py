@@ -136,14 +136,33 @@ class LLMEngine:
         validate_sampling_params(params, self.limits)
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, export_kv: bool = False
-    ) -> None:
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, export_kv: bool = False,
+        first_token: int | None = None,
+    ) -> list[RequestOutput]:
         """Queue a request. With `export_kv` (prefill role) its blocks outlive it until
-        `release(request_id)`, so the KV can be shipped to a decode worker."""
+        `release(request_id)`, so the KV can be shipped to a decode worker.
+
+        With `first_token` (n == 1, no beams): that token, sampled elsewhere, is the
+        request's first output token (told to the token hook at once, as a committed
+        transfer's is), and the prompt is computed with it, as a preempted sequence is
+        recomputed, before the next token is sampled: a decode worker taking over a
+        prompt whose KV never arrived. Returns the request's output if that token
+        already finished it (else [])."""
         self.validate(prompt_token_ids, params)
+        if first_token is not None:
+            if params.n != 1 or params.use_beam_search:
+                raise ValueError("first_token: only for n == 1 without beam search")
+            if not 0 <= first_token < self.model_config.vocab_size:
+                raise ValueError(f"first_token: {first_token} is not in [0, {self.model_config.vocab_size})")
         request = self.core.new_group(request_id, prompt_token_ids, params)
         request.export_kv = export_kv
+        finished: list[RequestOutput] = []
+        if first_token is not None:
+            self.core.apply_token(self.core.groups[request_id], request, first_token, None, None, finished)
+            if finished:
+                return finished
         self.scheduler.add(request)
+        return finished
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request wherever it is and free its blocks (idempotent); its output

@@ -57,7 +57,7 @@ import os
 import struct
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 import dataclasses
 from dataclasses import dataclass
@@ -71,6 +71,7 @@ MAX_HEADER_BYTES = 1 << 16
 MAX_REQUEST_ID_CHARS = 256
 MAX_REASON_CHARS = 1024
 MAX_FIRST_TOKENS = 16
+MAX_ENDED = 4096  # ended reservations an Inbox remembers, to tell their late senders
 MAX_INT = (1 << 63) - 1
 DIGEST_BYTES = 32
 MAC_BYTES = 32
@@ -503,6 +504,12 @@ class Inbox:
         self.stats: Counter[str] = Counter()
         self._table: dict[str, _Expected] = {}
         self._events: list[TransferEvent] = []
+        # Reservations that ended before any sender was bound to them (no message
+        # accepted): their secret and why, so the first message their sender sends
+        # later (proving the secret) is answered with a failed ack, and the sender
+        # frees its held blocks at once instead of at its lease's end. Bounded.
+        self._ended: OrderedDict[str, tuple[bytes, str]] = OrderedDict()
+        self._replies: list[tuple[bytes, AckHeader]] = []  # (peer, failed ack) to send: see `take_replies`
         # Flat bytes of each layer, so a landing is a memoryview slice (no torch call).
         self._layer_bytes = [as_bytes_view(kv_cache[i]) for i in range(kv_cache.shape[0])] if kv_cache.device.type == "cpu" else None
 
@@ -544,7 +551,15 @@ class Inbox:
             return True
 
     def has_events(self) -> bool:
-        return bool(self._events)  # a racy peek is fine: take_events is the locked read
+        """Events or replies to hand out (a racy peek is fine: the takes are locked)."""
+        return bool(self._events or self._replies)
+
+    def take_replies(self) -> list[tuple[bytes, AckHeader]]:
+        """Failed acks for senders of reservations that had already ended (not events:
+        nothing changed state); the transport sends each to its peer."""
+        with self.lock:
+            replies, self._replies = self._replies, []
+            return replies
 
     def take_events(self) -> list[TransferEvent]:
         with self.lock:
@@ -655,6 +670,11 @@ class Inbox:
         are freed and nothing received for it is ever committed or cached."""
         t = self._table.get(h.request_id)
         if t is None:
+            ended = self._ended.get(h.request_id)
+            if ended is not None and proves(h, ended[0]):  # its sender, late: tell it (once)
+                del self._ended[h.request_id]
+                self._replies.append((peer, AckHeader(h.request_id, False, ended[1])))
+                raise WireError("ended_request", f"the reservation for {h.request_id!r} has ended: {ended[1]}")
             raise WireError("unknown_request", f"no reservation for {h.request_id!r}")
         if t.peer is not None and t.peer != peer:
             raise WireError("wrong_peer", f"{h.request_id!r} is bound to another sender")
@@ -699,6 +719,10 @@ class Inbox:
 
     def _fail(self, t: _Expected, reason: str) -> None:
         del self._table[t.request_id]
+        if t.peer is None:  # no sender hears of it now: tell it when it shows up
+            self._ended[t.request_id] = (t.secret, reason)
+            while len(self._ended) > MAX_ENDED:
+                self._ended.popitem(last=False)
         self.stats["failed"] += 1
         self._events.append(TransferEvent(t.request_id, False, reason, (), t.peer, t.nbytes))
 

@@ -392,13 +392,13 @@ class ZmqReceiver:
     def _publish(self, sock: zmq.Socket) -> None:
         """Ack senders of finished transfers and hand the events to the engine thread."""
         events = self.inbox.take_events()
+        acks = [(e.peer, AckHeader(e.request_id, e.ok, e.reason)) for e in events if e.peer is not None]
+        for peer, ack in [*acks, *self.inbox.take_replies()]:
+            try:
+                sock.send_multipart([peer, encode(ack)], zmq.NOBLOCK)
+            except zmq.ZMQError:
+                self._counters["acks_dropped"] += 1
         for event in events:
-            if event.peer is not None:
-                ack = encode(AckHeader(event.request_id, event.ok, event.reason))
-                try:
-                    sock.send_multipart([event.peer, ack], zmq.NOBLOCK)
-                except zmq.ZMQError:
-                    self._counters["acks_dropped"] += 1
             self._events.append(event)
         if events:
             self._notify()

@@ -27,9 +27,16 @@ router's targets every POLL_TARGETS seconds (`Registry.Scale` with `manager` set
 `pdserve scale --address REGISTRY --cluster-token-file F --decode 3` changes a target, and the launcher starts
 workers or drains and stops its newest ones to match. A worker being removed first
 leaves the router's pools (no new requests) and finishes what it has within
-`--drain-grace` seconds (`Worker.Drain`). A worker that dies is not replaced here
-(Ray restarts its actors itself, `--ray-max-restarts`): the launcher counts the
-workers it holds, not the ones alive.
+`--drain-grace` seconds (`Worker.Drain`).
+
+Supervision (`serve`): a child process that dies without being asked to (the router,
+a LocalCluster's worker) is started again with the same command line, after a backoff
+that doubles while it keeps dying (--restart-backoff, capped at --restart-backoff-max;
+launch/supervise.py). Each restart is logged and printed (`restarted NAME N`); the
+router keeps the ports it first bound (workers re-register by themselves, and the
+launcher tells it the pool sizes again); a worker keeps its id and registers anew.
+Workers stopped on purpose (scaled down, shutdown) are never restarted. Ray restarts
+its actors itself (`--ray-max-restarts`).
 """
 
 from __future__ import annotations
@@ -50,11 +57,12 @@ from typing import IO, TYPE_CHECKING
 import grpc
 
 from pdserve.launch.credentials import LaunchCredentials, generate
+from pdserve.launch.supervise import Backoff
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from pdserve.services.common.credentials import ClusterAuth
 from pdserve.services.common.flags import check, flag, to_argv
-from pdserve.services.common.server import CHANNEL_OPTIONS, LAUNCHER_PID_ENV
+from pdserve.services.common.server import LAUNCHER_PID_ENV
 from pdserve.services.router.config import RouterConfig
 from pdserve.services.router.pools import POOLS
 from pdserve.services.worker.config import DEFAULT_KV_CONNECTOR, WorkerConfig, parse_cpus
@@ -86,6 +94,9 @@ class LaunchConfig:
                                          "mode 0700 (default: a private temporary directory, removed at exit)")
     prometheus: bool = flag(False, "also start a Prometheus server scraping every service's /metrics "
                                    "(needs `prometheus` on PATH)")
+    supervise: bool = flag(True, "restart the router and workers that die (with backoff), as Kubernetes or Ray would")
+    restart_backoff: float = flag(0.5, "seconds before restarting a child that died; doubles while it keeps dying")
+    restart_backoff_max: float = flag(10.0, "longest wait before restarting a child that died")
     worker_cpus: str = flag("", "pin workers to CPUs, one CPU list per worker in start order (prefill, mixed, "
                                 "decode), separated by ';', e.g. '0;1' (cycled if shorter; '': not pinned)")
 
@@ -96,6 +107,9 @@ class LaunchConfig:
         check(self.decode + self.mixed >= 1, "decode", "need at least one decode or mixed worker", self.decode)
         check(self.startup_timeout > 0, "startup_timeout", "must be > 0", self.startup_timeout)
         check(self.drain_grace >= 0, "drain_grace", "must be >= 0", self.drain_grace)
+        check(self.restart_backoff > 0, "restart_backoff", "must be > 0", self.restart_backoff)
+        check(self.restart_backoff_max >= self.restart_backoff, "restart_backoff_max", "must be >= --restart-backoff",
+              self.restart_backoff_max)
         for cpus in self.cpu_lists:
             parse_cpus(cpus)
 
@@ -168,6 +182,9 @@ class Cluster(ABC):
         self._spawned = 0  # workers started, for the next one's CPUs
         self._lock = threading.Lock()  # pools and the workers' start/stop
         self._retiring: list[threading.Thread] = []
+        self._argv: dict[str, list[str]] = {}  # each child's command line, to restart it
+        self.backoff = Backoff(spec.launch.restart_backoff, spec.launch.restart_backoff_max)
+        self._retell_sizes = False  # a restarted router has forgotten the pool sizes
 
     # -- what a launcher provides -------------------------------------------------------
 
@@ -281,6 +298,12 @@ class Cluster(ABC):
 
     def reconcile(self) -> None:
         """Read the router's targets; start workers or retire the newest to match."""
+        if self._retell_sizes:
+            try:
+                self._scale({role: len(self.pools[role]) for role in POOLS})
+                self._retell_sizes = False
+            except grpc.RpcError:
+                return  # the restarted router is not serving yet
         try:
             target = self._scale({}).target
         except grpc.RpcError as e:
@@ -328,7 +351,7 @@ class Cluster(ABC):
     def _channel(self, address: str) -> grpc.Channel:
         """The one place the launcher dials an internal service of its cluster (the
         Registry, a worker), presenting this launch's credentials."""
-        return self._auth.channel(address, options=CHANNEL_OPTIONS)
+        return self._auth.channel(address)
 
     channel = _channel  # for operators' tools and tests
 
@@ -351,6 +374,9 @@ class Cluster(ABC):
             self._check_startup(deadline, stop, {"router"})
             time.sleep(POLL)
         public, internal = address_file.read_text().split()
+        ports = dict(port=int(public.rpartition(":")[2]), internal_port=int(internal.rpartition(":")[2]))
+        restart = replace(render_router(self.spec, address_file, self.credentials), **ports)
+        self._argv["router"] = ["router", *to_argv(restart)]  # a restart keeps the ports workers know
         return public, internal
 
     def _spawn(self, name: str, args: list[str]) -> None:
@@ -365,6 +391,7 @@ class Cluster(ABC):
             out = open(self.log_dir / f"{name}.log", "ab")
             self._logs.append(out)
         log.info("starting %s: %s", name, " ".join(command))
+        self._argv.setdefault(name, args)
         self.processes[name] = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=out)
 
     def _check_startup(self, deadline: float, stop: threading.Event | None, waiting: set[str]) -> None:
@@ -381,24 +408,53 @@ class Cluster(ABC):
         """What the startup still waits for (a launcher may say why)."""
         return str(sorted(waiting))
 
-    def serve(self, stop: threading.Event, prometheus: "Prometheus | None" = None) -> int:
-        """`pdserve up` after `ready`: keep the pools at their targets (and Prometheus'
-        list of endpoints current) until `stop`; 1 if the router exits."""
+    def serve(self, stop: threading.Event, prometheus: "Prometheus | None" = None, result: IO[str] | None = None) -> int:
+        """`pdserve up` after `ready`: restart children that die (--supervise), keep the
+        pools at their targets (and Prometheus' list of endpoints current) until
+        `stop`; 1 if the router exits and is not restarted."""
         reported: set[str] = set()
         next_targets = time.monotonic() + TARGETS_REFRESH
         while not stop.wait(POLL_TARGETS):
             if prometheus is not None and time.monotonic() >= next_targets:
                 _refresh_targets(self, prometheus)
                 next_targets = time.monotonic() + TARGETS_REFRESH
-            dead = self.exited()
-            if "router" in dead:
-                log.error("router exited with %s: stopping the cluster", dead["router"])
-                return 1
-            for name in dead.keys() - reported:
-                log.warning("%s exited with %s", name, dead[name])
-                reported.add(name)
+            if self.spec.launch.supervise:
+                self.supervise(result)
+            else:
+                dead = self.exited()
+                if "router" in dead:
+                    log.error("router exited with %s: stopping the cluster", dead["router"])
+                    return 1
+                for name in dead.keys() - reported:
+                    log.warning("%s exited with %s", name, dead[name])
+                    reported.add(name)
             self.reconcile()
+        if self.backoff.total:
+            log.info("children restarted while serving: %s", dict(self.backoff.restarts))
         return 0
+
+    def supervise(self, result: IO[str] | None = None) -> None:
+        """Schedule a restart of every child that died, and restart those whose backoff
+        has passed (with their first command line)."""
+        now = time.monotonic()
+        pending = set(self.backoff.pending())
+        for name, code in self.exited().items():
+            if name not in pending:
+                delay = self.backoff.died(name, now)
+                log.warning("%s exited with %s: restarting it in %.1fs", name, code, delay)
+        for name in self.backoff.pending():
+            if not self.backoff.due(name, now):
+                continue
+            if name not in self.processes:  # stopped on purpose meanwhile
+                self.backoff.forget(name)
+                continue
+            self._spawn(name, self._argv[name])
+            count = self.backoff.restarted(name, now)
+            log.warning("restarted %s (restart %d of it, %d in all)", name, count, self.backoff.total)
+            if result is not None:
+                print(f"restarted {name} {count}", file=result, flush=True)
+            if name == "router":
+                self._retell_sizes = True
 
 
 def stop_processes(processes: dict[str, subprocess.Popen], grace: float) -> None:
@@ -418,8 +474,9 @@ def stop_processes(processes: dict[str, subprocess.Popen], grace: float) -> None
 
 def up(cluster: Cluster) -> int:
     """`pdserve up`: start, print `ready <address> internal <registry address>` (and
-    `prometheus <url>` with --prometheus), serve until SIGINT/SIGTERM; SIGHUP reloads
-    the router's API keys."""
+    `prometheus <url>` with --prometheus), serve until SIGINT/SIGTERM, then SIGTERM
+    every child (each drains within --drain-timeout); SIGHUP reloads the router's API
+    keys."""
     from pdserve.services.common import log as service_log
     from pdserve.services.common.server import shutdown_event
 
@@ -434,14 +491,15 @@ def up(cluster: Cluster) -> int:
         print(f"ready {address} internal {cluster.internal_address}", file=result, flush=True)
         if cluster.spec.launch.prometheus:
             prometheus = _start_prometheus(cluster, result)
-        return cluster.serve(stop, prometheus)
+        return cluster.serve(stop, prometheus, result)
     except StartupError as e:
         log.error("cluster: %s", e)
         return 1
     finally:
         if prometheus is not None:
             prometheus.stop()
-        cluster.stop()
+        # SIGTERM drains every service (--drain-timeout): let them finish before SIGKILL
+        cluster.stop(grace=max(cluster.spec.router.drain_timeout, cluster.spec.worker.drain_timeout) + 5.0)
 
 
 TARGETS_REFRESH = 5.0  # seconds between re-reading the cluster's /metrics endpoints

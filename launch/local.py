@@ -39,7 +39,8 @@ class LocalCluster(Cluster):
         self._spawn(worker_id, [config.role, *to_argv(config, skip=("role",))])
 
     def _stop_worker(self, worker_id: str, grace: float) -> None:
-        proc = self.processes.pop(worker_id, None)  # stopped on purpose: no "exited" report
+        proc = self.processes.pop(worker_id, None)  # stopped on purpose: no "exited" report, no restart
+        self.backoff.forget(worker_id)
         if proc is not None:
             stop_processes({worker_id: proc}, grace)
 

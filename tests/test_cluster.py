@@ -291,7 +291,9 @@ def test_up_prints_one_line_and_leaves_no_process_behind(single):
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     up = UpProcess(
-        ["--prefill", "0", "--decode", "2", "--num-blocks", "256", "--max-num-seqs", "1", "--worker-timeout", "3"],
+        # --no-supervise: a killed worker stays dead here (tests/test_chaos.py has the restarts)
+        ["--prefill", "0", "--decode", "2", "--num-blocks", "256", "--max-num-seqs", "1", "--worker-timeout", "3",
+         "--no-supervise"],
         tmp_path_factory.mktemp("pair") / "up.log",
     )
     yield up

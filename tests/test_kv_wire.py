@@ -291,7 +291,30 @@ def test_a_message_without_the_secret_fails_the_reservation_and_lands_nothing(me
     assert not event.ok and "secret" in event.reason and event.peer is None
     assert torch.equal(inbox.kv, before)  # not a byte of it landed, reserved blocks included
     assert inbox.pending() == []
-    assert feed(inbox, pages("r", 0, 0, [(1, 3)])) == "unknown_request"  # the real sender: too late, refused
+    # the real sender, too late: refused, and told once (a failed ack), so it frees its
+    # held blocks now rather than at its lease's end
+    assert feed(inbox, pages("r", 0, 0, [(1, 3)])) == "ended_request"
+    assert inbox.take_events() == []  # no new terminal event: a reply to that sender
+    [(peer, told)] = inbox.take_replies()
+    assert not told.ok and peer == PEER and "secret" in told.reason
+    assert torch.equal(inbox.kv, before)
+    assert feed(inbox, final("r", 1)) == "unknown_request" and inbox.take_replies() == []
+
+
+def test_the_sender_of_a_reservation_cancelled_before_any_page_is_told():
+    """Only a message proving the ended reservation's secret hears why (a stranger
+    learns nothing), and only the first; a reservation a sender was bound to is told
+    when it fails, as before."""
+    inbox = make_inbox()
+    assert inbox.cancel("r", "deadline exceeded")
+    [event] = inbox.take_events()
+    assert not event.ok and event.peer is None
+    assert feed(inbox, pages("r", 0, 0, [(1, 3)], secret=new_secret()), peer=b"stranger") == "unknown_request"
+    assert inbox.take_replies() == []
+    assert feed(inbox, pages("r", 0, 0, [(1, 3)])) == "ended_request"
+    [(peer, told)] = inbox.take_replies()
+    assert (told.ok, peer, told.reason) == (False, PEER, "deadline exceeded")
+    assert inbox.take_events() == []
 
 
 def test_a_bound_transfer_ignores_unproven_messages_from_others():
@@ -339,7 +362,9 @@ def test_cancel_and_deadline_end_reservations():
     inbox.expire()
     [event] = inbox.take_events()
     assert event.request_id == "s" and not event.ok and "deadline" in event.reason
-    assert feed(inbox, pages("s", 0, 0, [(0, 1)])) == "unknown_request"
+    assert feed(inbox, pages("s", 0, 0, [(0, 1)])) == "ended_request"  # its sender hears why, once
+    assert [(peer, ack.request_id) for peer, ack in inbox.take_replies()] == [(PEER, "s")]
+    assert feed(inbox, pages("s", 1, 0, [(0, 1)])) == "unknown_request"
 
 
 def test_a_cancel_during_a_write_waits_for_it_and_never_blocks():

@@ -23,7 +23,7 @@ from pdserve.services.worker.main import Worker
 @pytest.fixture(scope="module")
 def cluster():
     torch.set_num_threads(1)
-    router = Router(RouterConfig(port=0))
+    router = Router(RouterConfig(port=0, admission_timeout=0.0))  # UNAVAILABLE at once with no decode worker serving
     address = router.start()
     worker = Worker(WorkerConfig(role="decode", router=router.internal_address, worker_id="decode-t", num_blocks=128))
     worker.start()

@@ -194,7 +194,7 @@ def test_close_fails_open_requests(loop):
     first_token(stream)
     loop.close()
     end = drain(stream)[-1]
-    assert isinstance(end, FailedEvent) and end.failure is Failure.ABORTED
+    assert isinstance(end, FailedEvent) and end.failure is Failure.SHUTDOWN
     with pytest.raises(RuntimeError, match="not running"):
         loop.stats(1)
 

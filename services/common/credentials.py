@@ -37,6 +37,7 @@ import grpc
 
 from pdserve.services.common.auth import MetadataCheck, same_secret, with_metadata
 from pdserve.services.common.flags import check, flag
+from pdserve.services.common.keepalive import with_keepalive
 
 if TYPE_CHECKING:
     from pdserve.kvtransfer.zmq import CurveConfig
@@ -163,8 +164,9 @@ class ClusterAuth:
     # -- clients -----------------------------------------------------------------------
 
     def channel(self, address: str, options: list[tuple[str, object]] | None = None) -> grpc.Channel:
-        """A channel to an internal service, presenting this cluster's credentials."""
-        options = list(options or [])
+        """A channel to an internal service, presenting this cluster's credentials
+        (with keepalive: services/common/keepalive.py)."""
+        options = with_keepalive(options)
         if self._tls is not None:
             ca, cert, key = self._tls
             if self.credentials.cluster_server_name:

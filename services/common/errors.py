@@ -14,6 +14,11 @@ import grpc
 
 from pdserve.engine.errors import NoCapacityError
 
+# Trailing metadata of a worker stream that failed: the worker's events.Failure value
+# ("transfer", "expired", ...), so the router tells a lost KV transfer (it then has
+# the decode worker prefill the prompt) from a worker in trouble.
+FAILURE_METADATA = "pdserve-failure"
+
 
 def status_of(error: BaseException) -> grpc.StatusCode:
     if isinstance(error, ValueError):

@@ -12,7 +12,8 @@ What is recorded where (one call per event, at the place it happens):
     router   GenerationServicer.Generate     request_started / request_ended(code)
              ResponseBuilder                 first_token, tokens, sequence_finished,
                                              request_finished
-             Dispatcher                      prefill_path, retry, worker_chosen
+             Dispatcher                      prefill_path, local_prefill_fallback, retry,
+                                             worker_chosen
              KvSubscriber (per worker)       kv_event(kind): batch, snapshot, gap
              scrape time                     live workers per pool (the registry)
     worker   EngineLoop._step                step(seconds, batch)
@@ -88,6 +89,10 @@ METRICS: Mapping[str, Spec] = types.MappingProxyType({
     "router_prefill_path": Spec(
         "counter", "Where a request attempt's prompt was prefilled: remote (a prefill worker), local (its decode "
                    "worker), fallback (meant for a prefill worker, none could: its decode worker)", ("path",)),
+    "router_local_prefill_fallbacks": Spec(
+        "counter", "Prompts meant for a prefill worker that their decode worker prefilled instead, by reason: "
+                   "no_prefill_worker, draining, queue_full, prefill_failed, no_reservation (before the first token); "
+                   "kv_transfer (the KV failed after the first token was sent)", ("reason",)),
     "router_retries": Spec("counter", "Attempts moved to another worker after one failed", ("kind",)),
     "router_worker_selected": Spec("counter", "Workers chosen for request attempts", ("target", "target_role")),
     "num_live_workers": Spec("gauge_family", "Workers registered and alive, per pool", ("pool",)),
@@ -129,8 +134,8 @@ METRICS: Mapping[str, Spec] = types.MappingProxyType({
 ROUTER_METRICS = (
     "time_to_first_token_seconds", "inter_token_latency_seconds", "request_time_per_output_token_seconds",
     "e2e_request_latency_seconds", "prompt_tokens", "generation_tokens", "request_success", "request_failure",
-    "num_requests_inflight", "router_prefill_path", "router_retries", "router_worker_selected", "router_kv_events",
-    "stream_write_cutoffs",
+    "num_requests_inflight", "router_prefill_path", "router_local_prefill_fallbacks", "router_retries",
+    "router_worker_selected", "router_kv_events", "stream_write_cutoffs",
 )
 WORKER_METRICS = (
     "request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
@@ -312,6 +317,9 @@ class RouterMetrics(_Recorder):
 
     def prefill_path(self, path: str) -> None:
         self.child("router_prefill_path", path).inc()
+
+    def local_prefill_fallback(self, reason: str) -> None:
+        self.child("router_local_prefill_fallbacks", reason).inc()
 
     def retry(self, kind: str) -> None:
         self.child("router_retries", kind).inc()

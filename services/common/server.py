@@ -26,23 +26,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pdserve.services.common.keepalive import SERVER_OPTIONS
 from pdserve.services.common.malformed import MalformedRequests
 
 log = logging.getLogger(__name__)
-
-# Let peers ping (keepalive) every few seconds even with no call in flight.
-SERVER_OPTIONS = [
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", 1000),
-    ("grpc.http2.max_ping_strikes", 0),
-    ("grpc.so_reuseport", 0),
-]
-CHANNEL_OPTIONS = [
-    ("grpc.keepalive_time_ms", 5000),
-    ("grpc.keepalive_timeout_ms", 3000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),
-]
 
 
 class GrpcServer:
@@ -74,6 +61,10 @@ class GrpcServer:
 
     def set_serving(self) -> None:
         self._set_all(health_pb2.HealthCheckResponse.SERVING)
+
+    def set_not_serving(self) -> None:
+        """Draining: health checks say NOT_SERVING, calls in flight go on."""
+        self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
 
     def stop(self, grace: float) -> None:
         self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)

@@ -65,7 +65,10 @@ class DecodeService:
                 raise ValueError("request_id: must not be empty")
             if request.local_prefill:
                 params = params_from_options(request.sampling, request.cache_salt)
-                stream = self.loop.submit(rid, list(request.token_ids), params, CALL_TIMEOUT)
+                first = request.first_token if request.HasField("first_token") else None
+                stream = self.loop.submit(rid, list(request.token_ids), params, CALL_TIMEOUT, first_token=first)
+            elif request.HasField("first_token"):
+                raise ValueError("first_token: only with local_prefill")
             else:
                 stream = self._attach(rid, context)
         decode = DecodeStream(stream)

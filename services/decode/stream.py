@@ -17,6 +17,7 @@ from pdserve.engine.outputs import RequestOutput
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.services.common.convert import delta_logprob, prompt_logprobs
 from pdserve.services.common.deadline import Deadline
+from pdserve.services.common.errors import FAILURE_METADATA
 from pdserve.services.worker.engine_loop import EngineLoop
 from pdserve.services.worker.events import FailedEvent, Failure, FinishedEvent, RequestStream, TokenEvent
 
@@ -24,6 +25,7 @@ POLL = 0.5  # seconds between checks that the caller is still there
 
 _FAILURE_STATUS = {
     Failure.ABORTED: grpc.StatusCode.ABORTED,
+    Failure.SHUTDOWN: grpc.StatusCode.UNAVAILABLE,
     Failure.EXPIRED: grpc.StatusCode.DEADLINE_EXCEEDED,
     Failure.TRANSFER: grpc.StatusCode.UNAVAILABLE,
     Failure.INTERNAL: grpc.StatusCode.INTERNAL,
@@ -64,6 +66,7 @@ class DecodeStream:
             if message.deltas or message.finished:
                 yield message
             if failed is not None:
+                context.set_trailing_metadata(((FAILURE_METADATA, failed.failure.value),))
                 context.abort(failure_status(failed.failure), f"request {rid!r}: {failed.message}")
             if message.finished:
                 return

@@ -21,6 +21,7 @@ import grpc
 
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from pdserve.services.common.keepalive import with_keepalive
 
 _OPTIONS = pb.SamplingOptions.DESCRIPTOR.fields_by_name
 
@@ -56,9 +57,9 @@ class Client:
         self.timeout = timeout
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
         if tls_ca is None:
-            self._channel = grpc.insecure_channel(address)
+            self._channel = grpc.insecure_channel(address, options=with_keepalive([]))
         else:
-            options = [("grpc.ssl_target_name_override", tls_server_name)] if tls_server_name else []
+            options = with_keepalive([("grpc.ssl_target_name_override", tls_server_name)] if tls_server_name else [])
             credentials = grpc.ssl_channel_credentials(root_certificates=Path(tls_ca).read_bytes())
             self._channel = grpc.secure_channel(address, credentials, options=options)
         self._stub = pb_grpc.GenerationStub(self._channel)

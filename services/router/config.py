@@ -41,6 +41,9 @@ class RouterConfig:
     max_prompt_tokens: int | None = flag(None, "largest prompt in tokens (default: max_model_len - 1)")
     local_prefill_threshold: int = flag(64, "uncached prompts shorter than this prefill on the decode worker")
     prefill_queue_weight: int = flag(256, "prefill choice: one queued request costs this many cached tokens")
+    max_prefill_queue: int = flag(0, "a prefill worker with this many requests queued or in flight from this router "
+                                     "takes no more; with every one that full, prefill on the decode worker (0: no "
+                                     "limit)")
     prefill_policy: str = flag("prefix", "prefill worker choice: prefix (longest cached prefix, balanced by "
                                          "queue) | round_robin (in turn, ignoring caches: a baseline)")
     heartbeat_interval: float = flag(1.0, "seconds between worker heartbeats")
@@ -55,6 +58,10 @@ class RouterConfig:
     max_queue_wait: float = flag(1.0, "longest a call waits in the admission queue before RESOURCE_EXHAUSTED")
     stream_write_timeout: float = flag(10.0, "cut off a client that takes longer than this to accept one message "
                                              "(it stopped reading); its request is aborted on every worker")
+    admission_timeout: float = flag(5.0, "a request that finds no decode worker registered waits this long (within "
+                                         "its deadline) for one to join before UNAVAILABLE (0: fail at once)")
+    drain_timeout: float = flag(30.0, "on SIGTERM: stop admitting, finish requests in flight for up to this many "
+                                      "seconds, then fail the rest with UNAVAILABLE and exit")
     log_level: str = flag("INFO", "DEBUG | INFO | WARNING | ERROR")
     # Prometheus (services/common/metrics.py)
     metrics: bool = flag(True, "record Prometheus metrics and serve them at /metrics")
@@ -81,6 +88,7 @@ class RouterConfig:
         check(self.max_n >= 1, "max_n", "must be >= 1", self.max_n)
         check(self.max_logprobs >= 0, "max_logprobs", "must be >= 0", self.max_logprobs)
         check(self.local_prefill_threshold >= 0, "local_prefill_threshold", "must be >= 0", self.local_prefill_threshold)
+        check(self.max_prefill_queue >= 0, "max_prefill_queue", "must be >= 0", self.max_prefill_queue)
         check(self.prefill_policy in PREFILL_POLICIES, "prefill_policy", f"must be one of {PREFILL_POLICIES}",
               self.prefill_policy)
         check(self.max_attempts >= 1, "max_attempts", "must be >= 1", self.max_attempts)
@@ -90,6 +98,8 @@ class RouterConfig:
         check(self.max_prompt_bytes >= 1, "max_prompt_bytes", "must be >= 1", self.max_prompt_bytes)
         check(self.max_prompt_tokens is None or self.max_prompt_tokens >= 1, "max_prompt_tokens", "must be >= 1",
               self.max_prompt_tokens)
+        for name in ("admission_timeout", "drain_timeout"):
+            check(getattr(self, name) >= 0, name, "must be >= 0", getattr(self, name))
         for name in ("heartbeat_interval", "worker_timeout", "stats_interval", "request_timeout", "stream_write_timeout"):
             check(getattr(self, name) > 0, name, "must be > 0", getattr(self, name))
         check(self.worker_timeout > self.heartbeat_interval, "worker_timeout", "must exceed heartbeat_interval",

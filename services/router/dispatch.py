@@ -1,7 +1,8 @@
 """Running one validated request on the workers, with retries.
 
     for each attempt (another decode worker each time, at most --max-attempts):
-        D = least loaded decode worker
+        D = least loaded decode worker (none left: wait up to --admission-timeout
+            for one to join or rejoin)
         if D and some prefill worker can move KV and the prompt's part D has not
            cached is >= --local-prefill-threshold tokens:         # P/D seam
             D.Reserve -> blocks + KV endpoint
@@ -11,7 +12,11 @@
               P failed: abort that reservation, next P with a fresh one
               D has no room to reserve now: prefill on D (its scheduler queues it)
             stream D's tokens after the first
+              D's KV never came (transfer failed, reservation expired): D prefills
+              the prompt itself, continuing from the first token already sent
             no P left: abort the reservation, prefill on D instead
+        elif the prompt should cross but no P can take it (none, draining, all at
+           --max-prefill-queue): prefill on D (counted by reason)
         else:
             D.Decode(local_prefill=true) -> D's token stream
     A worker failure before any token reached the client: next attempt.
@@ -31,6 +36,7 @@ import grpc
 
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.services.common.deadline import Deadline
+from pdserve.services.common.errors import FAILURE_METADATA
 from pdserve.services.common.metrics import RouterMetrics
 from pdserve.services.router import policy
 from pdserve.services.router.config import RouterConfig
@@ -41,6 +47,7 @@ log = logging.getLogger(__name__)
 ABORT_TIMEOUT = 1.0
 RESERVE_TIMEOUT = 10.0
 RESERVATION_LEASE = 30.0
+KV_FAILURES = ("transfer", "expired")  # events.Failure values of a lost KV transfer
 
 
 class RouterError(Exception):
@@ -60,10 +67,17 @@ class WorkerFailed(Exception):
     """A worker died or refused in a way another worker may not."""
 
 
+class KVLost(Exception):
+    """D's reservation failed before any token of D's own: the KV transfer failed or
+    its reservation expired (D says so in its trailing metadata). D is fine."""
+
+
 @dataclass
 class _Attempt:
     worker_request_id: str
     produced: bool = False  # a token reached the client
+    decoded: bool = False  # the decode worker sent a token of its own
+    kv_abandoned: bool = False  # its prefill worker died before D had the KV: D's reservation aborted
 
 
 class Dispatcher:
@@ -75,18 +89,30 @@ class Dispatcher:
     def run(
         self, job: Job, deadline: Deadline, context: grpc.ServicerContext, note_cached: Callable[[int], None]
     ) -> Iterator[pb.DecodeResponse]:
-        tried: set[str] = set()
+        """Serve `job` on a decode worker, trying another one (at most --max-attempts)
+        while no token has reached the client. When none (left) is serving, wait up to
+        --admission-timeout (within the deadline) for one to join: a restarted decode
+        worker is a pause, not a burst of UNAVAILABLE."""
+        tried: list[WorkerHandle] = []
         failures: list[str] = []
-        for number in range(self.config.max_attempts):
+        admission = Deadline.after(min(self.config.admission_timeout, deadline.remaining()))
+        while len(tried) < self.config.max_attempts:
             decode = self.registry.acquire_decode(job.block_hashes, tried)
             if decode is None:
+                if self.registry.wait_for_decode(tried, admission.remaining()) and context.is_active():
+                    continue
                 break
             self.metrics.worker_chosen(decode.worker_id, decode.role)
-            tried.add(decode.worker_id)
-            attempt = _Attempt(f"{job.worker_request_id}-{number}")
+            attempt = _Attempt(f"{job.worker_request_id}-{len(tried)}")
+            tried.append(decode)
             try:
-                yield from self._on(decode, job, attempt, deadline, context, note_cached)
-                return
+                try:
+                    yield from self._on(decode, job, attempt, deadline, context, note_cached)
+                    return
+                except ValueError as e:  # "Channel closed": the registry dropped it just now
+                    if not decode.dropped:
+                        raise
+                    raise WorkerFailed(f"worker {decode.worker_id} dropped ({e})") from None
             except WorkerFailed as e:
                 if attempt.produced:
                     log.warning("request %s: %s mid-stream; failing it", job.request_id, e)
@@ -99,6 +125,8 @@ class Dispatcher:
                 self.registry.probe_soon()
             finally:
                 self.registry.release(decode)
+        if not context.is_active():
+            raise ClientGone()
         detail = "; ".join(failures) if failures else "no decode worker is registered"
         raise RouterError(grpc.StatusCode.UNAVAILABLE, f"no decode worker could serve the request ({detail})")
 
@@ -107,12 +135,16 @@ class Dispatcher:
         context: grpc.ServicerContext, note_cached: Callable[[int], None],
     ) -> Iterator[pb.DecodeResponse]:
         path = "local"
-        if self._remote_prefill(job, decode):
-            served = yield from self._disaggregated(decode, job, attempt, deadline, context, note_cached)
-            if served:
-                return
-            attempt.worker_request_id += "-local"
+        if self._wants_remote_prefill(job, decode):
+            why = self.registry.no_remote_prefill()
+            if why is None:
+                why = yield from self._disaggregated(decode, job, attempt, deadline, context, note_cached)
+                if why is None:
+                    return
+                attempt.worker_request_id += "-local"
             path = "fallback"
+            self.metrics.local_prefill_fallback(why)
+            log.info("request %s: prefilling on decode worker %s (%s)", job.request_id, decode.worker_id, why)
         self.metrics.prefill_path(path)
         request = pb.DecodeRequest(
             request_id=attempt.worker_request_id, local_prefill=True, token_ids=job.prompt, sampling=job.options,
@@ -121,10 +153,10 @@ class Dispatcher:
         call = decode.stub.Decode(request, timeout=deadline.remaining())
         yield from self._stream(decode, call, attempt, context, skip_first=False)
 
-    def _remote_prefill(self, job: Job, decode: WorkerHandle) -> bool:
+    def _wants_remote_prefill(self, job: Job, decode: WorkerHandle) -> bool:
+        """Whether the prompt should cross from a prefill worker (whether one can is
+        asked next): D takes KV, and the part of the prompt D lacks is long enough."""
         if not decode.info.kv_endpoint or job.params.prompt_logprobs is not None:
-            return False
-        if not self.registry.has_remote_prefill():
             return False
         cached = policy.cached_prefix_tokens(job.block_hashes, decode.cached, self.config.block_size)
         return not policy.prefill_locally(len(job.prompt), cached, self.config.local_prefill_threshold)
@@ -134,9 +166,11 @@ class Dispatcher:
     def _disaggregated(
         self, decode: WorkerHandle, job: Job, attempt: _Attempt, deadline: Deadline,
         context: grpc.ServicerContext, note_cached: Callable[[int], None],
-    ) -> Generator[pb.DecodeResponse, None, bool]:
-        """Reserve on D, prefill on P into D's blocks, stream D. Returns False (nothing
-        sent) when the request should be prefilled on D after all.
+    ) -> Generator[pb.DecodeResponse, None, str | None]:
+        """Reserve on D, prefill on P into D's blocks, stream D. Returns None when
+        served, else why the request should be prefilled on D after all (nothing was
+        sent): "prefill_failed" (every prefill worker tried failed), "no_reservation"
+        (D cannot take KV), or what `no_remote_prefill` says.
 
         A prefill worker that fails gets no second chance with the same reservation:
         it may have shipped part of the KV, and pages of a dead transfer must never mix
@@ -147,14 +181,14 @@ class Dispatcher:
         for number in range(self.config.max_attempts):
             prefill = self.registry.acquire_prefill(job.block_hashes, tried)
             if prefill is None:  # none (left): prefill on D
-                return False
+                return "prefill_failed" if number else (self.registry.no_remote_prefill() or "queue_full")
             self.metrics.worker_chosen(prefill.worker_id, prefill.role)
             tried.add(prefill.worker_id)
             rid = attempt.worker_request_id = base if number == 0 else f"{base}-p{number}"
             try:
                 reservation = self._reserve(decode, job, rid, deadline, context)
                 if reservation is None:
-                    return False
+                    return "no_reservation"
                 call = decode.stub.Decode(pb.DecodeRequest(request_id=rid), timeout=deadline.remaining())
                 _cancel_with_client(context, call)
                 prefilled = self._prefill(prefill, decode, job, rid, reservation, deadline, context)
@@ -172,10 +206,50 @@ class Dispatcher:
                 logprobs = [first] if job.params.logprobs is not None else []
                 attempt.produced = True
                 yield pb.DecodeResponse(deltas=[pb.SequenceDelta(index=0, token_ids=[first.token_id], logprobs=logprobs)])
-            yield from self._stream(decode, call, attempt, context, skip_first=first is not None,
-                                    first_logprob=first.logprob if first is not None else 0.0)
-            return True
-        return False
+            # A prefill worker that dies now may have left its last frames unsent: D
+            # would wait out the reservation. Abort it instead (if D has sent nothing).
+            unwatch = self.registry.watch(prefill, lambda: self._abandon(decode, rid, attempt))
+            try:
+                yield from self._stream(decode, call, attempt, context, skip_first=first is not None,
+                                        first_logprob=first.logprob if first is not None else 0.0)
+            except KVLost as e:
+                attempt.kv_abandoned = False  # what follows is a stream of its own
+                if first is None:  # nothing reached the client: prefill on D as usual
+                    return "kv_transfer"
+                yield from self._kv_fallback(decode, job, attempt, deadline, context, first, str(e))
+            finally:
+                unwatch()
+            return None
+        return "prefill_failed"
+
+    @staticmethod
+    def _abandon(decode: WorkerHandle, rid: str, attempt: _Attempt) -> None:
+        """The prefill worker of `rid` is gone: if D has not started decoding it, abort
+        the reservation (its KV may never complete); the stream then falls back."""
+        if attempt.decoded or attempt.worker_request_id != rid:
+            return
+        log.warning("request %s: its prefill worker was dropped before %s decoded; aborting the reservation",
+                    rid, decode.worker_id)
+        attempt.kv_abandoned = True
+        _abort_quietly(decode, rid)
+
+    def _kv_fallback(
+        self, decode: WorkerHandle, job: Job, attempt: _Attempt, deadline: Deadline, context: grpc.ServicerContext,
+        first: pb.TokenLogprob, why: str,
+    ) -> Iterator[pb.DecodeResponse]:
+        """The KV never reached D, but the client has the prefill worker's first token:
+        D prefills the prompt itself, continuing from that token (not sampling another),
+        so the client sees one slower token, not an error."""
+        log.warning("request %s: KV transfer to %s failed after the first token (%s); prefilling it there",
+                    job.request_id, decode.worker_id, why)
+        self.metrics.local_prefill_fallback("kv_transfer")
+        attempt.worker_request_id += "-kv"
+        request = pb.DecodeRequest(
+            request_id=attempt.worker_request_id, local_prefill=True, token_ids=job.prompt, sampling=job.options,
+            cache_salt=job.cache_salt, first_token=first.token_id,
+        )
+        call = decode.stub.Decode(request, timeout=deadline.remaining())
+        yield from self._stream(decode, call, attempt, context, skip_first=True, first_logprob=first.logprob)
 
     def _reserve(
         self, decode: WorkerHandle, job: Job, rid: str, deadline: Deadline, context: grpc.ServicerContext
@@ -216,6 +290,12 @@ class Dispatcher:
             future = prefill.stub.Prefill.future(request, timeout=deadline.remaining())
             _cancel_with_client(context, future)
             return future.result()
+        except ValueError:  # "Channel closed": the registry dropped it just now
+            if not prefill.dropped:
+                raise
+            log.warning("request %s: prefill worker %s was dropped; next prefill worker", job.request_id,
+                        prefill.worker_id)
+            return None
         except grpc.RpcError as e:
             error = self._classify(prefill, e, context, rid)
             if not isinstance(error, WorkerFailed):
@@ -245,9 +325,11 @@ class Dispatcher:
                         if result.index == 0:
                             result.cumulative_logprob += first_logprob
                 if any(d.token_ids for d in message.deltas) or any(r.token_ids for r in message.results):
-                    attempt.produced = True
+                    attempt.produced = attempt.decoded = True
                 yield message
         except grpc.RpcError as e:
+            if not attempt.decoded and context.is_active() and (_kv_lost(e) or attempt.kv_abandoned):
+                raise KVLost(e.details() or "") from None
             raise self._classify(worker, e, context, attempt.worker_request_id) from None
 
     def _classify(self, worker: WorkerHandle, error: grpc.RpcError, context: grpc.ServicerContext, rid: str) -> Exception:
@@ -280,6 +362,15 @@ def _drop_first_token(message: pb.DecodeResponse) -> bool:
             del delta.token_ids[0]
             return True
     return False
+
+
+def _kv_lost(error: grpc.RpcError) -> bool:
+    """Whether a decode stream failed because its KV never arrived (not D's fault)."""
+    try:
+        metadata = error.trailing_metadata() or ()
+    except AttributeError:  # not a call's error
+        return False
+    return any(key == FAILURE_METADATA and value in KV_FAILURES for key, value in metadata)
 
 
 def _abort_quietly(worker: WorkerHandle, rid: str) -> None:

@@ -88,6 +88,12 @@ class Router:
     def reload_api_keys(self) -> bool:
         return self.api_keys.reload() if self.api_keys is not None else False
 
+    def drain(self, grace: float) -> bool:
+        """Stop admitting (health NOT_SERVING, new calls UNAVAILABLE); finish what is in
+        flight within `grace` seconds, then fail the rest with UNAVAILABLE."""
+        self.server.set_not_serving()
+        return self.generation.drain(grace)
+
     def stop(self, grace: float = 2.0) -> None:
         self.server.stop(grace)
         self.internal_server.stop(grace)
@@ -112,6 +118,7 @@ def run(config: RouterConfig) -> int:
         announce("router", address, config.address_file, internal=router.internal_address)
         while not stop.wait(1.0):
             pass
+        router.drain(config.drain_timeout)
     finally:
         router.stop()
     return 0

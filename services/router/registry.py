@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -30,7 +30,6 @@ from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from pdserve.services.common.convert import ROLE_NAMES
 from pdserve.services.common.credentials import ClusterAuth
-from pdserve.services.common.server import CHANNEL_OPTIONS
 from pdserve.services.router import policy
 from pdserve.services.router.config import RouterConfig
 from pdserve.services.router.kv_view import KvSubscriber, KvView
@@ -51,6 +50,8 @@ class WorkerHandle:
     kv: KvView = field(default_factory=KvView)  # changed under the registry's lock
     dropped: bool = False
     draining: bool = False
+    # called (on the monitor thread) when the worker is dropped: see WorkerRegistry.watch
+    watchers: set[Callable[[], None]] = field(default_factory=set)
 
     @property
     def worker_id(self) -> str:
@@ -85,6 +86,7 @@ class WorkerRegistry:
         self.model_name = model_name
         self.max_model_len = max_model_len
         self._lock = threading.Lock()
+        self._joined = threading.Condition(self._lock)  # notified when a worker registers
         self._workers: dict[str, WorkerHandle] = {}
         self._stop = threading.Event()
         self._probe = threading.Event()
@@ -98,7 +100,7 @@ class WorkerRegistry:
         """Add (or replace) a worker after checking it fits and answers. Raises
         ValueError naming the mismatching field, or ConnectionError."""
         self._check_compatible(info)
-        channel = self.auth.channel(info.address, CHANNEL_OPTIONS)
+        channel = self.auth.channel(info.address)
         stub = pb_grpc.WorkerStub(channel)
         try:
             stats = stub.Stats(pb.StatsRequest(), timeout=self.config.worker_timeout)
@@ -111,6 +113,7 @@ class WorkerRegistry:
         with self._lock:
             old = self._workers.pop(info.worker_id, None)
             self._workers[info.worker_id] = handle
+            self._joined.notify_all()
         if old is not None:
             self._close(old, "replaced by a new registration")
         KvSubscriber(info.worker_id, stub, handle.kv, self._lock, lambda: handle.dropped or self._stop.is_set(),
@@ -161,8 +164,29 @@ class WorkerRegistry:
 
     def _close(self, handle: WorkerHandle, reason: str) -> None:
         log.warning("dropping worker %s at %s: %s", handle.worker_id, handle.info.address, reason)
-        handle.dropped = True
+        with self._lock:
+            handle.dropped = True
+            watchers, handle.watchers = list(handle.watchers), set()
         handle.channel.close()  # cancels its calls in flight
+        for watcher in watchers:
+            try:
+                watcher()
+            except Exception:
+                log.exception("a watcher of %s failed", handle.worker_id)
+
+    def watch(self, handle: WorkerHandle, on_drop: Callable[[], None]) -> Callable[[], None]:
+        """Call `on_drop()` once if `handle` is dropped (now, if it already is); returns
+        the function that stops watching."""
+        with self._lock:
+            if not handle.dropped:
+                handle.watchers.add(on_drop)
+                return lambda: self._unwatch(handle, on_drop)
+        on_drop()
+        return lambda: None
+
+    def _unwatch(self, handle: WorkerHandle, on_drop: Callable[[], None]) -> None:
+        with self._lock:
+            handle.watchers.discard(on_drop)
 
     def live(self) -> list[WorkerHandle]:
         with self._lock:
@@ -174,16 +198,19 @@ class WorkerRegistry:
 
     # -- choosing (load is booked under the lock, so concurrent picks spread) ---------------
 
-    def acquire_decode(self, block_hashes: Sequence[bytes], exclude: set[str]) -> WorkerHandle | None:
+    def acquire_decode(self, block_hashes: Sequence[bytes], exclude: Collection[WorkerHandle]) -> WorkerHandle | None:
+        """The decode worker for a request, booked; None if every serving one is in
+        `exclude` (handles, not ids: a worker that registered anew is a new handle)."""
         with self._lock:
-            handles = {h.worker_id: h for h in self._serving() if h.can_decode and h.worker_id not in exclude}
+            handles = {h.worker_id: h for h in self._serving() if h.can_decode and h not in exclude}
             chosen = policy.pick_decode([h.load() for h in handles.values()], block_hashes, self.config.block_size)
             return self._book(handles, chosen)
 
     def acquire_prefill(self, block_hashes: Sequence[bytes], exclude: set[str]) -> WorkerHandle | None:
         with self._lock:
             handles = {
-                h.worker_id: h for h in self._serving() if h.can_prefill_remote and h.worker_id not in exclude
+                h.worker_id: h for h in self._serving()
+                if h.can_prefill_remote and h.worker_id not in exclude and not self._queue_full(h)
             }
             loads = [h.load() for h in handles.values()]
             if self.config.prefill_policy == "round_robin":
@@ -194,8 +221,33 @@ class WorkerRegistry:
             return self._book(handles, chosen)
 
     def has_remote_prefill(self) -> bool:
+        return self.no_remote_prefill() is None
+
+    def no_remote_prefill(self) -> str | None:
+        """Why no prefill worker can take a request now (None: one can):
+        "no_prefill_worker" (none registered), "draining" (all leaving),
+        "queue_full" (all at --max-prefill-queue)."""
         with self._lock:
-            return any(h.can_prefill_remote for h in self._serving())
+            senders = [h for h in self._workers.values() if h.can_prefill_remote]
+            serving = [h for h in senders if not h.draining]
+            if not senders:
+                return "no_prefill_worker"
+            if not serving:
+                return "draining"
+            if all(self._queue_full(h) for h in serving):
+                return "queue_full"
+            return None
+
+    def _queue_full(self, handle: WorkerHandle) -> bool:
+        limit = self.config.max_prefill_queue
+        return limit > 0 and handle.inflight + handle.waiting >= limit
+
+    def wait_for_decode(self, exclude: Collection[WorkerHandle], timeout: float) -> bool:
+        """Wait up to `timeout` s for a serving decode (or mixed) worker not in `exclude`
+        (one that joins, or rejoins after a restart); True if there is one."""
+        with self._joined:
+            return self._joined.wait_for(
+                lambda: any(h.can_decode and h not in exclude for h in self._serving()), timeout=max(0.0, timeout))
 
     @staticmethod
     def _book(handles: dict[str, WorkerHandle], chosen: policy.Load | None) -> WorkerHandle | None:

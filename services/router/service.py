@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterator
 
@@ -45,6 +46,31 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self.metrics = metrics
         self.admission = Admission(config.max_concurrent_requests, config.max_queued_requests, config.max_queue_wait)
         self.write_guard = WriteGuard(config.stream_write_timeout, "router", on_cut=metrics.stream_cut_off)
+        self._inflight = 0
+        self._idle = threading.Condition()
+        self._closing = threading.Event()  # draining: admit nothing new
+        self._cut = threading.Event()  # the drain's grace ran out: fail what is left
+
+    def drain(self, grace: float) -> bool:
+        """Admit no new request (UNAVAILABLE), let those in flight finish for up to
+        `grace` seconds, then fail the rest with UNAVAILABLE (at their next message).
+        True when nothing was left to fail."""
+        self._closing.set()
+        give_up = time.monotonic() + grace
+        with self._idle:
+            drained = self._idle.wait_for(lambda: self._inflight == 0, timeout=grace)
+        if not drained:
+            log.warning("router: %d requests left after a %.0fs drain: failing them", self._inflight, grace)
+            self._cut.set()
+            with self._idle:
+                self._idle.wait_for(lambda: self._inflight == 0, timeout=max(1.0, give_up - time.monotonic()))
+        return drained
+
+    def _count(self, delta: int) -> None:
+        with self._idle:
+            self._inflight += delta
+            if self._inflight == 0:
+                self._idle.notify_all()
 
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
         """The request's messages; each write to the client is bounded by
@@ -55,8 +81,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     def _generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
         arrival = time.monotonic()
         self.metrics.request_started()
+        self._count(1)
         acquired = succeeded = False
         try:
+            if self._closing.is_set():
+                context.abort(grpc.StatusCode.UNAVAILABLE, "router: shutting down (draining), admitting no request")
             tenant = self._tenant(context)
             with rpc_errors(context):  # a bad request is refused before it waits for a slot
                 job = self.validator.validate(request, tenant)
@@ -67,6 +96,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             builder = ResponseBuilder(job, self.tokenizer, arrival, self.metrics)
             try:
                 for message in self.dispatcher.run(job, deadline, context, builder.note_cached_tokens):
+                    if self._cut.is_set():
+                        raise RouterError(grpc.StatusCode.UNAVAILABLE, "router: shut down before the request ended")
                     yield from builder.messages(message)
                 succeeded = True
             except ClientGone:
@@ -77,6 +108,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             if acquired:
                 self.admission.release()
             self.metrics.request_ended(None if succeeded else _failure(context))
+            self._count(-1)
 
     def _refuse(self, context: grpc.ServicerContext) -> None:
         """RESOURCE_EXHAUSTED with when to retry, in trailing metadata: `retry-after-ms`

@@ -68,6 +68,8 @@ class WorkerConfig:
     register_timeout: float = flag(60.0, "how long to keep trying to register with the router")
     stream_write_timeout: float = flag(10.0, "decode: cut off a token stream whose reader takes longer than this "
                                              "to accept one message (it stopped reading); its blocks are freed")
+    drain_timeout: float = flag(30.0, "on SIGTERM: leave the router's pools, finish requests in flight for up to "
+                                      "this many seconds, then fail the rest with UNAVAILABLE and exit")
     grpc_threads: int | None = flag(None, "gRPC handler threads, each stream holds one (default: max_num_seqs + 16)")
     log_level: str = flag("INFO", "DEBUG | INFO | WARNING | ERROR")
     credentials: ClusterCredentials = flag(ClusterCredentials(), "the cluster's credentials (internal surface)")
@@ -91,6 +93,7 @@ class WorkerConfig:
         check(self.grpc_threads is None or self.grpc_threads >= 4, "grpc_threads", "must be >= 4", self.grpc_threads)
         for name in ("reservation_timeout", "held_lease", "request_timeout", "register_timeout", "stream_write_timeout"):
             check(getattr(self, name) > 0, name, "must be > 0", getattr(self, name))
+        check(self.drain_timeout >= 0, "drain_timeout", "must be >= 0", self.drain_timeout)
 
     @property
     def cpus(self) -> set[int] | None:

@@ -83,10 +83,10 @@ class EngineLoop:
         return self
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stop the thread; every open request fails with ABORTED and is freed."""
+        """Stop the thread; every open request fails with SHUTDOWN and is freed."""
         if not self._thread.is_alive():
             return
-        self._commands.put(self._fail_all_aborted)
+        self._commands.put(self._fail_all)
         self._stop.set()
         self._thread.join(timeout)
 
@@ -145,13 +145,26 @@ class EngineLoop:
             raise TimeoutError(f"engine loop: no answer within {timeout:.1f}s") from None
 
     def submit(
-        self, request_id: str, prompt: list[int], params: SamplingParams, timeout: float, export_kv: bool = False
+        self, request_id: str, prompt: list[int], params: SamplingParams, timeout: float, export_kv: bool = False,
+        first_token: int | None = None,
     ) -> RequestStream:
-        """Queue a request to run here; its stream. Raises ValueError (bad input)."""
+        """Queue a request to run here; its stream. Raises ValueError (bad input).
+        `first_token`: see LLMEngine.add_request (its stream starts with that token)."""
 
         def add(engine: LLMEngine) -> RequestStream:
-            engine.add_request(request_id, prompt, params, export_kv=export_kv)
-            return self._open(request_id)
+            if request_id in self._streams:
+                raise ValueError(f"request_id: {request_id!r} is already running")
+            stream = self._open(request_id)  # before: a given first token is streamed at once
+            try:
+                outputs = engine.add_request(request_id, prompt, params, export_kv=export_kv, first_token=first_token)
+            except BaseException:
+                self._streams.pop(request_id, None)
+                self._batch.pop(request_id, None)
+                raise
+            for output in outputs or ():
+                self._finished(output)
+            self._flush()
+            return stream
 
         return self._call_or_abort(request_id, add, timeout)
 
@@ -397,9 +410,9 @@ class EngineLoop:
             if now >= drop_at:
                 del self._unclaimed[request_id]
 
-    def _fail_all_aborted(self) -> None:
+    def _fail_all(self) -> None:
         for request_id in list(self._streams) + list(self._held):
-            self._end(request_id, Failure.ABORTED, "worker is shutting down")
+            self._end(request_id, Failure.SHUTDOWN, "worker is shutting down")
 
 
 def _nothing() -> None:

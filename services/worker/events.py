@@ -31,7 +31,8 @@ class FinishedEvent:
 
 
 class Failure(enum.Enum):
-    ABORTED = "aborted"  # abort() / the reader went away / the worker is stopping
+    ABORTED = "aborted"  # abort() / the reader went away
+    SHUTDOWN = "shutdown"  # the worker stopped (its drain grace ran out) before the request ended
     EXPIRED = "expired"  # a reservation's KV did not arrive in time
     TRANSFER = "transfer"  # the KV transfer reported an error
     INTERNAL = "internal"  # the engine raised while stepping

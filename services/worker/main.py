@@ -96,6 +96,7 @@ class Worker:
         is still on its way."""
         if self.registrar is not None:
             self.registrar.leave()
+        self.server.set_not_serving()
         give_up = time.monotonic() + grace
         idle_looks = 0
         while True:
@@ -119,11 +120,13 @@ class Worker:
         return requests + self.servicer.calls_in_flight
 
     def stop(self, grace: float = 2.0) -> None:
+        """Stop at once: requests still open fail with UNAVAILABLE (the engine loop
+        ends them before the server stops, so their streams can say so)."""
         if self.registrar is not None:
             self.registrar.stop()
         self.engine.kv_events.close()  # ends KvEvents streams, which would hold server.stop for its grace
-        self.server.stop(grace)
         self.loop.close()
+        self.server.stop(grace)
         if self.decode is not None:
             self.decode.write_guard.close()
         self.connector.close()
@@ -169,7 +172,8 @@ def prepare(config: WorkerConfig) -> None:
 
 
 def run(config: WorkerConfig) -> int:
-    """Serve until SIGINT/SIGTERM."""
+    """Serve until SIGINT/SIGTERM, then drain (leave the router's pools, finish what is
+    in flight within --drain-timeout) and stop (failing the rest with UNAVAILABLE)."""
     prepare(config)
     stop = shutdown_event()
     worker = Worker(config)
@@ -177,6 +181,7 @@ def run(config: WorkerConfig) -> int:
         address = worker.start()
         announce(config.role, address, config.address_file)
         _serve_until(stop)
+        worker.drain(config.drain_timeout)
     finally:
         worker.stop()
     return 0

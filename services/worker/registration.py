@@ -18,7 +18,6 @@ import grpc
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from pdserve.services.common.credentials import ClusterAuth
-from pdserve.services.common.server import CHANNEL_OPTIONS
 
 log = logging.getLogger(__name__)
 RPC_TIMEOUT = 5.0
@@ -30,7 +29,7 @@ class Registrar:
         self.router = router
         self.info = info
         self.load = load
-        self._channel = (auth or ClusterAuth()).channel(router, CHANNEL_OPTIONS)
+        self._channel = (auth or ClusterAuth()).channel(router)
         self._stub = pb_grpc.RegistryStub(self._channel)
         self._stop = threading.Event()
         self._left = threading.Event()
