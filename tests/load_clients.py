@@ -73,6 +73,9 @@ class LoadConfig:
     # seconds, log-uniform: from before the router dispatches to mid-prefill, mid-transfer, mid-decode
     tiny_deadline: tuple[float, float] = (0.01, 2.0)
     slack: float = 2.0  # a call that outlives its deadline by more is a hang
+    # seconds a client waits (x0.5-1.5, jittered) after UNAVAILABLE or RESOURCE_EXHAUSTED
+    # before its next request, as a real client backs off; 0: at once
+    retry_backoff: float = 0.0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -259,6 +262,8 @@ def run_clients(address: str, cfg: LoadConfig, vocab_size: int, stop: threading.
             record = run_one(client, make_request(cfg, kind, rng, vocab_size, prefixes), index, inflight)
             with lock:
                 records.append(record)
+            if cfg.retry_backoff and record.code in ("UNAVAILABLE", "RESOURCE_EXHAUSTED"):
+                stop.wait(cfg.retry_backoff * rng.uniform(0.5, 1.5))
 
     threads = [threading.Thread(target=loop, args=(i,), name=f"load-{i}", daemon=True) for i in range(cfg.clients)]
     # every call has a deadline: a thread ends at most one deadline (+ slack) after `end`

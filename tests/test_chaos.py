@@ -34,10 +34,11 @@ from pdserve.services.router.client import Client, collect
 
 RECOVERY = 15.0  # seconds after an event by which the cluster must serve normally
 FAST = ["--num-blocks", "512", "--held-lease", "10", "--heartbeat-interval", "0.5", "--worker-timeout", "2",
-        "--stats-interval", "0.5", "--restart-backoff", "0.5", "--drain-timeout", "3", "--max-num-seqs", "64"]
+        "--stats-interval", "0.5", "--restart-backoff", "0.5", "--drain-timeout", "3", "--max-num-seqs", "64",
+        "--grpc-threads", "256"]  # one decode worker can hold every client's stream
 # event name, seconds after the load starts
 EVENTS = (("prefill", 5.0), ("decode", 19.0), ("router", 33.0))
-LOAD = LoadConfig(clients=8, duration=50.0, deadline=40.0, max_tokens=(4, 24), cancel_max_tokens=48)
+LOAD = LoadConfig(clients=200, duration=50.0, deadline=40.0, max_tokens=(4, 24), cancel_max_tokens=48, retry_backoff=0.2)
 
 
 def router_pid(up: UpProcess, worker_pids: set[int]) -> int:
@@ -126,7 +127,8 @@ def test_kill_prefill_decode_and_router_under_load(tmp_path):
         # a decode worker: at most what it was running (plus what started between its Stats and the kill)
         lost = failures(summary, bounds[1], bounds[2])
         late = [r for r in summary.records if chaos.snapshot_at <= r.started < bounds[1]]
-        assert all(r.started < bounds[1] for r in lost), "a request started after the decode worker died failed"
+        assert all(r.started < bounds[1] for r in lost), [f"{r.kind} {r.code} {r.details}" for r in lost
+                                                          if r.started >= bounds[1]]
         assert len(lost) <= chaos.decode_busy + len(late), (len(lost), chaos.decode_busy, len(late))
         # every event: serving normally within RECOVERY s: no request started later fails,
         # until the next event (or the end), and some succeed

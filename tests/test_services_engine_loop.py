@@ -113,6 +113,26 @@ def test_reservation_streams_after_commit_and_expires_without(loop):
     assert all_free(loop)
 
 
+def test_abandoning_a_reservation_fails_it_only_while_its_kv_is_awaited(loop):
+    """The router abandons a reservation whose prefill worker died (Abort with
+    only_reserved): still waiting, it fails as a lost transfer (the router falls back);
+    already committed and decoding, it goes on untouched."""
+    loop.reserve("waiting", PROMPT, GREEDY, lease=30.0, timeout=5)
+    stream = loop.attach("waiting", timeout=5)
+    loop.abandon_reservation("waiting")
+    end = drain(stream, timeout=5)[-1]
+    assert isinstance(end, FailedEvent) and end.failure is Failure.TRANSFER
+
+    loop.reserve("decoding", PROMPT, LONG, lease=30.0, timeout=5)
+    stream = loop.attach("decoding", timeout=5)
+    loop.commit_remote("decoding", first_token=7)
+    first_token(stream)
+    loop.abandon_reservation("decoding")  # too late to matter: its KV is here
+    *tokens, finished = drain(stream, timeout=60)
+    assert isinstance(finished, FinishedEvent) and len(finished.output.outputs[0].token_ids) == LONG.max_tokens
+    assert all_free(loop)
+
+
 def test_a_reservation_that_ends_before_its_stream_is_attached_still_streams(loop):
     """Under load the router's Decode call can reach the worker after the KV was
     committed and the request finished (or failed): the stream, every event in it,

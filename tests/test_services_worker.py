@@ -92,3 +92,35 @@ def test_deadline_on_a_worker_stream_frees_the_request(stubs):
 
     wait_for(free, 10, "the expired request to be freed")
     stubs["decode"].Abort(pb.AbortRequest(request_id="slow"), timeout=5)  # idempotent
+
+
+def test_streams_past_the_call_limit_are_refused_and_control_rpcs_still_answer():
+    """--grpc-threads bounds Reserve/Prefill/Decode calls; one more is RESOURCE_EXHAUSTED
+    at once (the router tries another worker), and Stats, Abort and Drain keep their
+    own threads, so a worker full of streams can still be asked and told."""
+    worker = Worker(WorkerConfig(role="decode", worker_id="full-t", num_blocks=64, grpc_threads=4))
+    channel = grpc.insecure_channel(worker.start())
+    stub = pb_grpc.WorkerStub(channel)
+    long = pb.SamplingOptions(max_tokens=400, temperature=0.0, ignore_eos=True)
+    calls = [stub.Decode(pb.DecodeRequest(request_id=f"s{i}", local_prefill=True, token_ids=PROMPT[:8], sampling=long),
+                         timeout=120) for i in range(4)]
+    try:
+        for call in calls:
+            next(call)  # each stream is being served (holds a thread)
+        code, details = code_of(lambda: stub.Decode(
+            pb.DecodeRequest(request_id="one-more", local_prefill=True, token_ids=PROMPT[:8], sampling=OPTIONS), timeout=10))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "--grpc-threads" in details
+        for _ in range(20):  # more control calls than the work calls' threads
+            assert stub.Stats(pb.StatsRequest(), timeout=5).num_running == 4
+        stub.Abort(pb.AbortRequest(request_id="s0"), timeout=5)
+        with pytest.raises(grpc.RpcError):
+            list(calls[0])
+        # a slot freed: a new stream is served again
+        done = list(stub.Decode(pb.DecodeRequest(request_id="again", local_prefill=True, token_ids=PROMPT[:8],
+                                                 sampling=OPTIONS), timeout=30))
+        assert done[-1].finished
+    finally:
+        for call in calls:
+            call.cancel()
+        channel.close()
+        worker.stop()

@@ -64,7 +64,12 @@ class ClientGone(Exception):
 
 
 class WorkerFailed(Exception):
-    """A worker died or refused in a way another worker may not."""
+    """A worker died or refused in a way another worker may not. `busy`: it refused
+    for want of capacity (RESOURCE_EXHAUSTED), so it is there but full."""
+
+    def __init__(self, message: str, busy: bool = False) -> None:
+        super().__init__(message)
+        self.busy = busy
 
 
 class KVLost(Exception):
@@ -95,6 +100,7 @@ class Dispatcher:
         worker is a pause, not a burst of UNAVAILABLE."""
         tried: list[WorkerHandle] = []
         failures: list[str] = []
+        busy = 0  # attempts refused for want of capacity
         admission = Deadline.after(min(self.config.admission_timeout, deadline.remaining()))
         while len(tried) < self.config.max_attempts:
             decode = self.registry.acquire_decode(job.block_hashes, tried)
@@ -120,6 +126,7 @@ class Dispatcher:
                     message = f"decode worker {decode.worker_id} failed mid-stream: {e}"
                     raise RouterError(grpc.StatusCode.UNAVAILABLE, message) from None
                 failures.append(f"{decode.worker_id}: {e}")
+                busy += e.busy
                 log.warning("request %s: %s; retrying on another worker", job.request_id, e)
                 self.metrics.retry("decode")
                 self.registry.probe_soon()
@@ -128,6 +135,8 @@ class Dispatcher:
         if not context.is_active():
             raise ClientGone()
         detail = "; ".join(failures) if failures else "no decode worker is registered"
+        if busy:  # a worker is up but full (the others tried failed): back off and retry
+            raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the decode workers are full ({detail})")
         raise RouterError(grpc.StatusCode.UNAVAILABLE, f"no decode worker could serve the request ({detail})")
 
     def _on(
@@ -231,7 +240,7 @@ class Dispatcher:
         log.warning("request %s: its prefill worker was dropped before %s decoded; aborting the reservation",
                     rid, decode.worker_id)
         attempt.kv_abandoned = True
-        _abort_quietly(decode, rid)
+        _abort_quietly(decode, rid, only_reserved=True)  # a race with D's commit must not kill a decoding request
 
     def _kv_fallback(
         self, decode: WorkerHandle, job: Job, attempt: _Attempt, deadline: Deadline, context: grpc.ServicerContext,
@@ -343,7 +352,7 @@ class Dispatcher:
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED,
                     grpc.StatusCode.RESOURCE_EXHAUSTED):
             why = "dropped" if worker.dropped else f"{code.name}: {error.details()}"
-            return WorkerFailed(f"worker {worker.worker_id} {why}")
+            return WorkerFailed(f"worker {worker.worker_id} {why}", busy=code == grpc.StatusCode.RESOURCE_EXHAUSTED)
         return RouterError(code, error.details() or code.name)
 
 
@@ -373,9 +382,9 @@ def _kv_lost(error: grpc.RpcError) -> bool:
     return any(key == FAILURE_METADATA and value in KV_FAILURES for key, value in metadata)
 
 
-def _abort_quietly(worker: WorkerHandle, rid: str) -> None:
+def _abort_quietly(worker: WorkerHandle, rid: str, only_reserved: bool = False) -> None:
     """Best effort: the worker also aborts on its own when our stream to it ends."""
     try:
-        worker.stub.Abort(pb.AbortRequest(request_id=rid), timeout=ABORT_TIMEOUT)
+        worker.stub.Abort(pb.AbortRequest(request_id=rid, only_reserved=only_reserved), timeout=ABORT_TIMEOUT)
     except grpc.RpcError:
         pass

@@ -103,6 +103,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             except ClientGone:
                 log.info("request %s: client gone, aborted on the workers", job.request_id)
             except RouterError as e:
+                if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # the workers are full: say when to retry
+                    self._retry_hint(context)
                 context.abort(e.code, e.message)
         finally:
             if acquired:
@@ -113,13 +115,17 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     def _refuse(self, context: grpc.ServicerContext) -> None:
         """RESOURCE_EXHAUSTED with when to retry, in trailing metadata: `retry-after-ms`
         and gRPC's own `grpc-retry-pushback-ms` (honoured by gRPC retry policies)."""
-        ms = str(int(self.admission.retry_after() * 1000))
-        context.set_trailing_metadata(((RETRY_AFTER_KEY, ms), (PUSHBACK_KEY, ms)))
+        ms = self._retry_hint(context)
         cfg = self.config
         context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                       f"router: {cfg.max_concurrent_requests} requests in flight (--max-concurrent-requests) and "
                       f"{cfg.max_queued_requests} waiting (--max-queued-requests, --max-queue-wait "
                       f"{cfg.max_queue_wait:g}s); retry after {ms} ms")
+
+    def _retry_hint(self, context: grpc.ServicerContext) -> str:
+        ms = str(int(self.admission.retry_after() * 1000))
+        context.set_trailing_metadata(((RETRY_AFTER_KEY, ms), (PUSHBACK_KEY, ms)))
+        return ms
 
     def _tenant(self, context: grpc.ServicerContext) -> str | None:
         if not self.config.salt_cache_by_key or self.api_keys is None:

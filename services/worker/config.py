@@ -70,7 +70,9 @@ class WorkerConfig:
                                              "to accept one message (it stopped reading); its blocks are freed")
     drain_timeout: float = flag(30.0, "on SIGTERM: leave the router's pools, finish requests in flight for up to "
                                       "this many seconds, then fail the rest with UNAVAILABLE and exit")
-    grpc_threads: int | None = flag(None, "gRPC handler threads, each stream holds one (default: max_num_seqs + 16)")
+    grpc_threads: int | None = flag(None, "Reserve, Prefill and Decode calls served at once, each holding a thread "
+                                             "(more get RESOURCE_EXHAUSTED; default: 2 * max_num_seqs + 16); "
+                                             "Abort, Stats, Drain and KvEvents have threads of their own")
     log_level: str = flag("INFO", "DEBUG | INFO | WARNING | ERROR")
     credentials: ClusterCredentials = flag(ClusterCredentials(), "the cluster's credentials (internal surface)")
     # Prometheus (services/common/metrics.py)

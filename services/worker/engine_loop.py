@@ -91,6 +91,12 @@ class EngineLoop:
         self._thread.join(timeout)
 
     @property
+    def num_unattached(self) -> int:
+        """Reservations whose Decode call has not come yet (read from any thread: a
+        set's size, at worst one command stale)."""
+        return len(self._unattached)
+
+    @property
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stop.is_set()
 
@@ -212,6 +218,16 @@ class EngineLoop:
     def abort(self, request_id: str) -> None:
         """Stop a request wherever it is and free its blocks (idempotent, asynchronous)."""
         self._commands.put(lambda: self._end(request_id, Failure.ABORTED, "aborted"))
+
+    def abandon_reservation(self, request_id: str) -> None:
+        """A reservation whose KV will not come (its sender is gone): fail it as a lost
+        transfer if it is still waiting; a request whose KV arrived goes on."""
+
+        def abandon() -> None:
+            if request_id in self._reservations:
+                self._end(request_id, Failure.TRANSFER, "the KV's sender is gone")
+
+        self._commands.put(abandon)
 
     def release(self, request_id: str) -> None:
         """Prefill side: the exported KV has been shipped; free the held blocks."""

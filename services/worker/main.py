@@ -34,6 +34,7 @@ from pdserve.services.worker.registration import Registrar
 from pdserve.services.worker.servicer import WorkerServicer
 
 log = logging.getLogger(__name__)
+CONTROL_THREADS = 16  # gRPC threads kept for Abort, Stats, Drain and KvEvents
 DRAIN_SETTLE = 0.2
 
 
@@ -55,9 +56,13 @@ class Worker:
         prefill = PrefillService(self.loop, self.connector.sender, config) if config.role != "decode" else None
         decode = DecodeService(self.loop, self.connector.receiver, config) if config.role != "prefill" else None
         self.decode = decode
-        threads = config.grpc_threads or config.max_num_seqs + 16  # each stream holds one
+        calls = config.grpc_threads or 2 * config.max_num_seqs + 16  # each stream holds a thread
+        # Control RPCs (Abort, Stats, Drain, KvEvents) get threads no stream can take:
+        # the servicer refuses work calls beyond `calls`, so these always find one.
+        threads = calls + CONTROL_THREADS
         self.server = GrpcServer(threads=threads, max_concurrent_rpcs=threads, interceptors=self.auth.interceptors())
-        self.servicer = WorkerServicer(config, self.loop, prefill, decode, self.connector.stats, self.drain)
+        self.servicer = WorkerServicer(config, self.loop, prefill, decode, self.connector.stats, self.drain,
+                                       max_calls=calls)
         pb_grpc.add_WorkerServicer_to_server(self.servicer, self.server.grpc)
         self.registrar: Registrar | None = None
         self.address = ""

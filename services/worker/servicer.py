@@ -37,13 +37,18 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     def __init__(
         self, config: WorkerConfig, loop: EngineLoop, prefill: PrefillService | None, decode: DecodeService | None,
         kv_stats: Callable[[], dict[str, int]] = dict, drain: Callable[[float], tuple[bool, int]] | None = None,
+        max_calls: int | None = None,
     ) -> None:
+        """`max_calls`: Reserve, Prefill and Decode calls served at once; one more is
+        refused with RESOURCE_EXHAUSTED, so that streams can never take the threads
+        that Abort, Stats, Drain and KvEvents need (services/worker/main.py)."""
         self.config = config
         self.loop = loop
         self.prefill_service = prefill
         self.decode_service = decode
         self.kv_stats = kv_stats  # the KV connector's counters (kv_seam.Connector.stats)
         self.drain = drain  # (grace seconds) -> (drained, remaining): the Worker's
+        self.max_calls = max_calls
         self._calls = 0
         self._calls_lock = threading.Lock()
 
@@ -53,9 +58,18 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             return self._calls
 
     @contextmanager
-    def _counted(self) -> Iterator[None]:
+    def _counted(self, context: grpc.ServicerContext, new: bool = True) -> Iterator[None]:
+        """Count a call while it runs. A `new` one (Reserve, Prefill, a Decode that
+        prefills itself) is refused when the calls running plus the reservations still
+        waiting for their Decode call reach `max_calls`; a Decode that attaches to a
+        reservation never is: its slot was taken when the reservation was granted."""
         with self._calls_lock:
-            self._calls += 1
+            full = new and self.max_calls is not None and self._calls + self.loop.num_unattached >= self.max_calls
+            if not full:
+                self._calls += 1
+        if full:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"worker {self.config.id}: {self.max_calls} calls in flight (--grpc-threads)")
         try:
             yield
         finally:
@@ -65,23 +79,28 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     def Reserve(self, request: pb.ReserveRequest, context: grpc.ServicerContext) -> pb.ReserveResponse:
         if self.decode_service is None:
             abort_unimplemented(context, "Reserve", self.config.role)
-        with self._counted():
+        with self._counted(context):
             return self.decode_service.reserve(request, context)
 
     def Prefill(self, request: pb.PrefillRequest, context: grpc.ServicerContext) -> pb.PrefillResponse:
         if self.prefill_service is None:
             abort_unimplemented(context, "Prefill", self.config.role)
-        with self._counted():
+        with self._counted(context):
             return self.prefill_service.prefill(request, context)
 
     def Decode(self, request: pb.DecodeRequest, context: grpc.ServicerContext) -> Iterator[pb.DecodeResponse]:
         if self.decode_service is None:
             abort_unimplemented(context, "Decode", self.config.role)
-        with self._counted():
+        # a Decode that carries the first token continues a request whose KV was lost (the
+        # router's fallback): like an attach, it is no new work
+        with self._counted(context, new=request.local_prefill and not request.HasField("first_token")):
             yield from self.decode_service.decode(request, context)
 
     def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortResponse:
-        self.loop.abort(request.request_id)
+        if request.only_reserved:
+            self.loop.abandon_reservation(request.request_id)
+        else:
+            self.loop.abort(request.request_id)
         return pb.AbortResponse()
 
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:

@@ -297,10 +297,12 @@ class DecodeResponse(_message.Message):
     def __init__(self, deltas: _Optional[_Iterable[_Union[SequenceDelta, _Mapping]]] = ..., finished: _Optional[bool] = ..., results: _Optional[_Iterable[_Union[SequenceResult, _Mapping]]] = ..., num_cached_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptTokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
-    __slots__ = ("request_id",)
+    __slots__ = ("request_id", "only_reserved")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ONLY_RESERVED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+    only_reserved: bool
+    def __init__(self, request_id: _Optional[str] = ..., only_reserved: _Optional[bool] = ...) -> None: ...
 
 class AbortResponse(_message.Message):
     __slots__ = ()
