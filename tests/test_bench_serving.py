@@ -51,7 +51,10 @@ def test_quick_serving_benchmark_report_is_consistent(tmp_path: Path) -> None:
     # the same properties, checked here without the benchmark's own code
     assert summary["num_requests"] == len(requests) == 16 and summary["failed"] == 0
     assert sorted(r["index"] for r in requests) == list(range(16))
-    assert all(r["output_tokens"] == r["requested_tokens"] == 16 == len(r["token_times"]) for r in requests)
+    assert all(r["output_tokens"] == r["requested_tokens"] == 16 for r in requests)
+    # one time per token-carrying message: a worker that fell behind sends several
+    # tokens in one message (seen on a loaded machine), so at most one per token
+    assert all(1 <= len(r["token_times"]) <= r["output_tokens"] for r in requests)
     assert all(r["prompt_tokens"] == r["requested_prompt_tokens"] for r in requests)
     assert summary["output_tokens"] == 16 * 16
     assert summary["good"] <= summary["completed"] and summary["goodput"] <= summary["request_throughput"]
