@@ -69,7 +69,6 @@ import argparse
 import math
 import os
 import random
-import signal
 import statistics
 import sys
 import time
@@ -79,7 +78,8 @@ from dataclasses import asdict, dataclass, replace
 from pdserve.bench.cluster import GPU_MODEL, ClusterConfig, ModelShape, Started, clusters_up, pin_process, say
 from pdserve.bench.metrics import Slo, summarize
 from pdserve.bench.repeat import Ratio, interleaved
-from pdserve.bench.serving import Measured, interrupt_on_sigterm, measure, served_model, table, warm_up, write_json
+from pdserve.bench.entry import compare_main, overridden
+from pdserve.bench.serving import Measured, measure, served_model, table, warm_up, write_json
 from pdserve.bench.workloads import ArrivalConfig, BenchRequest, random_ids, send_times
 from pdserve.services.router.client import Client
 
@@ -357,29 +357,15 @@ def parse_args(argv: Sequence[str] | None) -> tuple[DisaggConfig, argparse.Names
                                                      "max_num_batched_tokens")}
     try:
         given["slo"] = Slo.parse(args.slo) if args.slo else None
-        cfg = replace(base, **{k: v for k, v in given.items() if v is not None})
     except ValueError as e:
         p.error(str(e))
+    cfg = overridden(base, given, p)
     return cfg, args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     cfg, args = parse_args(argv)
-    signal.signal(signal.SIGTERM, interrupt_on_sigterm)
-    start = time.perf_counter()
-    try:
-        last, problems = run(cfg, json_path=args.json_path, plot_path=args.plot_path)
-    except KeyboardInterrupt:
-        print("bench.disagg: interrupted", file=sys.stderr)
-        return 130
-    except (ConnectionError, RuntimeError, OSError, ValueError) as e:  # a cluster that did not start, ...
-        print(f"bench.disagg: {e}", file=sys.stderr)
-        return 1
-    for problem in problems:
-        print(f"INCONSISTENT: {problem}")
-    print(f"benchmark wall time: {time.perf_counter() - start:.0f} s")
-    print(last, flush=True)
-    return 1 if problems else 0
+    return compare_main("bench.disagg", lambda: run(cfg, json_path=args.json_path, plot_path=args.plot_path))
 
 
 if __name__ == "__main__":
