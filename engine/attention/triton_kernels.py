@@ -57,6 +57,43 @@ _NEG_BIG: tl.constexpr = tl.constexpr(-1.0e30)
 
 
 @triton.jit
+def _dot(a, b, IEEE_F32: tl.constexpr):
+    """a @ b; float32 tiles in IEEE precision (TF32 would drift from the reference)."""
+    if IEEE_F32:
+        out = tl.dot(a, b, input_precision="ieee")
+    else:
+        out = tl.dot(a, b)
+    return out
+
+
+@triton.jit
+def _load_rows(ptr, page, slot, kvh, offs_d, stride_b, stride_s, stride_h, stride_d, mask):
+    """K (or V) of one tile's positions, [BLOCK_N, D_PAD]: position i is `slot[i]` of
+    physical block `page[i]` (the index arithmetic in the module docstring)."""
+    off = page[:, None] * stride_b + slot[:, None] * stride_s + kvh * stride_h + offs_d[None, :] * stride_d
+    return tl.load(ptr + off, mask=mask, other=0.0)
+
+
+@triton.jit
+def _fold_tile(s, v, m_i, l_i, acc, IEEE_F32: tl.constexpr):
+    """Online softmax: fold one tile's scores `s` (log2-scaled, masked to -inf) and
+    values `v` into the running row max `m_i`, row sum `l_i` and output `acc`."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE_F32)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _normalized(acc, l_i):
+    """The output rows: acc / l (a row that saw no position, l = 0, stays 0)."""
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    return acc / l_safe[:, None]
+
+
+@triton.jit
 def _paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, out_ptr,
     scale_log2e,
@@ -114,29 +151,13 @@ def _paged_decode_kernel(
         slot = pos % PAGE_SIZE
         kv_mask = valid[:, None] & d_mask[None, :]
 
-        k_off = page[:, None] * stride_kb + slot[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :] * stride_kd
-        k = tl.load(k_ptr + k_off, mask=kv_mask, other=0.0)
-        if IEEE_F32:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
+        k = _load_rows(k_ptr, page, slot, kvh, offs_d, stride_kb, stride_ks, stride_kh, stride_kd, kv_mask)
+        s = _dot(q, tl.trans(k), IEEE_F32)
         s = tl.where(valid[None, :], s * scale_log2e, float("-inf"))
+        v = _load_rows(v_ptr, page, slot, kvh, offs_d, stride_vb, stride_vs, stride_vh, stride_vd, kv_mask)
+        m_i, l_i, acc = _fold_tile(s, v, m_i, l_i, acc, IEEE_F32)
 
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-
-        v_off = page[:, None] * stride_vb + slot[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :] * stride_vd
-        v = tl.load(v_ptr + v_off, mask=kv_mask, other=0.0)
-        if IEEE_F32:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-
-    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    out = acc / l_safe[:, None]
+    out = _normalized(acc, l_i)
     o_off = b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :] * stride_od
     tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
 
@@ -216,34 +237,18 @@ def _paged_prefill_kernel(
         slot = pos % PAGE_SIZE
         kv_mask = kv_valid[:, None] & d_mask[None, :]
 
-        k_off = page[:, None] * stride_kb + slot[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :] * stride_kd
-        k = tl.load(k_ptr + k_off, mask=kv_mask, other=0.0)
-        if IEEE_F32:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
+        k = _load_rows(k_ptr, page, slot, kvh, offs_d, stride_kb, stride_ks, stride_kh, stride_kd, kv_mask)
+        s = _dot(q, tl.trans(k), IEEE_F32)
         # Causal (+ window) mask per (row, column). For valid rows it implies
         # kv_valid; padded rows compute garbage that is never stored.
         mask = pos[None, :] <= q_pos[:, None]
         if SLIDING:
             mask = mask & (pos[None, :] > q_pos[:, None] - window)
         s = tl.where(mask, s * scale_log2e, float("-inf"))
+        v = _load_rows(v_ptr, page, slot, kvh, offs_d, stride_vb, stride_vs, stride_vh, stride_vd, kv_mask)
+        m_i, l_i, acc = _fold_tile(s, v, m_i, l_i, acc, IEEE_F32)
 
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-
-        v_off = page[:, None] * stride_vb + slot[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :] * stride_vd
-        v = tl.load(v_ptr + v_off, mask=kv_mask, other=0.0)
-        if IEEE_F32:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-
-    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    out = acc / l_safe[:, None]
+    out = _normalized(acc, l_i)
     o_off = tok[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :] * stride_od
     tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
