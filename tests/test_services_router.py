@@ -19,6 +19,8 @@ from pdserve.services.common.convert import params_from_options
 from pdserve.services.router import policy
 from pdserve.services.router.client import options_from_kwargs
 from pdserve.services.router.config import RouterConfig
+from pdserve.services.router.pb_records import request_of
+from pdserve.services.router.records import SequenceOutput, Usage
 from pdserve.services.router.responses import ResponseBuilder
 from pdserve.services.router.validate import Limits, Validator
 
@@ -44,17 +46,22 @@ def request(prompt: str | list[int] = "def f():", model: str = "", **sampling) -
     return r
 
 
+def validate(validator: Validator, r: pb.GenerateRequest):
+    """What the gRPC adapter hands the validator."""
+    return validator.validate(request_of(r))
+
+
 # -- validation --------------------------------------------------------------------------------
 
 
 def test_a_valid_request_becomes_a_job(validator, tokenizer):
-    job = validator.validate(request([7] * 40, temperature=0.5, n=2))
+    job = validate(validator, request([7] * 40, temperature=0.5, n=2))
     assert job.prompt == (7,) * 40 and job.params == SamplingParams(temperature=0.5, n=2)
     assert list(job.block_hashes) == hash_blocks([7] * 40, 16) and len(job.block_hashes) == 2
     assert job.request_id == job.worker_request_id
-    text_job = validator.validate(request("def f():"))
+    text_job = validate(validator, request("def f():"))
     assert list(text_job.prompt) == tokenizer.encode("def f():")
-    assert validator.validate(pb.GenerateRequest(request_id="mine", text="a")).request_id == "mine"
+    assert validate(validator, pb.GenerateRequest(request_id="mine", text="a")).request_id == "mine"
     assert text_job.params == SamplingParams()  # unset fields: the engine's defaults
 
 
@@ -80,7 +87,7 @@ def test_a_valid_request_becomes_a_job(validator, tokenizer):
 ])
 def test_bad_requests_name_the_field(validator, req, field):
     with pytest.raises(ValueError) as info:
-        validator.validate(req)
+        validate(validator, req)
     assert str(info.value).startswith(f"{field}:")
 
 
@@ -97,10 +104,10 @@ def test_sampling_options_round_trip():
 
 
 def job_for(validator, prompt, **sampling):
-    return validator.validate(request(prompt, **sampling))
+    return validate(validator, request(prompt, **sampling))
 
 
-def stream(builder: ResponseBuilder, token_ids: list[int], finish: str = "length") -> list[pb.GenerateResponse]:
+def stream(builder: ResponseBuilder, token_ids: list[int], finish: str = "length") -> list[SequenceOutput]:
     """Feed tokens one message at a time, the last with the finished result."""
     out = []
     for i, t in enumerate(token_ids):
@@ -149,7 +156,7 @@ def test_the_last_message_carries_usage_and_timing(validator, tokenizer):
     messages = stream(builder, [300, 301, 302])
     last = messages[-1]
     assert last.finish_reason == "length" and all(not m.finish_reason for m in messages[:-1])
-    assert last.usage == pb.Usage(prompt_tokens=20, completion_tokens=3, cached_tokens=16)
+    assert last.usage == Usage(prompt_tokens=20, completion_tokens=3, cached_tokens=16)
     assert 0 < last.timing.ttft_seconds <= last.timing.e2e_seconds and last.cumulative_logprob == -1.5
 
 
