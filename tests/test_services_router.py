@@ -16,14 +16,16 @@ from pdserve.engine.tokenizer import Tokenizer
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.services.common import flags
 from pdserve.services.common.convert import params_from_options
-from pdserve.services.router import policy
-from pdserve.services.router.client import options_from_kwargs
-from pdserve.services.router.config import RouterConfig
 from pdserve.services.common.deadline import Deadline
 from pdserve.services.common.status import ServeError, Status
+from pdserve.services.router import policy
 from pdserve.services.router.cancel import Cancellation
+from pdserve.services.router.client import options_from_kwargs
+from pdserve.services.router.config import RouterConfig
 from pdserve.services.router.dispatch import Attempt, Path
-from pdserve.services.router.pb_records import SAMPLING_FIELDS, logprob_of, options_of, request_of, response_of, sampling_of
+from pdserve.services.router.pb_records import (
+    SAMPLING_FIELDS, logprob_of, options_of, request_of, response_of, sampling_of,
+)
 from pdserve.services.router.records import Request, Sampling, SequenceOutput, Timing, TokenLogprob, Usage
 from pdserve.services.router.responses import ResponseBuilder
 from pdserve.services.router.validate import Limits, Validator
@@ -373,7 +375,7 @@ def test_every_try_of_a_request_has_a_worker_request_id_of_its_own():
     tries = [Attempt("job", n, path, k).worker_request_id
              for n in range(3) for path in (Path.REMOTE, Path.FALLBACK, Path.KV_LOST) for k in range(3)]
     assert len(set(tries)) == len(tries) == 27 and all(t.startswith("job-") for t in tries)
-    local = [Attempt("job", n).worker_request_id for n in range(3)]  # prefilled on D from the start: no P, no reservation
+    local = [Attempt("job", n).worker_request_id for n in range(3)]  # prefilled on D from the start: never reserved
     assert local == ["job-0", "job-1", "job-2"] == [Attempt("job", n, Path.REMOTE).worker_request_id for n in range(3)]
 
 

@@ -41,6 +41,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import closing
+from typing import Self
 
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.services.common.deadline import Deadline
@@ -100,7 +101,7 @@ class FrontEnd:
             if not self.admission.acquire(deadline.remaining()):
                 raise self._refusal()
         except BaseException as e:
-            self._ended(status_of(e) if isinstance(e, ServeError) else Status.UNKNOWN)
+            self._ended(e.status if isinstance(e, ServeError) else Status.UNKNOWN)
             raise
         return Generation(self, job, deadline, ResponseBuilder(job, self.tokenizer, arrival, self.metrics))
 
@@ -124,11 +125,10 @@ class FrontEnd:
         """The drain's grace ran out: requests still running fail."""
         return self._cut.is_set()
 
-    def retry_hint(self, error: ServeError) -> ServeError:
-        """`error`, with when to retry if it is RESOURCE_EXHAUSTED (the workers full)."""
+    def retry_hint(self, error: ServeError) -> None:
+        """Say when to retry on a RESOURCE_EXHAUSTED `error` (the workers are full)."""
         if error.status is Status.RESOURCE_EXHAUSTED and error.retry_after_s is None:
             error.retry_after_s = self.admission.retry_after()
-        return error
 
     def _refusal(self) -> ServeError:
         retry_after = self.admission.retry_after()
@@ -181,13 +181,13 @@ class Generation:
         self._over = False
         self._outputs = self._run()
 
-    def __iter__(self) -> Generation:
+    def __iter__(self) -> Self:
         return self
 
     def __next__(self) -> SequenceOutput:
         return next(self._outputs)
 
-    def __enter__(self) -> Generation:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -217,7 +217,8 @@ class Generation:
                 log.info("request %s: client gone, aborted on the workers", job.request_id)
                 return
             status = e.status
-            raise front_end.retry_hint(e)
+            front_end.retry_hint(e)
+            raise
         except GeneratorExit:
             status = self._gone()
             raise
