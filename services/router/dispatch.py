@@ -322,6 +322,10 @@ class Dispatcher:
             future = prefill.stub.Prefill.future(request, timeout=deadline.remaining())
             cancel.add_callback(future.cancel)
             return future.result()
+        except grpc.FutureCancelledError:  # by `cancel`: the caller is gone
+            _abort_quietly(prefill, rid)
+            _abort_quietly(decode, rid)
+            raise ServeError(Status.CANCELLED, GONE) from None
         except ValueError:  # "Channel closed": the registry dropped it just now
             if not prefill.dropped:
                 raise

@@ -219,8 +219,12 @@ class Generation:
             status = e.status
             front_end.retry_hint(e)
             raise
-        except GeneratorExit:
+        except GeneratorExit:  # the adapter stopped reading: its caller left
             status = self._gone()
+            raise
+        except BaseException:  # unexpected: UNKNOWN, unless the caller had left anyway
+            if self._cancellation.cancelled:
+                status = self._gone()
             raise
         finally:
             self._end(status)
