@@ -30,7 +30,8 @@ try can never hit the next:
 
     <job>-<attempt>              local prefill, or the first prefill try (remote)
     <job>-<attempt>-p<try>       the try-th prefill worker, with a reservation of its own
-    ...-local                    D prefills after all (no P could take it, or P failed)
+    ...-local                    D prefills after all (no P could take it, P failed, or the
+                                 KV never came before a token)
     ...-kv                       D prefills after the KV was lost past the first token
 
 Errors are the project's (ServeError with a Status); gRPC errors of worker calls
