@@ -106,7 +106,7 @@ def test_a_decode_reader_that_stops_reading_is_cut_off_by_the_worker(cluster):
 
 def test_a_full_admission_queue_refuses_with_a_retry_hint(cluster):
     router, worker, address = cluster
-    admission = router.generation.admission
+    admission = router.front_end.admission
     holder_channel, holder = generate(address, max_tokens=1000, temperature=0.0, ignore_eos=True)
     waiter_channel = refused_channel = None
     try:

@@ -84,6 +84,7 @@ def test_router_cuts_where_the_engine_stops(code_llm):
     """The router's streamed text uses the engine's stop-string code: with min_tokens it
     must not cut at an occurrence the engine skips."""
     from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
+    from pdserve.services.router.pb_records import request_of
     from pdserve.services.router.responses import ResponseBuilder
     from pdserve.services.router.validate import Limits, Validator
 
@@ -91,9 +92,9 @@ def test_router_cuts_where_the_engine_stops(code_llm):
     free = code_llm.generate([prompt], SamplingParams(max_tokens=40, temperature=0.0))[0].outputs[0]
     stop = _early_stop_string(code_llm, prompt, free.token_ids)
     tok = code_llm.tokenizer
-    job = Validator(Limits("m", 4096, 1024, 4, 16), tok).validate(pb.GenerateRequest(
+    job = Validator(Limits("m", 4096, 1024, 4, 16), tok).validate(request_of(pb.GenerateRequest(
         text=prompt, sampling=pb.SamplingOptions(max_tokens=40, temperature=0.0, stop=[stop], min_tokens=8),
-    ))
+    )))
     builder = ResponseBuilder(job, tok, arrival=0.0)
     text = ""
     for token in free.token_ids:

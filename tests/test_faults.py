@@ -33,7 +33,7 @@ import grpc
 import pytest
 import torch
 
-from cluster_helpers import REPO, all_blocks_free, child_env, list_workers, wait_for
+from cluster_helpers import REPO, all_blocks_free, child_env, list_workers, stats, wait_for
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.config import CacheConfig
 from pdserve.engine.engine import EngineConfig, LLMEngine
@@ -112,6 +112,32 @@ def test_a_draining_prefill_pool_prefills_on_the_decode_worker(pd, llm):
         assert fallbacks(router, "draining") == 1
     finally:
         router.registry.register(prefill.info())  # serving again
+
+
+def failed(router: Router, code: str) -> float:
+    labels = dict(model_name=router.config.model_name, role="router", worker="router", code=code)
+    return router.metrics.registry.get_sample_value("pdserve:request_failure_total", labels) or 0.0
+
+
+def test_a_client_gone_during_its_prefill_is_counted_cancelled_and_frees_both_workers(pd):
+    """The client leaves while its Prefill waits on the prefill worker (whose engine
+    thread is held here): the router cancels the Prefill, aborts the reservation on
+    the decode worker and counts the request CANCELLED (not UNKNOWN)."""
+    router, prefill, decode = pd["router"], pd["prefill"], pd["decode"]
+    cancelled, unknown = failed(router, "CANCELLED"), failed(router, "UNKNOWN")
+    gate = threading.Event()
+    stall = threading.Thread(target=lambda: prefill.loop.call(lambda _: gate.wait(60), timeout=60), daemon=True)
+    stall.start()
+    try:
+        call = pd["client"].generate(long_prompt("gone"), max_tokens=8, temperature=0.0)
+        wait_for(lambda: stats(decode.address).num_reserved == 1, 30, "the reservation on the decode worker")
+        call.cancel()
+        wait_for(lambda: failed(router, "CANCELLED") == cancelled + 1, 30, "the router to count the cancel")
+    finally:
+        gate.set()
+        stall.join(60)
+    assert failed(router, "UNKNOWN") == unknown
+    wait_for(lambda: all_blocks_free(prefill.address) and all_blocks_free(decode.address), 30, "every block free")
 
 
 def test_without_a_decode_worker_a_request_waits_for_one_to_join(llm):

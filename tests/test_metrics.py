@@ -35,6 +35,7 @@ from pdserve.services.common.metrics import (
 )
 from pdserve.services.router.client import options_from_kwargs
 from pdserve.services.router.config import RouterConfig
+from pdserve.services.router.pb_records import request_of
 from pdserve.services.router.responses import ResponseBuilder
 from pdserve.services.router.validate import Limits, Validator
 from pdserve.services.worker.config import WorkerConfig
@@ -67,7 +68,7 @@ def validator():
 def job(validator, prompt: list[int], **sampling):
     request = pb.GenerateRequest(sampling=options_from_kwargs(**sampling))
     request.token_ids.ids.extend(prompt)
-    return validator.validate(request)
+    return validator.validate(request_of(request))
 
 
 def delta(index: int, *tokens: int, finish: str = "") -> pb.SequenceDelta:

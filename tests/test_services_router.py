@@ -1,5 +1,5 @@
 """Router pieces without processes: validation, response building, routing policy,
-flags; and the client's option mapping."""
+flags, the front end and its records (with no worker); and the client's option mapping."""
 
 from __future__ import annotations
 
@@ -16,9 +16,17 @@ from pdserve.engine.tokenizer import Tokenizer
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.services.common import flags
 from pdserve.services.common.convert import params_from_options
+from pdserve.services.common.deadline import Deadline
+from pdserve.services.common.status import ServeError, Status
 from pdserve.services.router import policy
+from pdserve.services.router.cancel import Cancellation
 from pdserve.services.router.client import options_from_kwargs
 from pdserve.services.router.config import RouterConfig
+from pdserve.services.router.dispatch import Attempt, Path
+from pdserve.services.router.pb_records import (
+    SAMPLING_FIELDS, logprob_of, options_of, request_of, response_of, sampling_of,
+)
+from pdserve.services.router.records import Request, Sampling, SequenceOutput, Timing, TokenLogprob, Usage
 from pdserve.services.router.responses import ResponseBuilder
 from pdserve.services.router.validate import Limits, Validator
 
@@ -44,17 +52,22 @@ def request(prompt: str | list[int] = "def f():", model: str = "", **sampling) -
     return r
 
 
+def validate(validator: Validator, r: pb.GenerateRequest):
+    """What the gRPC adapter hands the validator."""
+    return validator.validate(request_of(r))
+
+
 # -- validation --------------------------------------------------------------------------------
 
 
 def test_a_valid_request_becomes_a_job(validator, tokenizer):
-    job = validator.validate(request([7] * 40, temperature=0.5, n=2))
+    job = validate(validator, request([7] * 40, temperature=0.5, n=2))
     assert job.prompt == (7,) * 40 and job.params == SamplingParams(temperature=0.5, n=2)
     assert list(job.block_hashes) == hash_blocks([7] * 40, 16) and len(job.block_hashes) == 2
     assert job.request_id == job.worker_request_id
-    text_job = validator.validate(request("def f():"))
+    text_job = validate(validator, request("def f():"))
     assert list(text_job.prompt) == tokenizer.encode("def f():")
-    assert validator.validate(pb.GenerateRequest(request_id="mine", text="a")).request_id == "mine"
+    assert validate(validator, pb.GenerateRequest(request_id="mine", text="a")).request_id == "mine"
     assert text_job.params == SamplingParams()  # unset fields: the engine's defaults
 
 
@@ -80,7 +93,7 @@ def test_a_valid_request_becomes_a_job(validator, tokenizer):
 ])
 def test_bad_requests_name_the_field(validator, req, field):
     with pytest.raises(ValueError) as info:
-        validator.validate(req)
+        validate(validator, req)
     assert str(info.value).startswith(f"{field}:")
 
 
@@ -97,10 +110,10 @@ def test_sampling_options_round_trip():
 
 
 def job_for(validator, prompt, **sampling):
-    return validator.validate(request(prompt, **sampling))
+    return validate(validator, request(prompt, **sampling))
 
 
-def stream(builder: ResponseBuilder, token_ids: list[int], finish: str = "length") -> list[pb.GenerateResponse]:
+def stream(builder: ResponseBuilder, token_ids: list[int], finish: str = "length") -> list[SequenceOutput]:
     """Feed tokens one message at a time, the last with the finished result."""
     out = []
     for i, t in enumerate(token_ids):
@@ -149,7 +162,7 @@ def test_the_last_message_carries_usage_and_timing(validator, tokenizer):
     messages = stream(builder, [300, 301, 302])
     last = messages[-1]
     assert last.finish_reason == "length" and all(not m.finish_reason for m in messages[:-1])
-    assert last.usage == pb.Usage(prompt_tokens=20, completion_tokens=3, cached_tokens=16)
+    assert last.usage == Usage(prompt_tokens=20, completion_tokens=3, cached_tokens=16)
     assert 0 < last.timing.ttft_seconds <= last.timing.e2e_seconds and last.cumulative_logprob == -1.5
 
 
@@ -297,3 +310,154 @@ def test_a_router_without_workers_answers_unavailable_and_lists_its_model():
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
     finally:
         router.stop()
+
+
+# -- the front end and its records ---------------------------------------------------------------
+
+
+def test_every_status_maps_to_the_grpc_code_of_its_name():
+    import grpc
+
+    from pdserve.services.common.errors import GRPC_CODES, status_of_rpc
+
+    assert set(GRPC_CODES) == set(Status)
+    assert all(code.name == status.name for status, code in GRPC_CODES.items())
+    assert all(status_of_rpc(code) is status for status, code in GRPC_CODES.items())
+    assert status_of_rpc(grpc.StatusCode.OK) is Status.UNKNOWN
+
+
+def test_sampling_records_carry_every_proto_field_both_ways():
+    assert set(SAMPLING_FIELDS) == set(pb.SamplingOptions.DESCRIPTOR.fields_by_name)
+    options = options_from_kwargs(max_tokens=5, stop=["\n", "x"], early_stopping="never", seed=3, stop_token_ids=[1, 2],
+                                  temperature=0.0)
+    sampling = sampling_of(options)
+    assert sampling == Sampling(max_tokens=5, stop=("\n", "x"), early_stopping="never", seed=3, stop_token_ids=(1, 2),
+                                temperature=0.0)
+    assert options_of(sampling) == options  # unset fields stay unset: workers apply their own defaults
+    assert not options_of(Sampling()).ListFields()
+    with pytest.raises(ValueError, match="^max_tokens:"):
+        options_of(Sampling(max_tokens=2**40))  # int32 on the wire
+    with pytest.raises(ValueError, match="^temperature:"):
+        options_of(Sampling(temperature="hot"))  # type: ignore[arg-type]
+
+
+def test_requests_and_outputs_cross_the_grpc_adapter_unchanged():
+    r = request([5, 6], model="tiny", max_tokens=3)
+    r.request_id, r.cache_salt = "mine", "salt"
+    assert request_of(r, "Bearer k") == Request(token_ids=(5, 6), sampling=Sampling(max_tokens=3), model="tiny",
+                                                request_id="mine", cache_salt="salt", authorization="Bearer k")
+    assert (request_of(request("")).text, request_of(request("")).token_ids) == ("", None)  # set, but empty
+    assert (request_of(pb.GenerateRequest()).text, request_of(pb.GenerateRequest()).token_ids) == (None, None)
+    output = SequenceOutput(
+        0, "ab", (1, 2), (TokenLogprob(1, -0.5, ((1, -0.5), (3, -1.0))), TokenLogprob(2, -0.1)), "length",
+        Usage(2, 2, 0), Timing(0.1, 0.2, 0.3), -0.6, (TokenLogprob(5, None), TokenLogprob(6, -2.0, ((6, -2.0),))),
+    )
+    message = response_of(output, "mine")
+    assert (message.request_id, message.index, message.text, list(message.token_ids)) == ("mine", 0, "ab", [1, 2])
+    assert tuple(logprob_of(e) for e in message.logprobs) == output.logprobs
+    assert tuple(logprob_of(e) for e in message.prompt_logprobs) == output.prompt_logprobs
+    assert not message.prompt_logprobs[0].HasField("logprob")
+    assert message.usage == pb.Usage(prompt_tokens=2, completion_tokens=2, cached_tokens=0)
+    assert message.timing == pb.Timing(ttft_seconds=0.1, tpot_seconds=0.2, e2e_seconds=0.3)
+    assert (message.finish_reason, message.cumulative_logprob) == ("length", -0.6)
+    running = response_of(SequenceOutput(1, token_ids=(4,)), "mine")
+    assert running.finish_reason == "" and not running.HasField("usage") and not running.HasField("cumulative_logprob")
+
+
+def test_a_request_with_two_prompts_is_refused(validator):
+    with pytest.raises(ValueError, match="^prompt: set text or token_ids, not both"):
+        validator.validate(Request(text="a", token_ids=(1,)))
+
+
+def test_every_try_of_a_request_has_a_worker_request_id_of_its_own():
+    """Within a decode attempt: remote prefill tries (each with its own reservation),
+    then D prefilling after all or after lost KV; across attempts, the number."""
+    tries = [Attempt("job", n, path, k).worker_request_id
+             for n in range(3) for path in (Path.REMOTE, Path.FALLBACK, Path.KV_LOST) for k in range(3)]
+    assert len(set(tries)) == len(tries) == 27 and all(t.startswith("job-") for t in tries)
+    local = [Attempt("job", n).worker_request_id for n in range(3)]  # prefilled on D from the start: never reserved
+    assert local == ["job-0", "job-1", "job-2"] == [Attempt("job", n, Path.REMOTE).worker_request_id for n in range(3)]
+
+
+def test_a_cancellation_runs_each_callback_once_and_late_ones_at_once():
+    calls: list[str] = []
+    token = Cancellation()
+    token.add_callback(lambda: calls.append("call"))
+    token.cancel()
+    token.cancel()
+    assert calls == ["call"] and token.cancelled
+    token.add_callback(lambda: calls.append("late"))
+    assert calls == ["call", "late"]
+    over = Cancellation()
+    over.add_callback(lambda: calls.append("left running"))
+    over.close()
+    assert calls[-1] == "left running" and not over.cancelled
+    over.add_callback(lambda: calls.append("after"))
+    assert calls[-1] == "after"
+
+
+@pytest.fixture
+def router_without_workers():
+    """A router never started: nothing registers, so every request finds no worker."""
+    from pdserve.services.router.main import Router
+
+    router = Router(RouterConfig(port=0, admission_timeout=0.0, max_concurrent_requests=1, max_queued_requests=0))
+    yield router
+    router.stop()
+
+
+def failures(router, code: str) -> float:
+    labels = {"model_name": "pdserve-tiny-code", "role": "router", "worker": "router", "code": code}
+    return router.metrics.registry.get_sample_value("pdserve:request_failure_total", labels) or 0.0
+
+
+def in_flight(router) -> float:
+    labels = {"model_name": "pdserve-tiny-code", "role": "router", "worker": "router"}
+    return router.metrics.registry.get_sample_value("pdserve:num_requests_inflight", labels)
+
+
+def test_the_front_end_refuses_naming_the_field_and_counts_the_status(router_without_workers):
+    router = router_without_workers
+    with pytest.raises(ServeError) as info:
+        router.front_end.generate(Request(token_ids=(1, 10**6)))
+    assert info.value.status is Status.INVALID_ARGUMENT and info.value.message.startswith("token_ids:")
+    assert failures(router, "INVALID_ARGUMENT") == 1 and in_flight(router) == 0
+    stream = router.front_end.generate(Request(text="def f():", sampling=Sampling(max_tokens=2)))
+    with pytest.raises(ServeError) as info:
+        list(stream)
+    assert info.value.status is Status.UNAVAILABLE and "no decode worker" in info.value.message
+    assert stream.status is Status.UNAVAILABLE and failures(router, "UNAVAILABLE") == 1 and in_flight(router) == 0
+
+
+def test_the_front_end_admits_with_a_retry_hint_and_frees_the_slot_on_close(router_without_workers):
+    front_end = router_without_workers.front_end
+    holder = front_end.generate(Request(text="a"))  # the one slot, never read
+    with pytest.raises(ServeError) as info:
+        front_end.generate(Request(text="b"))
+    refused = info.value
+    assert refused.status is Status.RESOURCE_EXHAUSTED and "--max-queued-requests" in refused.message
+    assert refused.retry_after_s == front_end.admission.retry_after() > 0
+    holder.close()  # closed unread: the caller left
+    assert holder.status is Status.CANCELLED and failures(router_without_workers, "CANCELLED") == 1
+    with front_end.generate(Request(text="c")) as again:
+        assert again.request_id
+    assert again.status is Status.CANCELLED
+
+
+def test_a_cancelled_stream_ends_quietly_with_the_callers_status(router_without_workers):
+    front_end = router_without_workers.front_end
+    stream = front_end.generate(Request(text="a"))
+    stream.cancel()
+    assert list(stream) == [] and stream.status is Status.CANCELLED
+    expired = front_end.generate(Request(text="a", deadline=Deadline.after(0.0)))
+    expired.cancel()
+    assert list(expired) == [] and expired.status is Status.DEADLINE_EXCEEDED
+    assert failures(router_without_workers, "DEADLINE_EXCEEDED") == 1
+
+
+def test_a_draining_front_end_admits_nothing(router_without_workers):
+    front_end = router_without_workers.front_end
+    assert front_end.drain(0.0)  # nothing in flight
+    with pytest.raises(ServeError) as info:
+        front_end.generate(Request(text="a"))
+    assert info.value.status is Status.UNAVAILABLE and "draining" in info.value.message

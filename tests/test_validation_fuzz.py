@@ -21,6 +21,7 @@ from pdserve.engine.llm import DEFAULT_MODEL
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.validation import validate_prompt, validate_sampling_params
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
+from pdserve.services.router.pb_records import request_of
 from pdserve.services.router.validate import Limits, Validator
 
 FIELDS = (
@@ -167,7 +168,7 @@ def test_proto_requests_are_refused_naming_a_field_or_become_jobs(validator, kwa
     elif prompt:
         request.token_ids.ids.extend(prompt)
     try:
-        job = validator.validate(request)
+        job = validator.validate(request_of(request))
     except ValueError as e:
         _assert_names_a_field(e, REQUEST_FIELDS)
         return
@@ -194,6 +195,6 @@ def test_request_bytes_parse_then_validate_or_are_refused(validator, raw):
     except DecodeError:
         return
     try:
-        validator.validate(request)
+        validator.validate(request_of(request))
     except ValueError as e:
         _assert_names_a_field(e, REQUEST_FIELDS)

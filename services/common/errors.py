@@ -1,8 +1,8 @@
-"""Engine exceptions -> gRPC status codes, in one place.
+"""The project's statuses (status.py) <-> gRPC status codes, in one table.
 
-    ValueError            INVALID_ARGUMENT   (the message names the field)
-    NoCapacityError       RESOURCE_EXHAUSTED
-    TimeoutError          DEADLINE_EXCEEDED
+    Status.X  <->  grpc.StatusCode.X       (the same canonical names)
+    ValueError -> INVALID_ARGUMENT, NoCapacityError -> RESOURCE_EXHAUSTED,
+    TimeoutError -> DEADLINE_EXCEEDED      (status.status_of)
 """
 
 from __future__ import annotations
@@ -13,21 +13,37 @@ from contextlib import contextmanager
 import grpc
 
 from pdserve.engine.errors import NoCapacityError
+from pdserve.services.common.status import Status, status_of
 
 # Trailing metadata of a worker stream that failed: the worker's events.Failure value
 # ("transfer", "expired", ...), so the router tells a lost KV transfer (it then has
 # the decode worker prefill the prompt) from a worker in trouble.
 FAILURE_METADATA = "pdserve-failure"
 
+GRPC_CODES: dict[Status, grpc.StatusCode] = {
+    Status.CANCELLED: grpc.StatusCode.CANCELLED,
+    Status.UNKNOWN: grpc.StatusCode.UNKNOWN,
+    Status.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+    Status.DEADLINE_EXCEEDED: grpc.StatusCode.DEADLINE_EXCEEDED,
+    Status.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    Status.ALREADY_EXISTS: grpc.StatusCode.ALREADY_EXISTS,
+    Status.PERMISSION_DENIED: grpc.StatusCode.PERMISSION_DENIED,
+    Status.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Status.FAILED_PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
+    Status.ABORTED: grpc.StatusCode.ABORTED,
+    Status.OUT_OF_RANGE: grpc.StatusCode.OUT_OF_RANGE,
+    Status.UNIMPLEMENTED: grpc.StatusCode.UNIMPLEMENTED,
+    Status.INTERNAL: grpc.StatusCode.INTERNAL,
+    Status.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    Status.DATA_LOSS: grpc.StatusCode.DATA_LOSS,
+    Status.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
+}
+STATUSES: dict[grpc.StatusCode, Status] = {code: status for status, code in GRPC_CODES.items()}
 
-def status_of(error: BaseException) -> grpc.StatusCode:
-    if isinstance(error, ValueError):
-        return grpc.StatusCode.INVALID_ARGUMENT
-    if isinstance(error, NoCapacityError):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED
-    if isinstance(error, TimeoutError):
-        return grpc.StatusCode.DEADLINE_EXCEEDED
-    return grpc.StatusCode.INTERNAL
+
+def status_of_rpc(code: grpc.StatusCode) -> Status:
+    """The status of a gRPC code a peer answered (OK has none: UNKNOWN)."""
+    return STATUSES.get(code, Status.UNKNOWN)
 
 
 @contextmanager
@@ -36,7 +52,7 @@ def rpc_errors(context: grpc.ServicerContext) -> Iterator[None]:
     try:
         yield
     except (ValueError, NoCapacityError, TimeoutError) as e:
-        context.abort(status_of(e), str(e))
+        context.abort(GRPC_CODES[status_of(e)], str(e))
 
 
 def abort_unimplemented(context: grpc.ServicerContext, rpc: str, role: str) -> None:

@@ -20,14 +20,27 @@
         else:
             D.Decode(local_prefill=true) -> D's token stream
     A worker failure before any token reached the client: next attempt.
-    After a token: UNAVAILABLE. Client gone or deadline: Abort on the workers.
+    After a token: UNAVAILABLE. Caller gone (its Cancellation fired) or deadline:
+    Abort on the workers.
 
-Every attempt gets its own worker request id, so a late abort of one attempt can
-never hit the next.
+Each try is an `Attempt` record: decode attempt number, prefill try, path. The
+worker request id is derived from it in one place (`Attempt.worker_request_id`),
+distinct for every decode attempt, prefill try and path, so a late abort of one
+try can never hit the next:
+
+    <job>-<attempt>              local prefill, or the first prefill try (remote)
+    <job>-<attempt>-p<try>       the try-th prefill worker, with a reservation of its own
+    ...-local                    D prefills after all (no P could take it, P failed, or the
+                                 KV never came before a token)
+    ...-kv                       D prefills after the KV was lost past the first token
+
+Errors are the project's (ServeError with a Status); gRPC errors of worker calls
+are classified here, where the workers are called.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
@@ -36,9 +49,11 @@ import grpc
 
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.services.common.deadline import Deadline
-from pdserve.services.common.errors import FAILURE_METADATA
+from pdserve.services.common.errors import FAILURE_METADATA, status_of_rpc
 from pdserve.services.common.metrics import RouterMetrics
+from pdserve.services.common.status import ServeError, Status
 from pdserve.services.router import policy
+from pdserve.services.router.cancel import Cancellation
 from pdserve.services.router.config import RouterConfig
 from pdserve.services.router.registry import WorkerHandle, WorkerRegistry
 from pdserve.services.router.validate import Job
@@ -48,19 +63,7 @@ ABORT_TIMEOUT = 1.0
 RESERVE_TIMEOUT = 10.0
 RESERVATION_LEASE = 30.0
 KV_FAILURES = ("transfer", "expired")  # events.Failure values of a lost KV transfer
-
-
-class RouterError(Exception):
-    """End the client's RPC with this status."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-class ClientGone(Exception):
-    """The client cancelled or its deadline passed: nobody to answer."""
+GONE = "the caller went away"  # the message of a request whose caller left (nobody reads it)
 
 
 class WorkerFailed(Exception):
@@ -77,12 +80,36 @@ class KVLost(Exception):
     its reservation expired (D says so in its trailing metadata). D is fine."""
 
 
+class Path(enum.Enum):
+    """How an attempt's prompt reaches its decode worker's cache (the values are the
+    `pdserve:router_prefill_path` labels)."""
+
+    LOCAL = "local"  # D prefills it, chosen up front
+    REMOTE = "remote"  # a prefill worker ships its KV into D's reservation
+    FALLBACK = "fallback"  # D prefills it after all: no P could take it, or the KV never came before a token
+    KV_LOST = "kv"  # D prefills it after the KV was lost past P's first token, continuing from that token
+
+
+_SUFFIX = {Path.LOCAL: "", Path.REMOTE: "", Path.FALLBACK: "-local", Path.KV_LOST: "-kv"}
+
+
 @dataclass
-class _Attempt:
-    worker_request_id: str
+class Attempt:
+    """One decode worker's try at a request, and within it the prefill tries."""
+
+    job_id: str  # the job's worker request id
+    number: int  # the decode attempt: 0, 1, ... < --max-attempts
+    path: Path = Path.LOCAL
+    prefill_try: int = 0  # REMOTE: the prefill worker tried (each with a reservation of its own)
     produced: bool = False  # a token reached the client
     decoded: bool = False  # the decode worker sent a token of its own
     kv_abandoned: bool = False  # its prefill worker died before D had the KV: D's reservation aborted
+
+    @property
+    def worker_request_id(self) -> str:
+        """What the workers see (the module docstring lists the forms)."""
+        prefill = f"-p{self.prefill_try}" if self.prefill_try else ""
+        return f"{self.job_id}-{self.number}{prefill}{_SUFFIX[self.path]}"
 
 
 class Dispatcher:
@@ -92,12 +119,15 @@ class Dispatcher:
         self.metrics = metrics
 
     def run(
-        self, job: Job, deadline: Deadline, context: grpc.ServicerContext, note_cached: Callable[[int], None]
+        self, job: Job, deadline: Deadline, cancel: Cancellation, note_cached: Callable[[int], None]
     ) -> Iterator[pb.DecodeResponse]:
         """Serve `job` on a decode worker, trying another one (at most --max-attempts)
         while no token has reached the client. When none (left) is serving, wait up to
         --admission-timeout (within the deadline) for one to join: a restarted decode
-        worker is a pause, not a burst of UNAVAILABLE."""
+        worker is a pause, not a burst of UNAVAILABLE.
+
+        Every worker call is registered with `cancel` (cancelled when the caller goes
+        or the request ends). Raises ServeError; CANCELLED once `cancel` fired."""
         tried: list[WorkerHandle] = []
         failures: list[str] = []
         busy = 0  # attempts refused for want of capacity
@@ -105,15 +135,15 @@ class Dispatcher:
         while len(tried) < self.config.max_attempts:
             decode = self.registry.acquire_decode(job.block_hashes, tried)
             if decode is None:
-                if self.registry.wait_for_decode(tried, admission.remaining()) and context.is_active():
+                if self.registry.wait_for_decode(tried, admission.remaining()) and not cancel.cancelled:
                     continue
                 break
             self.metrics.worker_chosen(decode.worker_id, decode.role)
-            attempt = _Attempt(f"{job.worker_request_id}-{len(tried)}")
+            attempt = Attempt(job.worker_request_id, len(tried))
             tried.append(decode)
             try:
                 try:
-                    yield from self._on(decode, job, attempt, deadline, context, note_cached)
+                    yield from self._on(decode, job, attempt, deadline, cancel, note_cached)
                     return
                 except ValueError as e:  # "Channel closed": the registry dropped it just now
                     if not decode.dropped:
@@ -124,7 +154,7 @@ class Dispatcher:
                     log.warning("request %s: %s mid-stream; failing it", job.request_id, e)
                     self.registry.probe_soon()
                     message = f"decode worker {decode.worker_id} failed mid-stream: {e}"
-                    raise RouterError(grpc.StatusCode.UNAVAILABLE, message) from None
+                    raise ServeError(Status.UNAVAILABLE, message) from None
                 failures.append(f"{decode.worker_id}: {e}")
                 busy += e.busy
                 log.warning("request %s: %s; retrying on another worker", job.request_id, e)
@@ -132,35 +162,41 @@ class Dispatcher:
                 self.registry.probe_soon()
             finally:
                 self.registry.release(decode)
-        if not context.is_active():
-            raise ClientGone()
+        if cancel.cancelled:
+            raise ServeError(Status.CANCELLED, GONE)
         detail = "; ".join(failures) if failures else "no decode worker is registered"
         if busy:  # a worker is up but full (the others tried failed): back off and retry
-            raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the decode workers are full ({detail})")
-        raise RouterError(grpc.StatusCode.UNAVAILABLE, f"no decode worker could serve the request ({detail})")
+            raise ServeError(Status.RESOURCE_EXHAUSTED, f"the decode workers are full ({detail})")
+        raise ServeError(Status.UNAVAILABLE, f"no decode worker could serve the request ({detail})")
 
     def _on(
-        self, decode: WorkerHandle, job: Job, attempt: _Attempt, deadline: Deadline,
-        context: grpc.ServicerContext, note_cached: Callable[[int], None],
+        self, decode: WorkerHandle, job: Job, attempt: Attempt, deadline: Deadline, cancel: Cancellation,
+        note_cached: Callable[[int], None],
     ) -> Iterator[pb.DecodeResponse]:
-        path = "local"
         if self._wants_remote_prefill(job, decode):
             why = self.registry.no_remote_prefill()
             if why is None:
-                why = yield from self._disaggregated(decode, job, attempt, deadline, context, note_cached)
+                why = yield from self._disaggregated(decode, job, attempt, deadline, cancel, note_cached)
                 if why is None:
                     return
-                attempt.worker_request_id += "-local"
-            path = "fallback"
+            attempt.path = Path.FALLBACK
             self.metrics.local_prefill_fallback(why)
             log.info("request %s: prefilling on decode worker %s (%s)", job.request_id, decode.worker_id, why)
-        self.metrics.prefill_path(path)
+        self.metrics.prefill_path(attempt.path.value)
+        yield from self._local(decode, job, attempt, deadline, cancel)
+
+    def _local(
+        self, decode: WorkerHandle, job: Job, attempt: Attempt, deadline: Deadline, cancel: Cancellation,
+        first: pb.TokenLogprob | None = None,
+    ) -> Iterator[pb.DecodeResponse]:
+        """D prefills the prompt itself; with `first` (P's first token, which the
+        client has), continuing from it instead of sampling another."""
         request = pb.DecodeRequest(
             request_id=attempt.worker_request_id, local_prefill=True, token_ids=job.prompt, sampling=job.options,
-            cache_salt=job.cache_salt,
+            cache_salt=job.cache_salt, first_token=first.token_id if first is not None else None,
         )
         call = decode.stub.Decode(request, timeout=deadline.remaining())
-        yield from self._stream(decode, call, attempt, context, skip_first=False)
+        yield from self._stream(decode, call, attempt, cancel, first)
 
     def _wants_remote_prefill(self, job: Job, decode: WorkerHandle) -> bool:
         """Whether the prompt should cross from a prefill worker (whether one can is
@@ -173,34 +209,36 @@ class Dispatcher:
     # -- the P/D seam ---------------------------------------------------------------------
 
     def _disaggregated(
-        self, decode: WorkerHandle, job: Job, attempt: _Attempt, deadline: Deadline,
-        context: grpc.ServicerContext, note_cached: Callable[[int], None],
+        self, decode: WorkerHandle, job: Job, attempt: Attempt, deadline: Deadline, cancel: Cancellation,
+        note_cached: Callable[[int], None],
     ) -> Generator[pb.DecodeResponse, None, str | None]:
         """Reserve on D, prefill on P into D's blocks, stream D. Returns None when
         served, else why the request should be prefilled on D after all (nothing was
         sent): "prefill_failed" (every prefill worker tried failed), "no_reservation"
-        (D cannot take KV), or what `no_remote_prefill` says.
+        (D cannot take KV), "kv_transfer" (the KV never came, and P sampled no first
+        token), or what `no_remote_prefill` says.
 
         A prefill worker that fails gets no second chance with the same reservation:
         it may have shipped part of the KV, and pages of a dead transfer must never mix
-        with the next one's. So each prefill attempt has a reservation (and worker
+        with the next one's. So each prefill try has a reservation (and worker
         request id) of its own, and the failed one is aborted on D."""
-        base = attempt.worker_request_id
         tried = {decode.worker_id}
+        attempt.path = Path.REMOTE
         for number in range(self.config.max_attempts):
             prefill = self.registry.acquire_prefill(job.block_hashes, tried)
             if prefill is None:  # none (left): prefill on D
                 return "prefill_failed" if number else (self.registry.no_remote_prefill() or "queue_full")
             self.metrics.worker_chosen(prefill.worker_id, prefill.role)
             tried.add(prefill.worker_id)
-            rid = attempt.worker_request_id = base if number == 0 else f"{base}-p{number}"
+            attempt.prefill_try = number
+            rid = attempt.worker_request_id
             try:
-                reservation = self._reserve(decode, job, rid, deadline, context)
+                reservation = self._reserve(decode, job, rid, deadline, cancel)
                 if reservation is None:
                     return "no_reservation"
                 call = decode.stub.Decode(pb.DecodeRequest(request_id=rid), timeout=deadline.remaining())
-                _cancel_with_client(context, call)
-                prefilled = self._prefill(prefill, decode, job, rid, reservation, deadline, context)
+                cancel.add_callback(call.cancel)
+                prefilled = self._prefill(prefill, decode, job, rid, reservation, deadline, cancel)
             finally:
                 self.registry.release(prefill)
             if prefilled is None:  # that prefill worker failed: free D's reservation, next one
@@ -208,7 +246,7 @@ class Dispatcher:
                 _abort_quietly(decode, rid)
                 self.metrics.retry("prefill")
                 continue
-            self.metrics.prefill_path("remote")
+            self.metrics.prefill_path(Path.REMOTE.value)
             note_cached(max(prefilled.num_cached_tokens, reservation.num_cached_tokens))
             first = prefilled.first_token if prefilled.HasField("first_token") else None
             if first is not None:
@@ -219,20 +257,19 @@ class Dispatcher:
             # would wait out the reservation. Abort it instead (if D has sent nothing).
             unwatch = self.registry.watch(prefill, lambda: self._abandon(decode, rid, attempt))
             try:
-                yield from self._stream(decode, call, attempt, context, skip_first=first is not None,
-                                        first_logprob=first.logprob if first is not None else 0.0)
+                yield from self._stream(decode, call, attempt, cancel, first)
             except KVLost as e:
                 attempt.kv_abandoned = False  # what follows is a stream of its own
                 if first is None:  # nothing reached the client: prefill on D as usual
                     return "kv_transfer"
-                yield from self._kv_fallback(decode, job, attempt, deadline, context, first, str(e))
+                yield from self._kv_fallback(decode, job, attempt, deadline, cancel, first, str(e))
             finally:
                 unwatch()
             return None
         return "prefill_failed"
 
     @staticmethod
-    def _abandon(decode: WorkerHandle, rid: str, attempt: _Attempt) -> None:
+    def _abandon(decode: WorkerHandle, rid: str, attempt: Attempt) -> None:
         """The prefill worker of `rid` is gone: if D has not started decoding it, abort
         the reservation (its KV may never complete); the stream then falls back."""
         if attempt.decoded or attempt.worker_request_id != rid:
@@ -243,7 +280,7 @@ class Dispatcher:
         _abort_quietly(decode, rid, only_reserved=True)  # a race with D's commit must not kill a decoding request
 
     def _kv_fallback(
-        self, decode: WorkerHandle, job: Job, attempt: _Attempt, deadline: Deadline, context: grpc.ServicerContext,
+        self, decode: WorkerHandle, job: Job, attempt: Attempt, deadline: Deadline, cancel: Cancellation,
         first: pb.TokenLogprob, why: str,
     ) -> Iterator[pb.DecodeResponse]:
         """The KV never reached D, but the client has the prefill worker's first token:
@@ -252,16 +289,11 @@ class Dispatcher:
         log.warning("request %s: KV transfer to %s failed after the first token (%s); prefilling it there",
                     job.request_id, decode.worker_id, why)
         self.metrics.local_prefill_fallback("kv_transfer")
-        attempt.worker_request_id += "-kv"
-        request = pb.DecodeRequest(
-            request_id=attempt.worker_request_id, local_prefill=True, token_ids=job.prompt, sampling=job.options,
-            cache_salt=job.cache_salt, first_token=first.token_id,
-        )
-        call = decode.stub.Decode(request, timeout=deadline.remaining())
-        yield from self._stream(decode, call, attempt, context, skip_first=True, first_logprob=first.logprob)
+        attempt.path = Path.KV_LOST
+        yield from self._local(decode, job, attempt, deadline, cancel, first)
 
     def _reserve(
-        self, decode: WorkerHandle, job: Job, rid: str, deadline: Deadline, context: grpc.ServicerContext
+        self, decode: WorkerHandle, job: Job, rid: str, deadline: Deadline, cancel: Cancellation
     ) -> pb.ReserveResponse | None:
         request = pb.ReserveRequest(
             request_id=rid, token_ids=job.prompt, sampling=job.options,
@@ -272,33 +304,29 @@ class Dispatcher:
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.FAILED_PRECONDITION:  # no KV receiver after all
                 return None
-            if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and context.is_active():
+            if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and not cancel.cancelled:
                 # No room in D's cache right now: a reservation cannot wait, but D's
                 # scheduler can, so prefill there (queued until running requests free blocks).
                 log.info("request %s: no room to reserve on %s (%s); prefilling there", job.request_id,
                          decode.worker_id, e.details())
                 return None
-            raise self._classify(decode, e, context, rid) from None
+            raise self._classify(decode, e, cancel, rid) from None
 
     def _prefill(
         self, prefill: WorkerHandle, decode: WorkerHandle, job: Job, rid: str, reservation: pb.ReserveResponse,
-        deadline: Deadline, context: grpc.ServicerContext,
+        deadline: Deadline, cancel: Cancellation,
     ) -> pb.PrefillResponse | None:
         """Prefill on `prefill` into D's reservation; None when it failed as a worker may
         (another one may do better)."""
-        request = pb.PrefillRequest(
-            request_id=rid, token_ids=job.prompt, sampling=job.options,
-            target=pb.KVTarget(
-                worker_id=decode.worker_id, kv_endpoint=reservation.kv_endpoint,
-                block_ids=reservation.block_ids, num_cached_tokens=reservation.num_cached_tokens,
-                transfer_target=reservation.transfer_target,
-            ),
-            sample_first_token=job.params.n == 1 and not job.params.use_beam_search, cache_salt=job.cache_salt,
-        )
+        request = prefill_request(job, rid, decode, reservation)
         try:
             future = prefill.stub.Prefill.future(request, timeout=deadline.remaining())
-            _cancel_with_client(context, future)
+            cancel.add_callback(future.cancel)
             return future.result()
+        except grpc.FutureCancelledError:  # by `cancel`: the caller is gone
+            _abort_quietly(prefill, rid)
+            _abort_quietly(decode, rid)
+            raise ServeError(Status.CANCELLED, GONE) from None
         except ValueError:  # "Channel closed": the registry dropped it just now
             if not prefill.dropped:
                 raise
@@ -306,7 +334,7 @@ class Dispatcher:
                         prefill.worker_id)
             return None
         except grpc.RpcError as e:
-            error = self._classify(prefill, e, context, rid)
+            error = self._classify(prefill, e, cancel, rid)
             if not isinstance(error, WorkerFailed):
                 _abort_quietly(decode, rid)
                 raise error from None
@@ -318,13 +346,15 @@ class Dispatcher:
     # -- streams and errors -----------------------------------------------------------------
 
     def _stream(
-        self, worker: WorkerHandle, call: grpc.Call, attempt: _Attempt, context: grpc.ServicerContext, skip_first: bool,
-        first_logprob: float = 0.0,
+        self, worker: WorkerHandle, call: grpc.Call, attempt: Attempt, cancel: Cancellation,
+        first: pb.TokenLogprob | None,
     ) -> Iterator[pb.DecodeResponse]:
-        """Forward D's messages. With `skip_first`, sequence 0's first token came from
-        the prefill worker: D's copy of it is dropped, and its logprob (which D did not
+        """Forward D's messages. With `first`, sequence 0's first token came from the
+        prefill worker: D's copy of it is dropped, and its logprob (which D did not
         compute) is added to the sequence's cumulative logprob."""
-        _cancel_with_client(context, call)
+        cancel.add_callback(call.cancel)
+        skip_first = first is not None
+        first_logprob = first.logprob if first is not None else 0.0
         try:
             for message in call:
                 if skip_first:
@@ -337,29 +367,40 @@ class Dispatcher:
                     attempt.produced = attempt.decoded = True
                 yield message
         except grpc.RpcError as e:
-            if not attempt.decoded and context.is_active() and (_kv_lost(e) or attempt.kv_abandoned):
+            if not attempt.decoded and not cancel.cancelled and (_kv_lost(e) or attempt.kv_abandoned):
                 raise KVLost(e.details() or "") from None
-            raise self._classify(worker, e, context, attempt.worker_request_id) from None
+            raise self._classify(worker, e, cancel, attempt.worker_request_id) from None
 
-    def _classify(self, worker: WorkerHandle, error: grpc.RpcError, context: grpc.ServicerContext, rid: str) -> Exception:
+    def _classify(self, worker: WorkerHandle, error: grpc.RpcError, cancel: Cancellation, rid: str) -> Exception:
+        """A worker call's gRPC error as ours: the caller gone (CANCELLED), a deadline
+        passed, a worker failure another worker may not have (WorkerFailed), or the
+        worker's own status passed on."""
         code = error.code()
-        if not context.is_active():
+        if cancel.cancelled:
             _abort_quietly(worker, rid)
-            return ClientGone()
+            return ServeError(Status.CANCELLED, GONE)
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
             _abort_quietly(worker, rid)
-            return RouterError(code, f"deadline passed ({error.details()})")
+            return ServeError(Status.DEADLINE_EXCEEDED, f"deadline passed ({error.details()})")
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED,
                     grpc.StatusCode.RESOURCE_EXHAUSTED):
             why = "dropped" if worker.dropped else f"{code.name}: {error.details()}"
             return WorkerFailed(f"worker {worker.worker_id} {why}", busy=code == grpc.StatusCode.RESOURCE_EXHAUSTED)
-        return RouterError(code, error.details() or code.name)
+        return ServeError(status_of_rpc(code), error.details() or code.name)
 
 
-def _cancel_with_client(context: grpc.ServicerContext, call: grpc.Future) -> None:
-    """Cancel a worker call when the client's call ends (cancel, deadline, done)."""
-    if not context.add_callback(call.cancel):
-        call.cancel()
+def prefill_request(job: Job, rid: str, decode: WorkerHandle, reservation: pb.ReserveResponse) -> pb.PrefillRequest:
+    """What the prefill worker is asked: the prompt, and where its KV goes (D's
+    reservation, as D described it)."""
+    return pb.PrefillRequest(
+        request_id=rid, token_ids=job.prompt, sampling=job.options,
+        target=pb.KVTarget(
+            worker_id=decode.worker_id, kv_endpoint=reservation.kv_endpoint,
+            block_ids=reservation.block_ids, num_cached_tokens=reservation.num_cached_tokens,
+            transfer_target=reservation.transfer_target,
+        ),
+        sample_first_token=job.params.n == 1 and not job.params.use_beam_search, cache_salt=job.cache_salt,
+    )
 
 
 def _drop_first_token(message: pb.DecodeResponse) -> bool:

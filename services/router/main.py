@@ -1,6 +1,7 @@
 """The router process: two gRPC servers, never one port for both surfaces.
 
-    public   --host:--port                  Generation (+ health, reflection); API keys
+    public   --host:--port                  Generation (+ health, reflection), the gRPC
+                                            adapter over the front end; API keys
                                             (--api-keys-file, reloaded on SIGHUP) and
                                             TLS (--tls-cert/--tls-key) when configured
     internal --internal-host:--internal-port Registry (+ health, reflection); the
@@ -28,6 +29,7 @@ from pdserve.services.common.server import GrpcServer, announce, shutdown_event
 from pdserve.services.router.api_keys import ApiKeys
 from pdserve.services.router.config import RouterConfig
 from pdserve.services.router.dispatch import Dispatcher
+from pdserve.services.router.frontend import FrontEnd
 from pdserve.services.router.registry import WorkerRegistry
 from pdserve.services.router.registry_service import RegistryServicer
 from pdserve.services.router.service import GenerationServicer
@@ -59,7 +61,8 @@ class Router:
         threads = config.max_concurrent_requests + config.max_queued_requests + SPARE_THREADS
         self.server = GrpcServer(threads=threads, max_concurrent_rpcs=2 * threads, interceptors=public_checks)
         dispatcher = Dispatcher(self.registry, config, self.metrics)
-        self.generation = GenerationServicer(config, self.limits, tokenizer, dispatcher, self.metrics, self.api_keys)
+        self.front_end = FrontEnd(config, self.limits, tokenizer, dispatcher, self.metrics, self.api_keys)
+        self.generation = GenerationServicer(self.front_end, config.stream_write_timeout, self.metrics)
         pb_grpc.add_GenerationServicer_to_server(self.generation, self.server.grpc)
         self.internal_server = GrpcServer(threads=INTERNAL_THREADS, interceptors=self.auth.interceptors())
         self.registry_service = RegistryServicer(self.registry, config)
@@ -92,7 +95,7 @@ class Router:
         """Stop admitting (health NOT_SERVING, new calls UNAVAILABLE); finish what is in
         flight within `grace` seconds, then fail the rest with UNAVAILABLE."""
         self.server.set_not_serving()
-        return self.generation.drain(grace)
+        return self.front_end.drain(grace)
 
     def stop(self, grace: float = 2.0) -> None:
         self.server.stop(grace)

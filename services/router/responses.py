@@ -1,4 +1,4 @@
-"""Worker DecodeResponses -> client GenerateResponses: incremental text, timing, usage.
+"""Worker DecodeResponses -> the front end's SequenceOutputs: incremental text, timing, usage.
 
 Text comes from the engine's `SequenceText` per sequence, the implementation the
 engine stops with (a multi-byte character is never split: it waits for its last
@@ -15,12 +15,15 @@ Beam search streams nothing (beams reorder until the end): one message per beam.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 from pdserve.engine.detokenizer import Decoder
 from pdserve.engine.text import SequenceText
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.services.common.metrics import Disabled, RouterMetrics
+from pdserve.services.router.pb_records import logprob_of
+from pdserve.services.router.records import SequenceOutput, Timing, TokenLogprob, Usage
 from pdserve.services.router.validate import Job
 
 
@@ -31,7 +34,7 @@ class _Sequence:
     first_at: float | None = None
     last_at: float | None = None
 
-    def add(self, token_ids: list[int], now: float) -> None:
+    def add(self, token_ids: Sequence[int], now: float) -> None:
         if not token_ids:
             return
         self.first_at = self.first_at or now
@@ -65,33 +68,32 @@ class ResponseBuilder:
     def note_cached_tokens(self, n: int) -> None:
         self.cached_tokens = max(self.cached_tokens, n)
 
-    def messages(self, decode: pb.DecodeResponse) -> list[pb.GenerateResponse]:
-        """The client messages for one worker message, by sequence index."""
+    def messages(self, decode: pb.DecodeResponse) -> list[SequenceOutput]:
+        """The outputs of one worker message, one per sequence index (in order) that
+        gained text or tokens, or finished."""
         now = time.monotonic()
-        out: dict[int, pb.GenerateResponse] = {}
+        out: dict[int, SequenceOutput] = {}
         for delta in decode.deltas:
             seq = self._seq(delta.index)
-            self._add(seq, list(delta.token_ids), now)
-            message = self._message(out, delta.index)
-            message.token_ids.extend(delta.token_ids)
-            message.logprobs.extend(delta.logprobs)
-            message.text += seq.running_text()
+            token_ids = tuple(delta.token_ids)
+            self._add(seq, token_ids, now)
+            _grow(out, delta.index, token_ids, tuple(logprob_of(e) for e in delta.logprobs), seq.running_text())
         self._first_tokens(any(d.token_ids for d in decode.deltas), now)
         if decode.finished:
             self.note_cached_tokens(decode.num_cached_tokens)
             self._first_tokens(any(r.token_ids for r in decode.results), now)
             for result in decode.results:
                 seq = self._seq(result.index)
-                self._add(seq, list(result.token_ids), now)
-                message = self._message(out, result.index)
-                message.token_ids.extend(result.token_ids)
-                self._finish(message, seq, result, now)
+                token_ids = tuple(result.token_ids)
+                self._add(seq, token_ids, now)
+                _grow(out, result.index, token_ids)
+                out[result.index] = self._finish(out[result.index], seq, result, now)
             if decode.prompt_logprobs and 0 in out:
-                out[0].prompt_logprobs.extend(decode.prompt_logprobs)
+                out[0] = replace(out[0], prompt_logprobs=tuple(logprob_of(e) for e in decode.prompt_logprobs))
             self.metrics.request_finished(now - self.arrival)
-        return [out[i] for i in sorted(out) if out[i].token_ids or out[i].text or out[i].finish_reason]
+        return [out[i] for i in sorted(out) if out[i].token_ids or out[i].text or out[i].finished]
 
-    def _add(self, seq: _Sequence, token_ids: list[int], now: float) -> None:
+    def _add(self, seq: _Sequence, token_ids: Sequence[int], now: float) -> None:
         previous = seq.last_at
         seq.add(token_ids, now)
         self.metrics.tokens(len(token_ids), previous, now, self._streamed)
@@ -109,21 +111,23 @@ class ResponseBuilder:
             seq = self._seqs[index] = _Sequence(text)
         return seq
 
-    def _message(self, out: dict[int, pb.GenerateResponse], index: int) -> pb.GenerateResponse:
-        if index not in out:
-            out[index] = pb.GenerateResponse(request_id=self.job.request_id, index=index)
-        return out[index]
-
-    def _finish(self, message: pb.GenerateResponse, seq: _Sequence, result: pb.SequenceResult, now: float) -> None:
-        message.text += seq.final_text()
-        message.finish_reason = result.finish_reason or "abort"
-        message.cumulative_logprob = result.cumulative_logprob
-        message.usage.CopyFrom(pb.Usage(
-            prompt_tokens=len(self.job.prompt), completion_tokens=seq.num_tokens, cached_tokens=self.cached_tokens,
-        ))
+    def _finish(self, output: SequenceOutput, seq: _Sequence, result: pb.SequenceResult, now: float) -> SequenceOutput:
+        reason = result.finish_reason or "abort"
         first = self.first_token_at or seq.first_at or now
         tpot = (seq.last_at - seq.first_at) / (seq.num_tokens - 1) if seq.num_tokens > 1 else 0.0
-        self.metrics.sequence_finished(message.finish_reason, tpot if self._streamed and seq.num_tokens > 1 else None)
-        message.timing.CopyFrom(pb.Timing(
-            ttft_seconds=first - self.arrival, tpot_seconds=tpot, e2e_seconds=now - self.arrival,
-        ))
+        self.metrics.sequence_finished(reason, tpot if self._streamed and seq.num_tokens > 1 else None)
+        return replace(
+            output, text=output.text + seq.final_text(), finish_reason=reason,
+            cumulative_logprob=result.cumulative_logprob,
+            usage=Usage(prompt_tokens=len(self.job.prompt), completion_tokens=seq.num_tokens,
+                        cached_tokens=self.cached_tokens),
+            timing=Timing(ttft_seconds=first - self.arrival, tpot_seconds=tpot, e2e_seconds=now - self.arrival),
+        )
+
+
+def _grow(out: dict[int, SequenceOutput], index: int, token_ids: tuple[int, ...],
+          logprobs: tuple[TokenLogprob, ...] = (), text: str = "") -> None:
+    """Add to sequence `index`'s output of this message."""
+    current = out.get(index) or SequenceOutput(index)
+    out[index] = replace(current, text=current.text + text, token_ids=current.token_ids + token_ids,
+                         logprobs=current.logprobs + logprobs)

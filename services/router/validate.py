@@ -1,4 +1,4 @@
-"""A GenerateRequest -> a `Job` the dispatcher can run, or ValueError naming the field.
+"""A front-end `Request` -> a `Job` the dispatcher can run, or ValueError naming the field.
 
 Every check the engine would make is made here first, so a bad request never
 reaches a worker: model name, prompt (text or ids, non-empty, text within
@@ -25,6 +25,8 @@ from pdserve.engine.tokenizer import Tokenizer
 from pdserve.engine.validation import SamplingLimits, validate_prompt, validate_sampling_params
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.services.common.convert import params_from_options
+from pdserve.services.router.pb_records import options_of
+from pdserve.services.router.records import Request
 
 MAX_REQUEST_ID = 256
 MAX_CACHE_SALT = 256
@@ -68,8 +70,10 @@ class Validator:
         self.limits = limits
         self.tokenizer = tokenizer
 
-    def validate(self, request: pb.GenerateRequest, tenant: str | None = None) -> Job:
-        """The job of a request; `tenant` (an API key's id) goes in front of its salt."""
+    def validate(self, request: Request, tenant: str | None = None) -> Job:
+        """The job of a request; `tenant` (an API key's id) goes in front of its salt.
+        The sampling fields are checked as the workers will read them: the options
+        they are sent, parsed by the function they parse them with."""
         lim = self.limits
         check_field(not request.model or request.model == lim.model_name, "model",
                     f"unknown model; this router serves {lim.model_name!r}", request.model)
@@ -79,22 +83,24 @@ class Validator:
         if len(request.cache_salt) > MAX_CACHE_SALT:
             raise ValueError(f"cache_salt: longer than {MAX_CACHE_SALT} characters")
         salt = request.cache_salt if tenant is None else f"{tenant}/{request.cache_salt}"
-        params = params_from_options(request.sampling, salt)
+        options = options_of(request.sampling)
+        params = params_from_options(options, salt)
         validate_sampling_params(params, SamplingLimits(
             lim.vocab_size, max_n=lim.max_n, max_logprobs=lim.max_logprobs, has_tokenizer=self.tokenizer is not None,
         ))
         validate_prompt(prompt, params, lim.vocab_size, lim.max_model_len, ids_field="token_ids")
         worker_id = uuid.uuid4().hex
         return Job(
-            request.request_id or worker_id, worker_id, tuple(prompt), params, request.sampling,
+            request.request_id or worker_id, worker_id, tuple(prompt), params, options,
             tuple(hash_blocks(prompt, lim.block_size, cache_salt=params.cache_salt)),
         )
 
-    def _prompt(self, request: pb.GenerateRequest) -> list[int]:
-        which = request.WhichOneof("prompt")
-        if which is None:
+    def _prompt(self, request: Request) -> list[int]:
+        if request.text is None and request.token_ids is None:
             raise ValueError("prompt: set text or token_ids")
-        if which == "text":
+        if request.text is not None and request.token_ids is not None:
+            raise ValueError("prompt: set text or token_ids, not both")
+        if request.text is not None:
             if not request.text:
                 raise ValueError("prompt: text must not be empty")
             size = len(request.text.encode("utf-8", "surrogatepass"))
@@ -106,7 +112,7 @@ class Validator:
             if not ids:
                 raise ValueError("prompt: text encodes to no tokens")
             return self._capped(ids)
-        ids = list(request.token_ids.ids)
+        ids = list(request.token_ids)
         if not ids:
             raise ValueError("prompt: token_ids must not be empty")
         return self._capped(ids)

@@ -1,0 +1,91 @@
+"""Between the front end's records (records.py) and pdserve.v1 messages.
+
+    pb.GenerateRequest        -> Request           request_of     (the gRPC adapter)
+    SequenceOutput            -> pb.GenerateResponse response_of  (the gRPC adapter)
+    Sampling                  -> pb.SamplingOptions  options_of   (what workers are sent)
+    pb.TokenLogprob (workers) -> TokenLogprob        logprob_of   (response building)
+
+No policy here: values pass as they are, and the validator checks them. Only a value
+the proto cannot hold (an int32 field given 2**40, a string where a number goes) is
+refused on the way to pb, naming its field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+from pdserve.engine.sampling_params import short_repr
+from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
+from pdserve.services.common.deadline import Deadline
+from pdserve.services.router.records import Request, Sampling, SequenceOutput, TokenLogprob
+
+SAMPLING_FIELDS = tuple(f.name for f in fields(Sampling))
+_REPEATED = ("stop", "stop_token_ids")
+
+
+def sampling_of(options: pb.SamplingOptions) -> Sampling:
+    """The fields a client set (unset ones stay None: the engine's defaults)."""
+    set_fields = {name: getattr(options, name) for name in SAMPLING_FIELDS
+                  if name not in _REPEATED and options.HasField(name)}
+    return Sampling(**set_fields, stop=tuple(options.stop), stop_token_ids=tuple(options.stop_token_ids))
+
+
+def options_of(sampling: Sampling) -> pb.SamplingOptions:
+    """The options as workers get them: only the fields the caller set, so every
+    worker applies the engine's own defaults to the rest. Raises ValueError naming a
+    field whose value the proto cannot hold."""
+    options = pb.SamplingOptions()
+    for name in SAMPLING_FIELDS:
+        value = getattr(sampling, name)
+        try:
+            if name in _REPEATED:
+                getattr(options, name).extend(value)
+            elif value is not None:
+                setattr(options, name, value)
+        except (ValueError, TypeError, OverflowError):
+            raise ValueError(f"{name}: out of range or of the wrong type, got {short_repr(value)}") from None
+    return options
+
+
+def request_of(request: pb.GenerateRequest, authorization: str = "", deadline: Deadline | None = None) -> Request:
+    """A Generate call's request, as the front end takes it."""
+    which = request.WhichOneof("prompt")
+    return Request(
+        text=request.text if which == "text" else None,
+        token_ids=tuple(request.token_ids.ids) if which == "token_ids" else None,
+        sampling=sampling_of(request.sampling), model=request.model, request_id=request.request_id,
+        cache_salt=request.cache_salt, authorization=authorization, deadline=deadline,
+    )
+
+
+def logprob_of(entry: pb.TokenLogprob | pb.PromptTokenLogprob) -> TokenLogprob:
+    """A worker's logprob entry (generated or prompt token)."""
+    present = not isinstance(entry, pb.PromptTokenLogprob) or entry.HasField("logprob")
+    return TokenLogprob(entry.token_id, entry.logprob if present else None,
+                        tuple((t.token_id, t.logprob) for t in entry.top))
+
+
+def _top(entry: TokenLogprob) -> list[pb.TopLogprob]:
+    return [pb.TopLogprob(token_id=t, logprob=lp) for t, lp in entry.top]
+
+
+def response_of(output: SequenceOutput, request_id: str) -> pb.GenerateResponse:
+    """A Generate message (a None logprob leaves its field unset: a prompt's first token)."""
+    message = pb.GenerateResponse(
+        request_id=request_id, index=output.index, text=output.text, token_ids=output.token_ids,
+        logprobs=[pb.TokenLogprob(token_id=e.token_id, logprob=e.logprob, top=_top(e)) for e in output.logprobs],
+        finish_reason=output.finish_reason or "",
+        prompt_logprobs=[pb.PromptTokenLogprob(token_id=e.token_id, logprob=e.logprob, top=_top(e))
+                         for e in output.prompt_logprobs],
+    )
+    if output.usage is not None:
+        u = output.usage
+        message.usage.CopyFrom(pb.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+                                        cached_tokens=u.cached_tokens))
+    if output.timing is not None:
+        t = output.timing
+        message.timing.CopyFrom(pb.Timing(ttft_seconds=t.ttft_seconds, tpot_seconds=t.tpot_seconds,
+                                          e2e_seconds=t.e2e_seconds))
+    if output.cumulative_logprob is not None:
+        message.cumulative_logprob = output.cumulative_logprob
+    return message
