@@ -9,7 +9,7 @@ process, as in tests, never share one) and serves it at `/metrics` over HTTP on
 
 What is recorded where (one call per event, at the place it happens):
 
-    router   GenerationServicer.Generate     request_started / request_ended(code)
+    router   FrontEnd.generate               request_started / request_ended(code)
              ResponseBuilder                 first_token, tokens, sequence_finished,
                                              request_finished
              Dispatcher                      prefill_path, local_prefill_fallback, retry,
