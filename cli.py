@@ -53,17 +53,6 @@ def _worker(args: argparse.Namespace) -> int:
     return run(from_namespace(WorkerConfig, args, role=args.command))
 
 
-def worker_config(argv: list[str]):
-    """The WorkerConfig that `pdserve ROLE ARGV...` runs (what a Ray actor is handed)."""
-    from pdserve.services.common.flags import from_namespace
-    from pdserve.services.worker.config import WorkerConfig
-
-    args = build_parser().parse_args(argv)
-    if args.command not in ("prefill", "decode", "mixed"):
-        raise ValueError(f"role: expected prefill, decode or mixed, got {args.command!r}")
-    return from_namespace(WorkerConfig, args, role=args.command)
-
-
 def _up(args: argparse.Namespace) -> int:
     from pdserve.launch.cluster import ClusterSpec, LaunchConfig, up
     from pdserve.launch.ray_config import RayConfig

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.bench.offline import ModelSpec, save_random_model, temporary_dir
+from pdserve.bench.random_model import ModelSpec, save_random_model, temporary_dir
 from pdserve.engine import SamplingParams
 from pdserve.engine.config import CacheConfig, SchedulerConfig
 from pdserve.engine.engine import EngineConfig, LLMEngine

@@ -30,7 +30,7 @@ import logging
 import torch
 
 from pdserve.engine.beam import BeamSearch
-from pdserve.engine.disagg import LayerHook, layer_callback
+from pdserve.engine.export import LayerHook, layer_callback
 from pdserve.engine.forking import Forker
 from pdserve.engine.group import SequenceGroup
 from pdserve.engine.kv_cache import KVCacheManager

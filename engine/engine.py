@@ -24,7 +24,8 @@ import torch
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.config import EngineConfig, ModelConfig, parse_dtype
 from pdserve.engine.core import EngineCore
-from pdserve.engine.disagg import ExportSlice, LayerHook, NoCapacityError, RemoteKV, Reservation
+from pdserve.engine.disagg import NoCapacityError, RemoteKV, Reservation
+from pdserve.engine.export import ExportSlice, LayerHook
 from pdserve.engine.group import SequenceGroup
 from pdserve.engine.kv_cache import KVCacheManager
 from pdserve.engine.kv_events import KvEventLog
