@@ -71,7 +71,7 @@ def _drain(engine: LLMEngine) -> RunStats:
         for out in engine.step():
             tokens += sum(len(c.token_ids) for c in out.outputs)
         stats = engine.stats()
-        peak = max(peak, stats["num_blocks"] - stats["num_free_blocks"])
+        peak = max(peak, stats.num_blocks - stats.num_free_blocks)
     engine.check_integrity()
     return RunStats(time.perf_counter() - start, peak, tokens)
 
