@@ -69,7 +69,6 @@ import argparse
 import math
 import os
 import random
-import signal
 import statistics
 import sys
 import time
@@ -79,7 +78,7 @@ from dataclasses import asdict, dataclass, replace
 from pdserve.bench.cluster import GPU_MODEL, ClusterConfig, ModelShape, Started, clusters_up, pin_process, say
 from pdserve.bench.metrics import Slo, summarize
 from pdserve.bench.repeat import Ratio, interleaved
-from pdserve.bench.serving import Measured, interrupt_on_sigterm, measure, served_model, table, warm_up, write_json
+from pdserve.bench.serving import Measured, measure, run_to_the_end, served_model, table, warm_up, write_json
 from pdserve.bench.workloads import ArrivalConfig, BenchRequest, random_ids, send_times
 from pdserve.services.router.client import Client
 
@@ -365,21 +364,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[DisaggConfig, argparse.Names
 
 def main(argv: Sequence[str] | None = None) -> int:
     cfg, args = parse_args(argv)
-    signal.signal(signal.SIGTERM, interrupt_on_sigterm)
-    start = time.perf_counter()
-    try:
-        last, problems = run(cfg, json_path=args.json_path, plot_path=args.plot_path)
-    except KeyboardInterrupt:
-        print("bench.disagg: interrupted", file=sys.stderr)
-        return 130
-    except (ConnectionError, RuntimeError, OSError, ValueError) as e:  # a cluster that did not start, ...
-        print(f"bench.disagg: {e}", file=sys.stderr)
-        return 1
-    for problem in problems:
-        print(f"INCONSISTENT: {problem}")
-    print(f"benchmark wall time: {time.perf_counter() - start:.0f} s")
-    print(last, flush=True)
-    return 1 if problems else 0
+    return run_to_the_end("bench.disagg", lambda: run(cfg, json_path=args.json_path, plot_path=args.plot_path))
 
 
 if __name__ == "__main__":

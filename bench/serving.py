@@ -437,6 +437,27 @@ def interrupt_on_sigterm(signum: int, _frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def run_to_the_end(name: str, run: Callable[[], tuple[str, list[str]]]) -> int:
+    """How a cluster benchmark's main ends: `run()` (SIGTERM interrupts it: exit 130; a
+    cluster that did not start: 1), then every inconsistency, the wall time and the
+    machine-readable last line; exit 1 if anything was inconsistent."""
+    signal.signal(signal.SIGTERM, interrupt_on_sigterm)
+    start = time.perf_counter()
+    try:
+        last, problems = run()
+    except KeyboardInterrupt:
+        print(f"{name}: interrupted", file=sys.stderr)
+        return 130
+    except (ConnectionError, RuntimeError, OSError, ValueError) as e:  # a cluster that did not start, ...
+        print(f"{name}: {e}", file=sys.stderr)
+        return 1
+    for problem in problems:
+        print(f"INCONSISTENT: {problem}")
+    print(f"benchmark wall time: {time.perf_counter() - start:.0f} s")
+    print(last, flush=True)
+    return 1 if problems else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -256,7 +256,7 @@ def test_a_killed_router_frees_the_streams_blocks_and_its_restart_serves_again(t
                     pass
             assert cut.value.code() == grpc.StatusCode.UNAVAILABLE, cut.value
         wait_for(lambda: (s := worker.loop.snapshot()).num_free_blocks == s.num_blocks
-                 and s["num_requests_running"] == 0, 10, "the worker to free the orphaned stream's blocks")
+                 and s.num_requests_running == 0, 10, "the worker to free the orphaned stream's blocks")
         procs[0].wait(10)
         address_file.unlink()
         port, internal_port = address.rpartition(":")[2], internal.rpartition(":")[2]
@@ -302,7 +302,7 @@ def test_a_frozen_router_is_noticed_by_keepalive(tmp_path):
         assert noticed < 30, f"the frozen router went unnoticed for {noticed:.0f}s"  # 65 s without ping_timeout_ms
         print(f"the client noticed the frozen router after {noticed:.1f}s")
         wait_for(lambda: (s := worker.loop.snapshot()).num_free_blocks == s.num_blocks
-                 and s["num_requests_running"] == 0, 30, "the worker to end the orphaned stream")
+                 and s.num_requests_running == 0, 30, "the worker to end the orphaned stream")
     finally:
         proc.send_signal(signal.SIGCONT)
         proc.kill()

@@ -31,7 +31,7 @@ from pdserve.engine.engine import EngineConfig, LLMEngine
 from pdserve.engine.hashing import hash_blocks
 from hf_models import build_model
 from pdserve.kvtransfer.connector import DecodeConnector, PrefillConfig, PrefillConnector, TransferTarget, page_runs
-from pdserve.kvtransfer.nccl import TorchDistReceiver, TorchDistSender
+from pdserve.kvtransfer.nccl import TorchDistConfig, TorchDistReceiver, TorchDistSender
 from pdserve.kvtransfer.wire import VERSION, PagesHeader, PageLayout, encode, new_secret, prompt_digest, sign
 from pdserve.kvtransfer.zmq import CurveConfig, ZmqConfig, ZmqReceiver, ZmqSender
 
@@ -628,6 +628,20 @@ def test_decoder_deadline_and_cancel_free_blocks_and_tell_the_sender(tiny_model)
     finally:
         receiver.close()
         prefill.close()
+
+
+def test_nccl_is_the_gloo_transport_on_cuda_memory():
+    """NCCL shares every line with gloo but the backend's name and the KV device: the
+    channel and the point-to-point mover are the same objects (what a CPU can check)."""
+    with pytest.raises(ValueError, match="backend: nccl moves cuda tensors"):
+        TorchDistReceiver(_tiny_kv(), "tcp://127.0.0.1:0", TorchDistConfig(backend="nccl"))
+    gloo, nccl = TorchDistSender(), TorchDistSender(TorchDistConfig(backend="nccl"))
+    try:
+        assert type(gloo.pages) is type(nccl.pages) and gloo.transport == nccl.transport == "torch"
+        assert gloo.pages.via == nccl.pages.via == "p2p"
+    finally:
+        gloo.close()
+        nccl.close()
 
 
 def test_the_transport_module_does_not_shadow_pyzmq():
