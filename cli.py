@@ -53,17 +53,6 @@ def _worker(args: argparse.Namespace) -> int:
     return run(from_namespace(WorkerConfig, args, role=args.command))
 
 
-def worker_config(argv: list[str]):
-    """The WorkerConfig that `pdserve ROLE ARGV...` runs (what a Ray actor is handed)."""
-    from pdserve.services.common.flags import from_namespace
-    from pdserve.services.worker.config import WorkerConfig
-
-    args = build_parser().parse_args(argv)
-    if args.command not in ("prefill", "decode", "mixed"):
-        raise ValueError(f"role: expected prefill, decode or mixed, got {args.command!r}")
-    return from_namespace(WorkerConfig, args, role=args.command)
-
-
 def _up(args: argparse.Namespace) -> int:
     from pdserve.launch.cluster import ClusterSpec, LaunchConfig, up
     from pdserve.launch.ray_config import RayConfig
@@ -168,7 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     from pdserve.services.common.flags import add_flags
     from pdserve.services.common.credentials import KV_CURVE_FIELDS, ClusterCredentials
     from pdserve.services.router.config import RouterConfig
-    from pdserve.services.worker.config import WorkerConfig
+    from pdserve.services.router.pools import POOLS
+    from pdserve.services.worker.config import ROLES, WorkerConfig
 
     parser = argparse.ArgumentParser(
         prog="pdserve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -196,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     router = sub.add_parser("router", help="the router: public Generation API + worker registry")
     add_flags(router, RouterConfig)
     router.set_defaults(func=_router)
-    for role in ("prefill", "decode", "mixed"):
+    for role in ROLES:
         worker = sub.add_parser(role, help=f"a {role} worker")
         add_flags(worker, WorkerConfig)
         worker.set_defaults(func=_worker)
@@ -225,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     # The Registry is internal: the cluster's credentials (`pdserve up --secrets-dir DIR`
     # keeps them: --cluster-token-file DIR/cluster-token).
     add_flags(scale, ClusterCredentials, skip=set(KV_CURVE_FIELDS))
-    for pool in ("prefill", "decode", "mixed"):
+    for pool in POOLS:
         scale.add_argument(f"--{pool}", type=int, default=None, help=f"target number of {pool} workers")
     scale.add_argument("--wait", type=float, default=0.0,
                        help="seconds to wait for the live pools to match (exit 1 if they do not)")

@@ -38,7 +38,7 @@ GPU_MODEL = ModelShape(hidden_size=2048, num_layers=16, num_heads=16, num_kv_hea
 
 
 def save_model(shape: ModelShape, path: Path, seed: int) -> None:
-    from pdserve.bench.offline import ModelSpec, save_random_model  # torch, transformers: only here
+    from pdserve.bench.random_model import ModelSpec, save_random_model  # torch, transformers: only here
 
     save_random_model(ModelSpec(**asdict(shape)), path, seed)
 

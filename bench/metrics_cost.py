@@ -16,14 +16,16 @@ import timeit
 
 from prometheus_client import generate_latest
 
+from pdserve.kvtransfer.stats import KVTransferStats
 from pdserve.services.common.metrics import Disabled, RouterMetrics, WorkerMetrics
+from pdserve.services.common.stats import WorkerStats
 
-ENGINE_STATS = {
-    "num_requests_running": 3, "num_requests_waiting": 0, "kv_cache_usage": 0.3, "num_blocks": 100,
-    "prefix_cache_queries": 5, "prefix_cache_hits": 1, "num_preemptions": 0, "num_requests_held": 0,
-    "num_held_blocks": 0, "num_requests_reserved": 0,
-}
-KV_STATS = {"kv_transfer_bytes": 1, "kv_transfers": 1, "kv_transfer_failures": 0}
+WORKER_STATS = WorkerStats(
+    num_blocks=100, num_free_blocks=70, num_cached_blocks=10, kv_cache_usage=0.3, prefix_cache_queries=5,
+    prefix_cache_hits=1, num_preemptions=0, num_requests_running=3, num_requests_waiting=0, num_requests_held=0,
+    num_held_blocks=0, num_requests_reserved=0,
+)
+KV_STATS = KVTransferStats(kv_transfer_bytes=1, kv_transfers=1, kv_transfer_failures=0)
 
 
 def per_call_us(fn, number: int) -> float:
@@ -36,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     router, worker, off = RouterMetrics("m"), WorkerMetrics("m", "decode", "decode-0"), Disabled()
     router.watch_workers(lambda: ["prefill", "decode"])
-    worker.watch(lambda: ENGINE_STATS, lambda: KV_STATS)
+    worker.watch(lambda: WORKER_STATS, lambda: KV_STATS)
     rows = [
         ("router: a streamed token", lambda m: lambda: m.tokens(1, 1.0, 1.05, True)),
         ("worker: an engine step", lambda m: lambda: m.step(0.01, (8, 8))),

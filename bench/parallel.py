@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.bench.offline import ModelSpec, save_random_model, temporary_dir
+from pdserve.bench.random_model import ModelSpec, save_random_model, temporary_dir
 from pdserve.engine import SamplingParams
 from pdserve.engine.config import CacheConfig, SchedulerConfig
 from pdserve.engine.engine import EngineConfig, LLMEngine
@@ -71,7 +71,7 @@ def _drain(engine: LLMEngine) -> RunStats:
         for out in engine.step():
             tokens += sum(len(c.token_ids) for c in out.outputs)
         stats = engine.stats()
-        peak = max(peak, stats["num_blocks"] - stats["num_free_blocks"])
+        peak = max(peak, stats.num_blocks - stats.num_free_blocks)
     engine.check_integrity()
     return RunStats(time.perf_counter() - start, peak, tokens)
 

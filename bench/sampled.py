@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from pdserve.bench.offline import ModelSpec, save_random_model, temporary_dir
+from pdserve.bench.random_model import ModelSpec, save_random_model, temporary_dir
 from pdserve.engine.config import CacheConfig, SchedulerConfig
 from pdserve.engine.engine import EngineConfig, LLMEngine
 from pdserve.engine.request import Request

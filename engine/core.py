@@ -30,7 +30,7 @@ import logging
 import torch
 
 from pdserve.engine.beam import BeamSearch
-from pdserve.engine.disagg import LayerHook, layer_callback
+from pdserve.engine.export import LayerHook, layer_callback
 from pdserve.engine.forking import Forker
 from pdserve.engine.group import SequenceGroup
 from pdserve.engine.kv_cache import KVCacheManager
@@ -41,11 +41,11 @@ from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.sampling_params import SamplingParams, check_field
 from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.validation import MAX_REQUEST_ID
 
 log = logging.getLogger(__name__)
 
 Scheduled = list[tuple[Request, int]]
-MAX_REQUEST_ID = 256  # characters of a request id (the router's are 32-character uuids plus a suffix)
 NO_ROOM_PREFIX = "kv cache:"  # RequestOutput.error of a request that can never fit the pool
 
 

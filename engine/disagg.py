@@ -3,6 +3,7 @@
     prefill side                                decode side
     add_request(export_kv=True)                 reserve_remote -> Reservation (blocks)
     layer_hook(layer, [ExportSlice]) per layer    ... pages land in the blocks ...
+      (engine/export.py)
     finished: blocks held until release()       commit_remote -> decoding starts
 
 Held blocks (prefill) and reservations (decode) only change through calls: their
@@ -12,14 +13,12 @@ owner (services/worker) keeps the deadlines.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pdserve.engine.errors import NoCapacityError
-from pdserve.engine.kv_cache import KVCacheManager
 from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.request import RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -33,36 +32,6 @@ class Reservation:
     request_id: str
     block_ids: list[int]
     num_cached_tokens: int  # prompt tokens whose KV this worker already holds (whole blocks)
-
-
-@dataclass(frozen=True)
-class ExportSlice:
-    """Prefill side: KV of tokens [start, end) of an exported request was just written."""
-
-    request_id: str
-    start: int
-    end: int
-    block_ids: list[int]
-
-
-LayerHook = Callable[[int, list[ExportSlice]], None]
-
-
-def layer_callback(
-    hook: LayerHook | None, scheduled: list[tuple[Request, int]], kv: KVCacheManager
-) -> Callable[[int], None] | None:
-    """What the forward pass calls after each layer: the hook, told which exported
-    tokens that layer has written (None when nothing in the batch is exported)."""
-    if hook is None:
-        return None
-    slices = [
-        ExportSlice(r.request_id, r.num_computed_tokens, r.num_computed_tokens + n, kv.block_ids(r.request_id))
-        for r, n in scheduled
-        if r.export_kv
-    ]
-    if not slices:
-        return None
-    return lambda layer: hook(layer, slices)
 
 
 class RemoteKV:

@@ -24,7 +24,8 @@ import torch
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.config import EngineConfig, ModelConfig, parse_dtype
 from pdserve.engine.core import EngineCore
-from pdserve.engine.disagg import ExportSlice, LayerHook, NoCapacityError, RemoteKV, Reservation
+from pdserve.engine.disagg import NoCapacityError, RemoteKV, Reservation
+from pdserve.engine.export import ExportSlice, LayerHook
 from pdserve.engine.group import SequenceGroup
 from pdserve.engine.kv_cache import KVCacheManager
 from pdserve.engine.kv_events import KvEventLog
@@ -35,6 +36,7 @@ from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.stats import EngineStats
 from pdserve.engine.tokenizer import Tokenizer, has_tokenizer
 from pdserve.engine.validation import SamplingLimits, validate_prompt, validate_sampling_params
 
@@ -204,20 +206,20 @@ class LLMEngine:
 
     # -- introspection ------------------------------------------------------------------
 
-    def stats(self) -> dict[str, int | float]:
-        return {
-            "num_blocks": self.pool.num_blocks,
-            "num_free_blocks": self.pool.num_free_blocks,
-            "num_cached_blocks": self.pool.num_cached_blocks,
-            "kv_cache_usage": self.pool.usage(),
-            "prefix_cache_queries": self.kv.prefix_cache_queries,
-            "prefix_cache_hits": self.kv.prefix_cache_hits,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "num_requests_running": len(self.scheduler.running),
-            "num_requests_waiting": len(self.scheduler.waiting),
-            "num_requests_held": len(self.core.held),
-            "num_held_blocks": sum(len(self.kv.req_blocks.get(rid, ())) for rid in self.core.held),
-        }
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_blocks=self.pool.num_blocks,
+            num_free_blocks=self.pool.num_free_blocks,
+            num_cached_blocks=self.pool.num_cached_blocks,
+            kv_cache_usage=self.pool.usage(),
+            prefix_cache_queries=self.kv.prefix_cache_queries,
+            prefix_cache_hits=self.kv.prefix_cache_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_requests_running=len(self.scheduler.running),
+            num_requests_waiting=len(self.scheduler.waiting),
+            num_requests_held=len(self.core.held),
+            num_held_blocks=sum(len(self.kv.req_blocks.get(rid, ())) for rid in self.core.held),
+        )
 
     @property
     def last_batch(self) -> tuple[int, int]:

@@ -9,6 +9,7 @@ from pdserve.engine.config import DEFAULT_MAX_LOGPROBS, DEFAULT_MODEL, CacheConf
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.stats import EngineStats
 from pdserve.engine.tokenizer import Tokenizer
 
 
@@ -84,7 +85,7 @@ class LLM:
                 self.engine.abort(request_id)
         return [r for r in results if r is not None]
 
-    def stats(self) -> dict[str, int | float]:
+    def stats(self) -> EngineStats:
         return self.engine.stats()
 
     def check_integrity(self) -> None:

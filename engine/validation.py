@@ -18,6 +18,9 @@ from dataclasses import dataclass
 from pdserve.engine.config import DEFAULT_MAX_LOGPROBS
 from pdserve.engine.sampling_params import SamplingParams, check_field
 
+# Characters of a request id, wherever one is named: a client's at the router, a worker's
+# in the engine, a transfer's on the KV wire.
+MAX_REQUEST_ID = 256
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64

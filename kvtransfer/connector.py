@@ -337,7 +337,7 @@ class DecodeConnector:
         """`poll`, then one engine step if any request can run."""
         update = self.poll()
         stats = self.engine.stats()
-        if stats["num_requests_running"] or stats["num_requests_waiting"]:
+        if stats.num_requests_running or stats.num_requests_waiting:
             update.outputs.extend(self.engine.step())
         return update
 

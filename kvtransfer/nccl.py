@@ -1,6 +1,8 @@
 """torch.distributed point-to-point transport for KV pages (NCCL on GPUs, gloo on CPUs).
 
-Same contract as the ZeroMQ transport; only the page bytes take another road:
+The ZeroMQ control channel (kvtransfer/channel.py: headers, acks, CURVE) composed with
+a point-to-point page mover; the same contract as the ZeroMQ transport, only the page
+bytes take another road:
 
     sender                                         receiver
     DEALER --hello(pair)-------------------------> ROUTER     (once per receiver)
@@ -37,7 +39,6 @@ import hmac
 import logging
 import socket
 import threading
-import time
 import uuid
 from collections import deque
 from collections.abc import Sequence
@@ -46,24 +47,23 @@ from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
-import zmq
 
+from pdserve.kvtransfer.channel import ReceiverChannel, Reply, SenderChannel, ZmqConfig
 from pdserve.kvtransfer.wire import (
     AckHeader,
+    FrameSource,
     Header,
     HelloHeader,
+    Inbox,
     Outgoing,
-    PagesHandler,
-    PagesHeader,
     PageLayout,
+    PagesHeader,
     TransferError,
     WelcomeHeader,
     WireError,
-    decode,
     encode,
-    fill_frames,
 )
-from pdserve.kvtransfer.zmq import ZmqConfig, ZmqReceiver, ZmqSender, SocketFrames
+from pdserve.kvtransfer.zmq import FramePageReceiver
 
 log = logging.getLogger(__name__)
 STORE_PREFIX = "pdserve-kv"
@@ -249,90 +249,87 @@ class _Pair:
                 pass
 
 
-class TorchDistReceiver(ZmqReceiver):
-    """Decode side: headers over ZeroMQ, page runs received by torch.distributed straight
-    into the reserved blocks (on the KV tensor's device). Also accepts frame pages."""
+def _check_device(kv_cache: torch.Tensor, backend: str) -> None:
+    expected = "cuda" if backend == "nccl" else "cpu"
+    if kv_cache.device.type != expected:
+        raise ValueError(f"backend: {backend} moves {expected} tensors, the KV cache is on {kv_cache.device}")
 
+
+class P2PPageReceiver:
+    """Page runs received by torch.distributed straight into the reserved blocks (on
+    the KV tensor's device), from a pair made when its sender says hello; frame pages
+    are taken as the ZeroMQ transport takes them."""
+
+    transport = "torch"
     host_buffers = False
 
-    def __init__(self, kv_cache: torch.Tensor, bind: str, config: TorchDistConfig = TorchDistConfig()) -> None:
-        super().__init__(kv_cache, bind, config.zmq)
-        expected = "cuda" if config.backend == "nccl" else "cpu"
-        if kv_cache.device.type != expected:
-            raise ValueError(f"backend: {config.backend} moves {expected} tensors, the KV cache is on {kv_cache.device}")
-        self.dist_config = config
+    def __init__(self, config: TorchDistConfig) -> None:
+        self.config = config
+        self.frames = FramePageReceiver()
+        self._inbox: Inbox | None = None
         self._pairs: dict[bytes, _Pair] = {}
         self._store: dist.TCPStore | None = None
         self._store_host = ""
 
-    @property
-    def transport(self) -> str:
-        return "torch"
-
-    def _on_start(self) -> None:
-        host = self.dist_config.store_host or _tcp_host(self.endpoint)
+    def start(self, channel: ReceiverChannel) -> None:
+        self.frames.start(channel)
+        self._inbox = channel.inbox
+        host = self.config.store_host or _tcp_host(channel.endpoint)
         if host is None:
             raise ValueError("store_host: required when the control endpoint is not tcp://")
         self._store_host = host
-        self._store = listening_store(host, self.dist_config.timeout)
+        self._store = listening_store(host, self.config.timeout)
 
-    def _on_stop(self) -> None:
+    def stop(self) -> None:
         for pair in self._pairs.values():
             pair.close()
         self._pairs.clear()
         self._store = None
 
-    def _on_control(self, sock: zmq.Socket, identity: bytes, header: Header) -> None:
+    def control(self, peer: bytes, header: Header, reply: Reply) -> None:
         if not isinstance(header, HelloHeader):
-            super()._on_control(sock, identity, header)
+            self.frames.control(peer, header, reply)
             return
-        old = self._pairs.pop(identity, None)
+        old = self._pairs.pop(peer, None)
         if old is not None:
             old.close()
         pair = _Pair(header.pair)
-        self._pairs[identity] = pair
-        welcome = WelcomeHeader(header.pair, self._store_host, self._store.port, SENDER_RANK)
-        sock.send_multipart([identity, encode(welcome)], zmq.NOBLOCK)
-        local = self.dist_config.local_host or self._store_host
-        make = lambda: make_pair_group(self.dist_config, self._store, header.pair, RECEIVER_RANK, local)  # noqa: E731
+        self._pairs[peer] = pair
+        reply(WelcomeHeader(header.pair, self._store_host, self._store.port, SENDER_RANK))
+        local = self.config.local_host or self._store_host
+        make = lambda: make_pair_group(self.config, self._store, header.pair, RECEIVER_RANK, local)  # noqa: E731
         threading.Thread(target=pair.build, args=(make,), name="kv-pair", daemon=True).start()
 
-    def _pages_handler(self, sock: zmq.Socket, identity: bytes) -> PagesHandler | None:
-        src = SocketFrames(sock)
+    def take(self, h: PagesHeader, peer: bytes, src: FrameSource) -> None:
+        if h.via == "frames":
+            self.frames.take(h, peer, src)
+        else:
+            self._receive_p2p(peer, h, src.more())
 
-        def take(h: PagesHeader) -> None:
-            if h.via == "frames":
-                with self.inbox.pages(h, identity, host=True) as landings:
-                    fill_frames(src, landings)
-            else:
-                self._receive_p2p(identity, h, src.more())
-
-        return take
-
-    def _receive_p2p(self, identity: bytes, h: PagesHeader, has_frames: bool) -> None:
-        pair = self._pairs.get(identity)
+    def _receive_p2p(self, peer: bytes, h: PagesHeader, has_frames: bool) -> None:
+        pair = self._pairs.get(peer)
         if pair is None:
             raise WireError("not_paired", "p2p pages from a sender that never said hello")
         consumed = 0
         try:
-            with self.inbox.pages(h, identity, host=False) as landings:
+            with self._inbox.pages(h, peer, host=False) as landings:
                 if has_frames:
                     raise WireError("extra_frames", "p2p pages carry no frames")
                 for landing in landings:
                     self._recv(pair, landing.tensor)
                     consumed += 1
         except WireError:
-            self._discard(identity, pair, h, consumed)
+            self._discard(peer, pair, h, consumed)
             raise
         except TransferError as exc:
-            self._drop(identity)
-            self.inbox.fail_peer(identity, f"sender connection lost: {exc}", h.request_id)
+            self._drop(peer)
+            self._inbox.fail_peer(peer, f"sender connection lost: {exc}", h.request_id)
             raise
 
     def _recv(self, pair: _Pair, tensor: torch.Tensor) -> None:
-        group = pair.wait(self.dist_config.timeout_s)
+        group = pair.wait(self.config.timeout_s)
         try:
-            group.recv([_as_wire_tensor(tensor)], SENDER_RANK, pair.next_tag()).wait(self.dist_config.timeout)
+            group.recv([_as_wire_tensor(tensor)], SENDER_RANK, pair.next_tag()).wait(self.config.timeout)
             if tensor.device.type == "cuda":
                 torch.cuda.synchronize(tensor.device)
         except TransferError:
@@ -340,51 +337,62 @@ class TorchDistReceiver(ZmqReceiver):
         except Exception as exc:  # gloo/NCCL errors: peer gone, timeout
             raise TransferError(f"pair {pair.pair_id}: recv failed: {exc}") from exc
 
-    def _discard(self, identity: bytes, pair: _Pair, h: PagesHeader, consumed: int) -> None:
+    def _discard(self, peer: bytes, pair: _Pair, h: PagesHeader, consumed: int) -> None:
         """Receive and drop the runs of a rejected header, keeping the tags in step."""
         rest = h.nbytes[consumed:]
-        if sum(rest) > self.dist_config.max_discard_bytes:
-            self._drop(identity)
+        if sum(rest) > self.config.max_discard_bytes:
+            self._drop(peer)
             return
-        device = self.inbox.kv.device
+        device = self._inbox.kv.device
         try:
             for nbytes in rest:
                 self._recv(pair, torch.empty(nbytes, dtype=torch.uint8, device=device))
         except TransferError:
-            self._drop(identity)
+            self._drop(peer)
 
-    def _drop(self, identity: bytes) -> None:
-        pair = self._pairs.pop(identity, None)
+    def _drop(self, peer: bytes) -> None:
+        pair = self._pairs.pop(peer, None)
         if pair is not None:
             pair.close()
 
 
-class TorchDistSender(ZmqSender):
-    """Prefill side: pairs with each receiver on first use (a blocking handshake of at
-    most `timeout_s`, once per receiver), then sends runs with `send`, asynchronously.
-    Engine thread only."""
+class P2PPageSender:
+    """Pairs with each receiver on first use (a blocking handshake of at most
+    `timeout_s`, once per receiver), then sends runs with `send`, asynchronously."""
 
-    _via = "p2p"
+    transport = "torch"
+    via = "p2p"
 
-    def __init__(self, config: TorchDistConfig = TorchDistConfig()) -> None:
-        super().__init__(config.zmq)
-        self.dist_config = config
+    def __init__(self, config: TorchDistConfig) -> None:
+        self.config = config
         self._pairs: dict[str, _Pair] = {}
         self._works: deque[tuple[str, str, object]] = deque()  # (endpoint, request id, work)
 
-    @property
-    def transport(self) -> str:
-        return "torch"
+    def connect(self, channel: SenderChannel, out: Outgoing) -> None:
+        if out.endpoint not in self._pairs:
+            self._pairs[out.endpoint] = self._handshake(channel, out)
 
-    def open(self, request_id: str, endpoint: str, server_key: bytes | None = None, *, secret: bytes) -> Outgoing:
-        out = super().open(request_id, endpoint, server_key, secret=secret)
-        if endpoint not in self._pairs:
-            self._pairs[endpoint] = self._handshake(out)
-        return out
+    def payloads(self, runs: Sequence[tuple[int, torch.Tensor]], layout: PageLayout) -> tuple[list[tuple[int, int]], list]:
+        """One tensor per run, whole: `recv` writes it straight into the reserved blocks."""
+        return [(first, pages.shape[0]) for first, pages in runs], [pages for _, pages in runs]
 
-    def poll(self, timeout_s: float = 0.0) -> list[AckHeader]:
-        """Acks, plus a failed ack for each request whose page send failed."""
-        acks = super().poll(timeout_s)
+    def send(self, channel: SenderChannel, out: Outgoing, header: bytes, tensors: list[torch.Tensor]) -> None:
+        pair = self._pairs.get(out.endpoint)
+        if pair is None:
+            raise TransferError(f"{out.endpoint}: not paired")
+        channel.send(out, [header])
+        group = pair.wait(0)
+        for t in tensors:
+            try:
+                work = group.send([_as_wire_tensor(t)], RECEIVER_RANK, pair.next_tag())
+            except Exception as exc:
+                self._drop(out.endpoint)
+                raise TransferError(f"{out.endpoint}: p2p send failed: {exc}") from exc
+            self._works.append((out.endpoint, out.request_id, work))
+
+    def poll(self) -> list[AckHeader]:
+        """A failed ack for each request whose page send failed."""
+        acks = []
         while self._works and self._works[0][2].is_completed():
             endpoint, request_id, work = self._works.popleft()
             try:
@@ -396,61 +404,45 @@ class TorchDistSender(ZmqSender):
 
     def forget(self, endpoint: str) -> None:
         self._drop(endpoint)
-        super().forget(endpoint)
 
     def close(self) -> None:
         for endpoint in list(self._pairs):
             self._drop(endpoint)
-        super().close()
 
     def _drop(self, endpoint: str) -> None:
         pair = self._pairs.pop(endpoint, None)
         if pair is not None:
             pair.close()
 
-    def _payloads(self, runs: Sequence[tuple[int, torch.Tensor]], layout: PageLayout) -> tuple[list[tuple[int, int]], list]:
-        """One tensor per run, whole: `recv` writes it straight into the reserved blocks."""
-        return [(first, pages.shape[0]) for first, pages in runs], [pages for _, pages in runs]
-
-    def _send_runs(self, out: Outgoing, header: PagesHeader, tensors: list[torch.Tensor]) -> None:
-        pair = self._pairs.get(out.endpoint)
-        if pair is None:
-            raise TransferError(f"{out.endpoint}: not paired")
-        self._send(out, [encode(header)])
-        group = pair.wait(0)
-        for t in tensors:
-            try:
-                work = group.send([_as_wire_tensor(t)], RECEIVER_RANK, pair.next_tag())
-            except Exception as exc:
-                self._drop(out.endpoint)
-                raise TransferError(f"{out.endpoint}: p2p send failed: {exc}") from exc
-            self._works.append((out.endpoint, out.request_id, work))
-
-    def _handshake(self, out: Outgoing) -> _Pair:
-        sock = self._socket(out)
+    def _handshake(self, channel: SenderChannel, out: Outgoing) -> _Pair:
         pair_id = uuid.uuid4().hex
-        self._send(out, [encode(HelloHeader(pair_id))])
-        deadline = time.monotonic() + self.dist_config.timeout_s
-        welcome = None
-        while welcome is None:
-            left = deadline - time.monotonic()
-            if left <= 0 or not sock.poll(int(left * 1000) + 1, zmq.POLLIN):
-                self.forget(out.endpoint)
-                raise TransferError(f"{out.endpoint}: no welcome within {self.dist_config.timeout_s} s")
-            frames = sock.recv_multipart()
-            try:
-                header = decode(frames[0])
-            except WireError:
-                continue
-            if isinstance(header, AckHeader):
-                self._acks.append(header)
-            elif isinstance(header, WelcomeHeader) and header.pair == pair_id:
-                welcome = header
-        store = dist.TCPStore(welcome.host, welcome.port, None, False, timeout=self.dist_config.timeout)
+        welcome = channel.exchange(out, [encode(HelloHeader(pair_id))],
+                                   lambda h: isinstance(h, WelcomeHeader) and h.pair == pair_id, self.config.timeout_s)
+        if welcome is None:
+            channel.forget(out.endpoint)
+            raise TransferError(f"{out.endpoint}: no welcome within {self.config.timeout_s} s")
+        store = dist.TCPStore(welcome.host, welcome.port, None, False, timeout=self.config.timeout)
         pair = _Pair(pair_id)
-        local = self.dist_config.local_host or welcome.host
-        pair.build(lambda: make_pair_group(self.dist_config, store, pair_id, welcome.rank, local))
+        local = self.config.local_host or welcome.host
+        pair.build(lambda: make_pair_group(self.config, store, pair_id, welcome.rank, local))
         if pair.error is not None:
-            self.forget(out.endpoint)
+            channel.forget(out.endpoint)
             raise TransferError(f"{out.endpoint}: pairing failed: {pair.error}") from pair.error
         return pair
+
+
+class TorchDistReceiver(ReceiverChannel):
+    """Decode side: the control channel with point-to-point pages (frame pages too)."""
+
+    def __init__(self, kv_cache: torch.Tensor, bind: str, config: TorchDistConfig = TorchDistConfig()) -> None:
+        _check_device(kv_cache, config.backend)
+        super().__init__(kv_cache, bind, config.zmq, P2PPageReceiver(config))
+        self.dist_config = config
+
+
+class TorchDistSender(SenderChannel):
+    """Prefill side: the control channel with point-to-point pages. Engine thread only."""
+
+    def __init__(self, config: TorchDistConfig = TorchDistConfig()) -> None:
+        super().__init__(config.zmq, P2PPageSender(config))
+        self.dist_config = config

@@ -66,9 +66,10 @@ from typing import Any, Protocol, Union
 import msgpack
 import torch
 
+from pdserve.engine.validation import MAX_REQUEST_ID
+
 VERSION = 2
 MAX_HEADER_BYTES = 1 << 16
-MAX_REQUEST_ID_CHARS = 256
 MAX_REASON_CHARS = 1024
 MAX_FIRST_TOKENS = 16
 MAX_ENDED = 4096  # ended reservations an Inbox remembers, to tell their late senders
@@ -340,7 +341,7 @@ def _int_list(d: dict, key: str, max_len: int, lo: int = 0, hi: int = MAX_INT) -
 
 
 def _rid(d: dict) -> str:
-    return _str(d, "rid", MAX_REQUEST_ID_CHARS, 1)
+    return _str(d, "rid", MAX_REQUEST_ID, 1)
 
 
 def _mac(d: dict) -> bytes:

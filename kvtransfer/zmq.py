@@ -1,4 +1,5 @@
-"""ZeroMQ transport for KV pages, over tcp:// or ipc://.
+"""ZeroMQ transport for KV pages, over tcp:// or ipc://: the control channel
+(kvtransfer/channel.py) with page bytes as frames of the header's own message.
 
     prefill worker                                  decode worker
     ZmqSender  DEALER --[header | run | run ..]-->  ROUTER  ZmqReceiver (one thread)
@@ -11,476 +12,77 @@ decode worker's reserved blocks with `recv_into` (no Python bytes objects for pa
 data). The engine must therefore not release sent blocks before the receiver has
 acknowledged them, or the lease ran out.
 
-The sender is used only from the engine thread. The receiver's socket belongs to its
-thread; the engine thread talks to it through the thread-safe `Inbox` and `events()`.
-
-With `CurveConfig`, the receiver is a CURVE server that only admits the listed client
-public keys (a ZAP handler checks each handshake): an unauthenticated or unknown sender
-never gets a frame through, and every byte on the wire is encrypted and authenticated.
-Whatever the keys, every message of a transfer proves the reservation's one-time
-secret (wire.py), and sockets refuse frames longer than a page run can be
-(ZMQ_MAXMSGSIZE: the peer is disconnected), so no peer makes a receiver buffer more.
+CURVE, the ZAP check, high-water marks and the frame-size limit are the channel's
+(see kvtransfer/channel.py); the keys are kvtransfer/curve.py's `CurveConfig`.
 """
 
 from __future__ import annotations
 
-import logging
-import os
-import threading
-from collections import Counter, deque
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import Sequence
 
 import torch
-import zmq
-import zmq.auth
-from zmq.auth.thread import ThreadAuthenticator
-from zmq.utils import z85
+import zmq  # noqa: F401  (pyzmq, not this module: the name must never shadow it; see tests)
 
+from pdserve.kvtransfer.channel import ReceiverChannel, Reply, SenderChannel, ZmqConfig
+from pdserve.kvtransfer.curve import CurveConfig
 from pdserve.kvtransfer.wire import (
-    MAX_HEADER_BYTES,
-    AbortHeader,
     AckHeader,
-    FinalHeader,
+    FrameSource,
     Header,
     Inbox,
     Outgoing,
-    PagesHeader,
     PageLayout,
-    TransferError,
-    TransferEvent,
+    PagesHeader,
     WireError,
     as_bytes_view,
-    PagesHandler,
-    check_secret,
-    decode,
-    deliver,
-    encode,
-    sign,
+    fill_frames,
 )
 
-ZAP_DOMAIN = "pdserve-kv"
-# What ZeroMQ's MAXMSGSIZE sees of a frame beyond its payload: CURVE wraps each frame
-# in a MESSAGE command (name, nonce, MAC: a few dozen bytes); this is ample for that.
-FRAME_OVERHEAD = 4096
-log = logging.getLogger(__name__)
+__all__ = ["CurveConfig", "FramePageReceiver", "FramePageSender", "ZmqConfig", "ZmqReceiver", "ZmqSender"]
 
 
-# -- configuration ------------------------------------------------------------------
+class FramePageReceiver:
+    """Page bytes as the frames after their header, copied straight into the landings."""
 
-
-def _z85_key(value: bytes | str, what: str) -> bytes:
-    key = value.encode() if isinstance(value, str) else bytes(value)
-    key = key.strip()
-    try:
-        ok = len(key) == 40 and len(z85.decode(key)) == 32
-    except Exception:
-        ok = False
-    if not ok:
-        raise ValueError(f"{what}: not a 40-character Z85 CURVE key")
-    return key
-
-
-@dataclass(frozen=True)
-class CurveConfig:
-    """CURVE keys of one endpoint (all Z85 text).
-
-    Receiver: its own keypair, and `authorized_keys`, the client public keys allowed to
-    send (required: a CURVE server that admits anyone is not authentication). Sender:
-    its own keypair, and `server_key`, the receiver's public key (a transfer target may
-    carry its own instead).
-    """
-
-    public_key: bytes
-    secret_key: bytes
-    server_key: bytes | None = None
-    authorized_keys: frozenset[bytes] = field(default_factory=frozenset)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "public_key", _z85_key(self.public_key, "public_key"))
-        object.__setattr__(self, "secret_key", _z85_key(self.secret_key, "secret_key"))
-        if self.server_key is not None:
-            object.__setattr__(self, "server_key", _z85_key(self.server_key, "server_key"))
-        keys = frozenset(_z85_key(k, "authorized_keys") for k in self.authorized_keys)
-        object.__setattr__(self, "authorized_keys", keys)
-
-    @classmethod
-    def from_files(cls, secret_cert: str | Path, server_cert: str | Path | None = None,
-                   authorized: str | Path | Sequence[str | Path] = ()) -> "CurveConfig":
-        """Keys from ZeroMQ certificate files (`zmq.auth.create_certificates`).
-
-        `authorized` is a directory of public certificates or a list of files.
-        """
-        public, secret = zmq.auth.load_certificate(secret_cert)
-        if secret is None:
-            raise ValueError(f"secret_cert: {secret_cert} holds no secret key")
-        server = zmq.auth.load_certificate(server_cert)[0] if server_cert is not None else None
-        if isinstance(authorized, (str, Path)):
-            files = sorted(Path(authorized).glob("*.key"))
-        else:
-            files = [Path(p) for p in authorized]
-        keys = frozenset(zmq.auth.load_certificate(f)[0] for f in files)
-        return cls(public, secret, server, keys)
-
-    @classmethod
-    def shared(cls, secret_key: bytes) -> "CurveConfig":
-        """One key pair for a whole cluster, from its 32-byte secret key (any 32 random
-        bytes are a Curve25519 secret key): every endpoint sends with it, knows the
-        receivers' public key (its own) and admits exactly that key. What a deployment
-        that can only hand out random bytes (the Helm chart) uses; a holder of the key
-        is a cluster member, as with the cluster token."""
-        if len(secret_key) != 32:
-            raise ValueError(f"secret_key: a CURVE secret key is 32 bytes, got {len(secret_key)}")
-        secret = z85.encode(secret_key)
-        public = zmq.curve_public(secret)
-        return cls(public, secret, public, frozenset({public}))
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None, prefix: str = "PDSERVE_KV_CURVE_") -> "CurveConfig | None":
-        """Keys from the environment, or None when CURVE is not configured there.
-
-        `{prefix}SECRET_CERT` (a certificate file) or `{prefix}PUBLIC_KEY` + `{prefix}SECRET_KEY`;
-        optional `{prefix}SERVER_KEY` and `{prefix}AUTHORIZED_KEYS` (comma separated)
-        or `{prefix}AUTHORIZED_DIR` (a directory of public certificates).
-        """
-        env = os.environ if environ is None else environ
-        get = lambda name: env.get(prefix + name) or None  # noqa: E731
-        if get("SECRET_CERT"):
-            public, secret = zmq.auth.load_certificate(get("SECRET_CERT"))
-        elif get("SECRET_KEY"):
-            public, secret = get("PUBLIC_KEY"), get("SECRET_KEY")
-            if public is None:
-                raise ValueError(f"{prefix}PUBLIC_KEY: required with {prefix}SECRET_KEY")
-        else:
-            return None
-        keys = [k for k in (get("AUTHORIZED_KEYS") or "").split(",") if k.strip()]
-        if get("AUTHORIZED_DIR"):
-            keys += [zmq.auth.load_certificate(f)[0] for f in sorted(Path(get("AUTHORIZED_DIR")).glob("*.key"))]
-        return cls(public, secret, get("SERVER_KEY"), frozenset(k.encode() if isinstance(k, str) else k for k in keys))
-
-
-@dataclass(frozen=True)
-class ZmqConfig:
-    curve: CurveConfig | None = None
-    poll_interval_s: float = 0.02  # receiver: longest sleep between deadline checks
-    send_hwm: int = 100_000  # messages queued per peer before a send fails
-    recv_hwm: int = 10_000
-    io_threads: int = 1
-    max_frame_bytes: int = 1 << 20  # longer runs are cut into frames of at most this
-    handshake_timeout_s: float = 10.0  # torch.distributed pairing
-
-    def __post_init__(self) -> None:
-        if min(self.poll_interval_s, self.send_hwm, self.recv_hwm, self.io_threads, self.max_frame_bytes) <= 0:
-            raise ValueError("zmq config: intervals, hwm, io_threads and max_frame_bytes must be positive")
-
-
-def _bind_address(endpoint: str) -> str:
-    """tcp://host:0 asks for a free port (ZeroMQ spells that `*`)."""
-    if endpoint.startswith("tcp://") and endpoint.endswith(":0"):
-        return endpoint[:-2] + ":*"
-    return endpoint
-
-
-# -- receiver ---------------------------------------------------------------------------
-
-
-class _KeyCheck:
-    """ZAP credentials provider: admit only authorized client keys, count the refused."""
-
-    def __init__(self, keys: frozenset[bytes], counter: Counter[str]) -> None:
-        self.keys, self.counter = keys, counter
-
-    def callback(self, domain: str, key: bytes) -> bool:
-        ok = key in self.keys
-        if not ok:
-            self.counter["refused_peers"] += 1
-        return ok
-
-
-class ZmqReceiver:
-    """Decode side: a ROUTER socket bound to `bind` (tcp://host:0 picks a free port, or
-    ipc://path), served by one thread that writes pages into `kv_cache` and acks senders.
-    """
-
+    transport = "zmq"
     host_buffers = True  # page bytes are copied by recv_into, so landings are CPU memory
 
-    def __init__(self, kv_cache: torch.Tensor, bind: str, config: ZmqConfig = ZmqConfig()) -> None:
-        if config.curve is not None and not config.curve.authorized_keys:
-            raise ValueError("curve.authorized_keys: a CURVE receiver needs the senders' public keys")
-        self.inbox = Inbox(kv_cache)
-        self.layout: PageLayout = self.inbox.layout
-        self.config = config
-        self._bind = bind
-        self._endpoint: str | None = None
-        self._events: deque[TransferEvent] = deque()
-        self._counters: Counter[str] = Counter()
-        self._stop = threading.Event()
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="kv-receiver", daemon=True)
-        # Told (on the receiver thread, without arguments) when `events()` has news, so
-        # an engine loop idling between polls can wake up at once. Must not block.
-        self.on_events: Callable[[], None] | None = None
+    def __init__(self) -> None:
+        self._inbox: Inbox | None = None
 
-    # -- engine thread -----------------------------------------------------------
+    def start(self, channel: ReceiverChannel) -> None:
+        self._inbox = channel.inbox
 
-    def start(self) -> str:
-        """Bind and start serving; returns the endpoint senders connect to."""
-        self._thread.start()
-        if not self._ready.wait(30):
-            raise TransferError("receiver: did not start within 30 s")
-        if self._error is not None:
-            raise TransferError(f"receiver: cannot bind {self._bind}: {self._error}") from self._error
-        return self.endpoint
+    def take(self, h: PagesHeader, peer: bytes, src: FrameSource) -> None:
+        if h.via != "frames":
+            raise WireError("bad_header", f"via {h.via!r}: this receiver takes pages as frames only")
+        with self._inbox.pages(h, peer, host=True) as landings:
+            fill_frames(src, landings)
 
-    @property
-    def endpoint(self) -> str:
-        if self._endpoint is None:
-            raise RuntimeError("receiver: not started")
-        return self._endpoint
-
-    @property
-    def server_key(self) -> bytes | None:
-        return self.config.curve.public_key if self.config.curve else None
-
-    @property
-    def transport(self) -> str:
-        return "zmq"
-
-    def expect(self, request_id: str, block_ids: Sequence[int], skip: int, num_tokens: int,
-               digest: bytes, deadline: float, secret: bytes) -> None:
-        self.inbox.expect(request_id, block_ids, skip, num_tokens, digest, deadline, secret)
-
-    @property
-    def max_message_bytes(self) -> int:
-        """The longest frame a sender may send here (its MAXMSGSIZE): a header, or one
-        frame of a run (at most `max_frame_bytes`, or a single page when a page is
-        longer), with the transport's own framing on top."""
-        return max(MAX_HEADER_BYTES, self.config.max_frame_bytes, self.layout.page_bytes) + FRAME_OVERHEAD
-
-    def cancel(self, request_id: str, reason: str = "cancelled") -> bool:
-        """Stop expecting pages for a request. True: nothing writes its blocks any more;
-        False: a write is in flight, free the blocks on its failed event (see Inbox)."""
-        return self.inbox.cancel(request_id, reason)
-
-    def events(self) -> list[TransferEvent]:
-        """Transfers that finished (done or failed) since the last call."""
-        out = []
-        while self._events:
-            out.append(self._events.popleft())
-        return out
-
-    def stats(self) -> dict[str, int]:
-        with self.inbox.lock:
-            out = {f"rejected_{k}": v for k, v in self.inbox.rejected.items()}
-            out["rejected"] = sum(self.inbox.rejected.values())
-            out.update(self.inbox.stats)
-        out.update(self._counters)
-        return out
-
-    def close(self) -> None:
-        """Stop serving; every reservation still waiting fails (see `events()`)."""
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(10)
-        for request_id in self.inbox.pending():
-            self.inbox.cancel(request_id, "receiver closed")
-        events = self.inbox.take_events()
-        self._events.extend(events)
-        if events:
-            self._notify()
-
-    def __enter__(self) -> "ZmqReceiver":
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    # -- receiver thread ---------------------------------------------------------
-
-    def _run(self) -> None:
-        ctx = zmq.Context(self.config.io_threads)
-        auth = None
-        sock = None
-        try:
-            sock = ctx.socket(zmq.ROUTER)
-            sock.linger = 0
-            sock.rcvhwm = self.config.recv_hwm
-            sock.sndhwm = self.config.send_hwm
-            sock.maxmsgsize = self.max_message_bytes
-            if self.config.curve is not None:
-                auth = ThreadAuthenticator(ctx)
-                auth.start()
-                auth.configure_curve_callback(ZAP_DOMAIN, _KeyCheck(self.config.curve.authorized_keys, self._counters))
-                sock.zap_domain = ZAP_DOMAIN.encode()
-                sock.curve_secretkey = self.config.curve.secret_key
-                sock.curve_publickey = self.config.curve.public_key
-                sock.curve_server = True
-            sock.bind(_bind_address(self._bind))
-            self._endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-            self._on_start()
-        except BaseException as exc:  # reported by start()
-            self._error = exc
-            self._ready.set()
-            self._teardown(ctx, sock, auth)
-            return
-        self._ready.set()
-        try:
-            self._serve(sock)
-        finally:
-            self._teardown(ctx, sock, auth)
-
-    def _teardown(self, ctx: zmq.Context, sock: zmq.Socket | None, auth: ThreadAuthenticator | None) -> None:
-        self._on_stop()
-        if sock is not None:
-            sock.close(0)
-        if auth is not None:
-            auth.stop()
-        ctx.term()
-
-    def _serve(self, sock: zmq.Socket) -> None:
-        interval = self.config.poll_interval_s
-        while not self._stop.is_set():
-            deadline = self.inbox.next_deadline()
-            wait = interval if deadline is None else min(interval, max(0.0, deadline - self.inbox.clock()))
-            if sock.poll(int(wait * 1000) + 1, zmq.POLLIN):
-                for _ in range(256):  # then look at deadlines again
-                    if not self._serve_one(sock):
-                        break
-            self.inbox.expire()
-            self._publish(sock)
-
-    def _serve_one(self, sock: zmq.Socket) -> bool:
-        """Handle one message; False when none is waiting. Never raises on bad input."""
-        try:
-            identity = sock.recv(zmq.NOBLOCK)
-        except zmq.Again:
-            return False
-        src = SocketFrames(sock)
-        try:
-            control = deliver(self.inbox, identity, src, self._pages_handler(sock, identity))
-            if control is not None:
-                self._on_control(sock, identity, control)
-        except WireError as exc:
-            self.inbox.reject(exc.reason)
-        except TransferError:
-            self.inbox.reject("transport_error")
-        except Exception:  # a bug must not take the receiver down with it
-            log.exception("kv receiver: unexpected error on a message")
-            self.inbox.reject("internal_error")
-        finally:
-            src.discard()
-        if self.inbox.has_events():
-            self._publish(sock)
-        return True
-
-    def _pages_handler(self, sock: zmq.Socket, identity: bytes) -> PagesHandler | None:
-        """How page data is taken (None: as frames, by `deliver`); subclass hook."""
-        return None
-
-    def _on_control(self, sock: zmq.Socket, identity: bytes, header: Header) -> None:
+    def control(self, peer: bytes, header: Header, reply: Reply) -> None:
         raise WireError("bad_kind", f"{header.kind} is not accepted by a receiver")
 
-    def _on_start(self) -> None:
-        """Receiver thread, after binding (subclass hook)."""
-
-    def _on_stop(self) -> None:
-        """Receiver thread, before the socket closes (subclass hook)."""
-
-    def _publish(self, sock: zmq.Socket) -> None:
-        """Ack senders of finished transfers and hand the events to the engine thread."""
-        events = self.inbox.take_events()
-        acks = [(e.peer, AckHeader(e.request_id, e.ok, e.reason)) for e in events if e.peer is not None]
-        for peer, ack in [*acks, *self.inbox.take_replies()]:
-            try:
-                sock.send_multipart([peer, encode(ack)], zmq.NOBLOCK)
-            except zmq.ZMQError:
-                self._counters["acks_dropped"] += 1
-        for event in events:
-            self._events.append(event)
-        if events:
-            self._notify()
-
-    def _notify(self) -> None:
-        if self.on_events is not None:
-            try:
-                self.on_events()
-            except Exception:  # the receiver thread must go on
-                log.exception("kv receiver: on_events failed")
+    def stop(self) -> None:
+        pass
 
 
-class SocketFrames:
-    """The rest of the message being read from a socket, as a FrameSource."""
+class FramePageSender:
+    """Page bytes as frames of the header's message: zero-copy views of the KV memory."""
 
-    def __init__(self, sock: zmq.Socket) -> None:
-        self.sock = sock
+    transport = "zmq"
+    via = "frames"
 
-    def more(self) -> bool:
-        return bool(self.sock.getsockopt(zmq.RCVMORE))
+    def __init__(self, max_frame_bytes: int) -> None:
+        self.max_frame_bytes = max_frame_bytes
 
-    def next_frame(self) -> bytes:
-        return self.sock.recv()
+    def connect(self, channel: SenderChannel, out: Outgoing) -> None:
+        pass
 
-    def recv_into(self, buf: memoryview) -> int:
-        return self.sock.recv_into(buf)
-
-    def discard(self) -> None:
-        """Drop what is left of the message without copying it."""
-        empty = bytearray()
-        while self.more():
-            self.sock.recv_into(empty)
-
-
-# -- sender ---------------------------------------------------------------------------
-
-
-class ZmqSender:
-    """Prefill side: one DEALER socket per receiver endpoint. Engine thread only."""
-
-    _via = "frames"  # how page bytes travel after the header
-
-    def __init__(self, config: ZmqConfig = ZmqConfig()) -> None:
-        self.config = config
-        self._ctx = zmq.Context(config.io_threads)
-        self._socks: dict[str, zmq.Socket] = {}
-        self._poller = zmq.Poller()
-        self._acks: list[AckHeader] = []
-        self.counters: Counter[str] = Counter()
-
-    @property
-    def transport(self) -> str:
-        return "zmq"
-
-    def open(self, request_id: str, endpoint: str, server_key: bytes | None = None, *, secret: bytes) -> Outgoing:
-        """Start a transfer to `endpoint`; its messages prove the reservation's `secret`."""
-        out = Outgoing(request_id, endpoint, check_secret(secret), server_key)
-        self._socket(out)
-        return out
-
-    def send_pages(self, out: Outgoing, layer: int, runs: Sequence[tuple[int, torch.Tensor]], layout: PageLayout) -> int:
-        """Send one layer's runs (first block index, pages tensor [n, 2, bs, H, D]) as one
-        message; returns the page bytes sent. Raises TransferError if the peer stalls."""
-        if not runs:
-            return 0
-        spans, payloads = self._payloads(runs, layout)
-        nbytes = [count * layout.page_bytes for _, count in spans]
-        header = PagesHeader(out.request_id, out.seq, layer, tuple(spans), tuple(nbytes),
-                             layout.dtype, layout.wire_page, self._via)
-        self._send_runs(out, sign(header, out.secret), payloads)
-        out.seq += 1
-        out.nbytes += sum(nbytes)
-        self.counters["bytes"] += sum(nbytes)
-        self.counters["messages"] += 1
-        return sum(nbytes)
-
-    def _payloads(self, runs: Sequence[tuple[int, torch.Tensor]], layout: PageLayout) -> tuple[list[tuple[int, int]], list]:
-        """Frames for the runs, zero-copy views of the KV memory, cut to at most
-        `max_frame_bytes` each: the receiver copies a frame out of ZeroMQ's buffer while
-        it is still in cache (cheaper than from memory), and frames stay big enough for
-        the per-frame cost to vanish."""
-        per_frame = max(1, self.config.max_frame_bytes // layout.page_bytes)
+    def payloads(self, runs: Sequence[tuple[int, torch.Tensor]], layout: PageLayout) -> tuple[list[tuple[int, int]], list]:
+        """Frames for the runs, cut to at most `max_frame_bytes` each: the receiver
+        copies a frame out of ZeroMQ's buffer while it is still in cache (cheaper than
+        from memory), and frames stay big enough for the per-frame cost to vanish."""
+        per_frame = max(1, self.max_frame_bytes // layout.page_bytes)
         page = layout.page_bytes
         spans, frames = [], []
         for first, pages in runs:
@@ -492,95 +94,28 @@ class ZmqSender:
                 frames.append(view[k * page : (k + count) * page])
         return spans, frames
 
-    def send_final(self, out: Outgoing, num_tokens: int, digest: bytes, first_tokens: Sequence[int]) -> None:
-        header = FinalHeader(out.request_id, out.seq, num_tokens, digest, tuple(first_tokens))
-        self._send(out, [encode(sign(header, out.secret))])
-        out.seq += 1
+    def send(self, channel: SenderChannel, out: Outgoing, header: bytes, payloads: list) -> None:
+        channel.send(out, [header, *payloads])
 
-    def send_abort(self, out: Outgoing, reason: str) -> None:
-        """Best effort: tell the receiver to give up now rather than at its deadline."""
-        try:
-            self._send(out, [encode(sign(AbortHeader(out.request_id, reason[:1000]), out.secret))])
-        except TransferError:
-            pass
-
-    def poll(self, timeout_s: float = 0.0) -> list[AckHeader]:
-        """Acks that arrived since the last call, waiting up to `timeout_s` for one."""
-        acks, self._acks = self._acks, []
-        wait = 0 if acks or timeout_s <= 0 else max(1, int(timeout_s * 1000))
-        for sock, _ in self._poller.poll(wait):
-            self._drain_acks(sock, acks)
-        return acks
+    def poll(self) -> list[AckHeader]:
+        return []
 
     def forget(self, endpoint: str) -> None:
-        """Close the connection to a receiver (dropping anything still queued)."""
-        sock = self._socks.pop(endpoint, None)
-        if sock is not None:
-            self._poller.unregister(sock)
-            sock.close(0)
+        pass
 
     def close(self) -> None:
-        for endpoint in list(self._socks):
-            self.forget(endpoint)
-        self._ctx.term()
+        pass
 
-    # -- internals ---------------------------------------------------------------
 
-    def _socket(self, out: Outgoing) -> zmq.Socket:
-        sock = self._socks.get(out.endpoint)
-        if sock is not None:
-            return sock
-        curve = self.config.curve
-        if curve is None and out.server_key is not None:
-            raise ValueError(f"server_key: the receiver at {out.endpoint} requires CURVE and this sender has no keys")
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.linger = 0
-        sock.sndhwm = self.config.send_hwm
-        sock.maxmsgsize = MAX_HEADER_BYTES + FRAME_OVERHEAD  # only acks (and welcomes) come back
-        if curve is not None:
-            server_key = out.server_key or curve.server_key
-            if server_key is None:
-                sock.close(0)
-                raise ValueError(f"server_key: CURVE is on but no public key is known for {out.endpoint}")
-            sock.curve_secretkey = curve.secret_key
-            sock.curve_publickey = curve.public_key
-            sock.curve_serverkey = server_key
-        try:
-            sock.connect(out.endpoint)
-        except zmq.ZMQError as exc:
-            sock.close(0)
-            raise TransferError(f"endpoint: cannot connect to {out.endpoint!r}: {exc}") from exc
-        self._socks[out.endpoint] = sock
-        self._poller.register(sock, zmq.POLLIN)
-        return sock
+class ZmqReceiver(ReceiverChannel):
+    """Decode side: the control channel with frame pages."""
 
-    def _send_runs(self, out: Outgoing, header: PagesHeader, payloads: list) -> None:
-        self._send(out, [encode(header), *payloads])
+    def __init__(self, kv_cache: torch.Tensor, bind: str, config: ZmqConfig = ZmqConfig()) -> None:
+        super().__init__(kv_cache, bind, config, FramePageReceiver())
 
-    def _send(self, out: Outgoing, frames: list) -> None:
-        sock = self._socket(out)
-        try:
-            sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
-        except zmq.Again as exc:
-            self.counters["send_stalled"] += 1
-            raise TransferError(f"{out.endpoint}: receiver is not draining (high-water mark)") from exc
-        except zmq.ZMQError as exc:
-            raise TransferError(f"{out.endpoint}: send failed: {exc}") from exc
 
-    def _drain_acks(self, sock: zmq.Socket, acks: list[AckHeader]) -> None:
-        while True:
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            try:
-                header = decode(frames[0]) if len(frames) == 1 else None
-            except WireError:
-                header = None
-            if isinstance(header, AckHeader):
-                acks.append(header)
-            else:
-                self._on_reply(sock, frames, header)
+class ZmqSender(SenderChannel):
+    """Prefill side: the control channel with frame pages. Engine thread only."""
 
-    def _on_reply(self, sock: zmq.Socket, frames: list[bytes], header: Header | None) -> None:
-        self.counters["rejected_replies"] += 1
+    def __init__(self, config: ZmqConfig = ZmqConfig()) -> None:
+        super().__init__(config, FramePageSender(config.max_frame_bytes))

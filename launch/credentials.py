@@ -27,8 +27,8 @@ import zmq.auth
 
 from pdserve.services.common.credentials import KV_CURVE_FIELDS, ClusterCredentials
 from pdserve.services.common.flags import check
+from pdserve.services.worker.config import ROLES
 
-ROLES = ("prefill", "decode", "mixed")
 # The ClusterCredentials fields a launch always makes itself (never the operator's).
 LAUNCH_MADE = ("cluster_token_file", *KV_CURVE_FIELDS)
 SENDERS = ("prefill", "mixed")

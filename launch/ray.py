@@ -67,8 +67,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from pdserve.launch.cluster import Cluster, ClusterSpec, is_wildcard
 from pdserve.launch.credentials import FILE_FIELDS, pack
 from pdserve.launch.ray_config import RayConfig
-from pdserve.services.common.flags import to_argv
-from pdserve.services.worker.config import WorkerConfig
+from pdserve.services.common.flags import parse_argv, to_argv
+from pdserve.services.worker.config import ROLES, WorkerConfig
 
 log = logging.getLogger(__name__)
 AUTH_MODE_ENV = "RAY_AUTH_MODE"
@@ -78,13 +78,21 @@ CALL_TIMEOUT = 30.0
 CREDENTIAL_FIELDS = (*FILE_FIELDS, "kv_curve_authorized")  # carried as contents, not paths
 
 
+def worker_config(argv: list[str]) -> WorkerConfig:
+    """The WorkerConfig that `pdserve ROLE ARGV...` runs (what an actor is handed):
+    the role's flags, parsed as that command parses them."""
+    role = argv[0] if argv else ""
+    if role not in ROLES:
+        raise ValueError(f"role: expected one of {ROLES}, got {role!r}")
+    return parse_argv(WorkerConfig, argv[1:], prog=f"pdserve {role}", role=role)
+
+
 class WorkerActor:
     """One pdserve worker in a Ray actor: `pdserve ROLE ARGV` in this process."""
 
     def __init__(self, argv: list[str], credentials: dict[str, dict[str, str]]) -> None:
         import tempfile
 
-        from pdserve.cli import worker_config
         from pdserve.launch.credentials import unpack
         from pdserve.services.worker.main import Worker, prepare
 

@@ -156,7 +156,7 @@ def prompts(s: Shapes, vocab: int, seed: int) -> list[list[int]]:
 def blocks_free(engine) -> bool:
     engine.check_integrity()
     stats = engine.stats()
-    return stats["num_free_blocks"] == stats["num_blocks"] and not engine.has_unfinished()
+    return stats.num_free_blocks == stats.num_blocks and not engine.has_unfinished()
 
 
 # -- checks -------------------------------------------------------------------------------
@@ -188,9 +188,9 @@ def check_greedy_and_prefix(report: Report, path: Path, s: Shapes, args: argpars
             bad.append(f"prompt {i} (len {len(prompt)}) at token {at}")
     report.check("greedy", not bad, f"{exact}/{len(batch)} token-exact, {ties} diverged at a tie"
                  + (f"; diverged: {', '.join(bad)}" if bad else ""))
-    hits_before = llm.stats()["prefix_cache_hits"]
+    hits_before = llm.stats().prefix_cache_hits
     again = [o.outputs[0].token_ids for o in llm.generate(batch, params)]
-    hits = llm.stats()["prefix_cache_hits"] - hits_before
+    hits = llm.stats().prefix_cache_hits - hits_before
     want_hits = sum((len(p) - 1) // 16 * 16 for p in batch)
     report.check("prefix", again == got and hits >= want_hits,
                  f"second run: {hits} prompt tokens from the cache (>= {want_hits}), same tokens: {again == got}")
@@ -214,7 +214,7 @@ def check_parallel(report: Report, path: Path, s: Shapes, args: argparse.Namespa
             for o in engine.step():
                 out = o
             stats = engine.stats()
-            peak = max(peak, stats["num_blocks"] - stats["num_free_blocks"])
+            peak = max(peak, stats.num_blocks - stats.num_free_blocks)
         runs.append([c.token_ids for c in out.outputs])
         report.check("blocks", blocks_free(engine), "parallel engine: all blocks free")
     prompt_blocks = len(prompt) // 16

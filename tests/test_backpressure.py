@@ -169,9 +169,9 @@ def test_a_reader_too_far_behind_ends_its_request_and_frees_its_blocks():
     try:
         stream = loop.submit("stalled", list(range(3, 40)), SamplingParams(max_tokens=200, temperature=0.0,
                                                                             ignore_eos=True), timeout=10)
-        wait_for(lambda: loop.stats(5)["num_requests_running"] == 0, 60, "the request to end")
+        wait_for(lambda: loop.stats(5).num_requests_running == 0, 60, "the request to end")
         events = stream.get(1.0)
-        assert loop.stats(5)["num_free_blocks"] == 48
+        assert loop.stats(5).num_free_blocks == 48
         tokens = [e for e in events if isinstance(e, TokenEvent)]
         assert len(tokens) <= 4 and isinstance(events[-1], FailedEvent)
         assert events[-1].failure == Failure.ABORTED and "stopped reading" in events[-1].message

@@ -41,12 +41,12 @@ def test_abort_mid_generation_frees_every_block(model_dir):
         engine.add_request(f"r{i}", list(range(3, 3 + 40 + i)), SamplingParams(max_tokens=50, temperature=0.0))
     for _ in range(5):
         engine.step()
-    assert engine.stats()["num_free_blocks"] < 64
+    assert engine.stats().num_free_blocks < 64
     for i in range(4):
         engine.abort(f"r{i}")
     assert not engine.has_unfinished()
     engine.check_integrity()
-    assert engine.stats()["num_free_blocks"] == 64
+    assert engine.stats().num_free_blocks == 64
 
 
 def test_request_too_big_for_the_pool_fails_instead_of_hanging(model_dir):
@@ -55,7 +55,7 @@ def test_request_too_big_for_the_pool_fails_instead_of_hanging(model_dir):
     assert outs[0].outputs[0].finish_reason == "abort"
     assert outs[1].outputs[0].finish_reason == "length" and len(outs[1].outputs[0].token_ids) == 4
     llm.check_integrity()
-    assert llm.stats()["num_free_blocks"] == 4
+    assert llm.stats().num_free_blocks == 4
 
 
 def test_stats_and_outputs_in_prompt_order(model_dir):
@@ -66,8 +66,8 @@ def test_stats_and_outputs_in_prompt_order(model_dir):
     assert [o.prompt_token_ids for o in outs] == prompts
     stats = llm.stats()
     for key in ("num_blocks", "num_free_blocks", "prefix_cache_queries", "prefix_cache_hits"):
-        assert key in stats
-    assert stats["num_free_blocks"] == stats["num_blocks"]
+        assert hasattr(stats, key)
+    assert stats.num_free_blocks == stats.num_blocks
 
 
 def test_stop_token_and_eos(model_dir):

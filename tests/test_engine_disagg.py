@@ -53,10 +53,10 @@ def transfer(prefill: LLMEngine, decode: LLMEngine, prompt: list[int], params: S
     prefill.add_request(rid, prompt, SamplingParams(max_tokens=1, temperature=params.temperature, seed=params.seed), export_kv=True)
     first = run(prefill)[rid][0]
     assert sorted(set(layers_seen)) == list(range(prefill.model_config.num_layers))
-    assert prefill.stats()["num_requests_held"] == 1
+    assert prefill.stats().num_requests_held == 1
     prefill.release(rid)
     prefill.check_integrity()
-    assert prefill.stats()["num_free_blocks"] == prefill.stats()["num_blocks"]
+    assert prefill.stats().num_free_blocks == prefill.stats().num_blocks
     done = decode.commit_remote(rid, first if sample_first else None)
     out = run(decode)
     for o in done:
@@ -76,7 +76,7 @@ def test_decode_continues_exactly_from_received_kv(model_dir, chunk):
     for i, p in enumerate(prompts):
         assert transfer(prefill, decode, p, params, f"r{i}")[f"r{i}"] == expected[f"r{i}"]
     decode.check_integrity()
-    assert decode.stats()["num_free_blocks"] == decode.stats()["num_blocks"]
+    assert decode.stats().num_free_blocks == decode.stats().num_blocks
 
 
 def test_decode_side_prefix_hit_skips_blocks(model_dir):
@@ -104,7 +104,7 @@ def test_parallel_samples_recompute_the_last_token_on_decode(model_dir):
     out = transfer(prefill, decode, prompt, params, "z", sample_first=False)
     assert out["z"] == expected[0]
     decode.check_integrity()
-    assert decode.stats()["num_free_blocks"] == decode.stats()["num_blocks"]
+    assert decode.stats().num_free_blocks == decode.stats().num_blocks
 
 
 def test_reservation_fails_cleanly_when_full_and_aborts_free(model_dir):
@@ -112,9 +112,9 @@ def test_reservation_fails_cleanly_when_full_and_aborts_free(model_dir):
     with pytest.raises(NoCapacityError):
         decode.reserve_remote("big", list(range(3, 100)), SamplingParams(max_tokens=2))
     r = decode.reserve_remote("ok", list(range(3, 40)), SamplingParams(max_tokens=2))
-    assert len(r.block_ids) == 3 and decode.stats()["num_free_blocks"] == 1
+    assert len(r.block_ids) == 3 and decode.stats().num_free_blocks == 1
     decode.abort("ok")
     decode.check_integrity()
-    assert decode.stats()["num_free_blocks"] == 4 and not decode.has_unfinished()
+    assert decode.stats().num_free_blocks == 4 and not decode.has_unfinished()
     with pytest.raises(ValueError, match="request_id"):
         decode.commit_remote("ok", 5)

@@ -156,4 +156,4 @@ def test_no_request_aborts_where_the_pool_can_hold_it(model_dir, workload):
                     assert len(c.token_ids) == params.max_tokens if c.finish_reason == "length" else True
                     assert len(c.token_ids) > params.min_tokens if c.finish_reason == "stop" else True
     engine.check_integrity()
-    assert engine.stats()["num_free_blocks"] == config["num_blocks"]
+    assert engine.stats().num_free_blocks == config["num_blocks"]

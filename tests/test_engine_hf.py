@@ -66,9 +66,9 @@ def test_greedy_matches_transformers(reference, mode):
     for i, (g, e) in enumerate(zip(got, expected)):
         assert g == e, f"prompt {i} (len {len(prompts[i])}) diverged"
     if mode == "preempt":
-        assert llm.stats()["num_preemptions"] > 0
+        assert llm.stats().num_preemptions > 0
     llm.check_integrity()
-    assert llm.stats()["num_free_blocks"] == llm.stats()["num_blocks"]
+    assert llm.stats().num_free_blocks == llm.stats().num_blocks
 
 
 def test_second_run_hits_prefix_cache(reference):
@@ -76,15 +76,15 @@ def test_second_run_hits_prefix_cache(reference):
     llm = LLM(model=str(path))
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
     first = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    hits_before = llm.stats()["prefix_cache_hits"]
+    hits_before = llm.stats().prefix_cache_hits
     second = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     stats = llm.stats()
     assert first == second == expected
-    assert stats["prefix_cache_hits"] > hits_before
+    assert stats.prefix_cache_hits > hits_before
     # Every prompt of at least two blocks hits all but its last partial/last token.
-    assert stats["prefix_cache_hits"] - hits_before >= sum((len(p) - 1) // 16 * 16 for p in prompts)
+    assert stats.prefix_cache_hits - hits_before >= sum((len(p) - 1) // 16 * 16 for p in prompts)
     llm.check_integrity()
-    assert stats["num_free_blocks"] == stats["num_blocks"]
+    assert stats.num_free_blocks == stats.num_blocks
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

@@ -43,7 +43,7 @@ def drain(engine: LLMEngine, max_steps: int = 2000) -> dict:
 def assert_all_free(engine: LLMEngine) -> None:
     engine.check_integrity()
     assert not engine.has_unfinished()
-    assert engine.stats()["num_free_blocks"] == engine.stats()["num_blocks"]
+    assert engine.stats().num_free_blocks == engine.stats().num_blocks
 
 
 # -- 1. stop strings wait for min_tokens ---------------------------------------------------
@@ -211,7 +211,7 @@ def test_beam_request_that_can_never_fit_returns_its_n_best(model_dir):
     if len(out.outputs) == 2:
         _assert_n_best(out, 2)
     llm.check_integrity()
-    assert llm.stats()["num_free_blocks"] == 6
+    assert llm.stats().num_free_blocks == 6
 
 
 # -- 5. forks count against max_num_seqs -----------------------------------------------------
@@ -279,8 +279,8 @@ def test_prefix_cache_queries_count_once_per_admission(model_dir):
     engine.add_request("waits", [6] * 80, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     outs = drain(engine)
     assert {o.outputs[0].finish_reason for o in outs.values()} == {"length"}
-    assert engine.stats()["num_preemptions"] == 0
-    assert engine.stats()["prefix_cache_queries"] == 100 + 80
+    assert engine.stats().num_preemptions == 0
+    assert engine.stats().prefix_cache_queries == 100 + 80
     assert_all_free(engine)
 
 
@@ -314,7 +314,7 @@ def test_bad_request_in_generate_leaves_no_blocks_behind(model_dir):
         llm.generate([[5] * 40, [6] * 40], [SamplingParams(max_tokens=4), SamplingParams(max_tokens=4, logprobs=300)])
     assert not llm.engine.has_unfinished()
     llm.check_integrity()
-    assert llm.stats()["num_free_blocks"] == 32
+    assert llm.stats().num_free_blocks == 32
 
 
 class Poisoned(torch.nn.Module):

@@ -76,10 +76,10 @@ def test_preemption_never_re_emits():
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     requests = {f"r{i}": (list(range(5 + i, 45 + i)), params) for i in range(4)}
     deltas, outputs = run_streaming(engine, requests)
-    assert engine.stats()["num_preemptions"] > 0
+    assert engine.stats().num_preemptions > 0
     for (rid, index), told in by_sequence(deltas).items():
         assert [d.token_id for d in told] == outputs[rid].outputs[index].token_ids
-    assert engine.stats()["num_free_blocks"] == 12
+    assert engine.stats().num_free_blocks == 12
 
 
 def test_stop_strings_report_stop_and_beams_emit_nothing():
@@ -104,7 +104,7 @@ def test_has_scheduled_work_ignores_reservations():
     engine.reserve_remote("remote", list(range(3, 40)), SamplingParams(max_tokens=2))
     assert engine.has_unfinished() and not engine.has_scheduled_work()
     engine.abort("remote")
-    assert engine.stats()["num_free_blocks"] == 256 and engine.cached_block_hashes() == []
+    assert engine.stats().num_free_blocks == 256 and engine.cached_block_hashes() == []
     engine.add_request("local", list(range(3, 40)), SamplingParams(max_tokens=2, temperature=0.0))
     assert engine.has_scheduled_work()
     while engine.has_unfinished():

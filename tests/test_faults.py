@@ -249,7 +249,7 @@ def test_sigterm_on_the_router_stops_admitting_then_fails_the_rest_unavailable(t
                     pass
             assert cut.value.code() == grpc.StatusCode.UNAVAILABLE, cut.value
         assert proc.wait(30) == 0
-        wait_for(lambda: worker.loop.snapshot()["num_requests_running"] == 0, 20, "the worker to free the stream")
+        wait_for(lambda: worker.loop.snapshot().num_requests_running == 0, 20, "the worker to free the stream")
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -281,8 +281,8 @@ def test_a_killed_router_frees_the_streams_blocks_and_its_restart_serves_again(t
                 for _ in stream:
                     pass
             assert cut.value.code() == grpc.StatusCode.UNAVAILABLE, cut.value
-        wait_for(lambda: (s := worker.loop.snapshot())["num_free_blocks"] == s["num_blocks"]
-                 and s["num_requests_running"] == 0, 10, "the worker to free the orphaned stream's blocks")
+        wait_for(lambda: (s := worker.loop.snapshot()).num_free_blocks == s.num_blocks
+                 and s.num_requests_running == 0, 10, "the worker to free the orphaned stream's blocks")
         procs[0].wait(10)
         address_file.unlink()
         port, internal_port = address.rpartition(":")[2], internal.rpartition(":")[2]
@@ -327,8 +327,8 @@ def test_a_frozen_router_is_noticed_by_keepalive(tmp_path):
         assert lost.value.code() == grpc.StatusCode.UNAVAILABLE, lost.value
         assert noticed < 30, f"the frozen router went unnoticed for {noticed:.0f}s"  # 65 s without ping_timeout_ms
         print(f"the client noticed the frozen router after {noticed:.1f}s")
-        wait_for(lambda: (s := worker.loop.snapshot())["num_free_blocks"] == s["num_blocks"]
-                 and s["num_requests_running"] == 0, 30, "the worker to end the orphaned stream")
+        wait_for(lambda: (s := worker.loop.snapshot()).num_free_blocks == s.num_blocks
+                 and s.num_requests_running == 0, 30, "the worker to end the orphaned stream")
     finally:
         proc.send_signal(signal.SIGCONT)
         proc.kill()
@@ -390,7 +390,7 @@ def test_a_reservation_that_expires_after_the_first_token_is_prefilled_on_the_de
         assert fallbacks(router, "kv_transfer") + fallbacks(router, "prefill_failed") == 1
         print(f"fallbacks: kv_transfer {fallbacks(router, 'kv_transfer')}, "
               f"prefill_failed {fallbacks(router, 'prefill_failed')}")
-        wait_for(lambda: (s := decode.loop.snapshot())["num_free_blocks"] == s["num_blocks"], 10,
+        wait_for(lambda: (s := decode.loop.snapshot()).num_free_blocks == s.num_blocks, 10,
                  "the decode worker to free every block")
         (sender,) = [h for h in router.registry.live() if h.worker_id == "prefill-x"]
         wait_for(lambda: all_blocks_free(sender.info.address), 10, "the prefill worker to free its held blocks")

@@ -53,7 +53,7 @@ def test_beam_search_matches_transformers(beam_model, k, length_penalty, early_s
         expected = hf_beams(model, prompt, k, n, 10, length_penalty, early_stopping, eos)
         assert [c.token_ids for c in out.outputs] == expected, f"prompt of {len(prompt)} tokens"
     llm.check_integrity()
-    assert llm.stats()["num_free_blocks"] == llm.stats()["num_blocks"]
+    assert llm.stats().num_free_blocks == llm.stats().num_blocks
 
 
 def test_some_beams_end_on_eos(beam_model):
@@ -99,7 +99,7 @@ def _peak_blocks(engine: LLMEngine) -> int:
     peak = 0
     while engine.has_unfinished():
         engine.step()
-        peak = max(peak, engine.stats()["num_blocks"] - engine.stats()["num_free_blocks"])
+        peak = max(peak, engine.stats().num_blocks - engine.stats().num_free_blocks)
     return peak
 
 
@@ -111,7 +111,7 @@ def test_parallel_samples_share_the_prompt_blocks(model_dir):
     engine.add_request("shared", prompt, SamplingParams(max_tokens=max_tokens, temperature=1.0, n=8, seed=1))
     shared = _peak_blocks(engine)
     engine.check_integrity()
-    assert engine.stats()["num_free_blocks"] == 512
+    assert engine.stats().num_free_blocks == 512
     # 32 prompt blocks once, plus one block per sample for its generated tokens
     assert shared <= 32 + 8 * 1
     unshared = LLMEngine(EngineConfig(model=model_dir, cache=CacheConfig(num_blocks=512, enable_prefix_caching=False)))
@@ -141,12 +141,12 @@ def test_abort_mid_way_frees_everything(model_dir, params):
         engine.add_request(f"r{i}", [3 + i] * (20 + 9 * i), params)
     for _ in range(6):
         engine.step()
-    assert engine.stats()["num_free_blocks"] < 256
+    assert engine.stats().num_free_blocks < 256
     engine.abort("r1")
     while engine.has_unfinished():
         engine.step()
     engine.check_integrity()
-    assert engine.stats()["num_free_blocks"] == 256
+    assert engine.stats().num_free_blocks == 256
 
 
 def test_forks_survive_a_tiny_pool(model_dir):
@@ -159,7 +159,7 @@ def test_forks_survive_a_tiny_pool(model_dir):
     assert len(outs[0].outputs) == 4 and all(len(c.token_ids) == 30 for c in outs[0].outputs)
     assert len(outs[1].outputs) == 1
     llm.check_integrity()
-    assert llm.stats()["num_free_blocks"] == 12
+    assert llm.stats().num_free_blocks == 12
 
 
 def test_logprobs_and_prompt_logprobs_match_transformers(model_dir):
@@ -193,7 +193,7 @@ def test_beams_share_the_prompt_blocks(model_dir):
     engine.add_request("beams", prompt, SamplingParams(max_tokens=12, beam_width=4, temperature=0.0))
     peak = _peak_blocks(engine)
     engine.check_integrity()
-    assert engine.stats()["num_free_blocks"] == 256
+    assert engine.stats().num_free_blocks == 256
     assert peak <= 16 + 4 * 1  # 12 new tokens fit in one block per beam
 
 
@@ -213,4 +213,4 @@ def test_groups_never_deadlock_in_a_small_pool(model_dir, num_blocks):
     assert not engine.has_unfinished(), "the engine is spinning"
     assert set(finished) == {"beams", "samples"}
     engine.check_integrity()
-    assert engine.stats()["num_free_blocks"] == num_blocks
+    assert engine.stats().num_free_blocks == num_blocks

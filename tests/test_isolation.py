@@ -66,7 +66,7 @@ def test_a_request_that_breaks_the_step_fails_alone(caplog):
                 streamed.setdefault(e.delta.index, []).append(e.delta.token_id)
             assert streamed == expected[rid], rid
         stats = loop.stats(5)
-        assert stats["num_free_blocks"] == NUM_BLOCKS and stats["num_requests_running"] == 0
+        assert stats.num_free_blocks == NUM_BLOCKS and stats.num_requests_running == 0
         loop.call(lambda e: e.check_integrity(), 5)
     finally:
         loop.close()
@@ -84,7 +84,7 @@ def test_a_request_that_can_never_fit_fails_alone_as_no_room():
         end = drain(huge)[-1]
         assert isinstance(end, FailedEvent) and end.failure == Failure.NO_ROOM, end
         assert isinstance(drain(fine)[-1], FinishedEvent)
-        assert loop.stats(5)["num_free_blocks"] == 6
+        assert loop.stats(5).num_free_blocks == 6
     finally:
         loop.close()
 
@@ -122,11 +122,11 @@ def test_a_step_failing_outside_the_engine_spares_reservations_and_the_engine_go
             end = drain(running)[-1]
         assert isinstance(end, FailedEvent) and end.failure == Failure.INTERNAL and "scheduler bug" in end.message
         assert any("running" in r.getMessage() for r in caplog.records)
-        assert loop.stats(5)["num_requests_reserved"] == 1  # the reservation was in no batch: kept
+        assert loop.stats(5).num_requests_reserved == 1  # the reservation was in no batch: kept
         after = drain(loop.submit("after", PROMPTS["pair"], PARAMS["pair"], timeout=10))[-1]
         assert isinstance(after, FinishedEvent)  # the engine is consistent and serves on
         loop.abort("waiting-for-kv")
-        free = loop.call(lambda e: e.check_integrity() or e.stats()["num_free_blocks"], 5)
+        free = loop.call(lambda e: e.check_integrity() or e.stats().num_free_blocks, 5)
         assert free == NUM_BLOCKS
     finally:
         loop.close()

@@ -31,7 +31,7 @@ from pdserve.engine.engine import EngineConfig, LLMEngine
 from pdserve.engine.hashing import hash_blocks
 from hf_models import build_model
 from pdserve.kvtransfer.connector import DecodeConnector, PrefillConfig, PrefillConnector, TransferTarget, page_runs
-from pdserve.kvtransfer.nccl import TorchDistReceiver, TorchDistSender
+from pdserve.kvtransfer.nccl import TorchDistConfig, TorchDistReceiver, TorchDistSender
 from pdserve.kvtransfer.wire import VERSION, PagesHeader, PageLayout, encode, new_secret, prompt_digest, sign
 from pdserve.kvtransfer.zmq import CurveConfig, ZmqConfig, ZmqReceiver, ZmqSender
 
@@ -125,7 +125,7 @@ def decode_worker(conn) -> None:
     def stats(name):
         node = nodes[name]
         node.engine.check_integrity()
-        return {**node.engine.stats(), **{f"rx_{k}": v for k, v in node.receiver.stats().items()},
+        return {**vars(node.engine.stats()), **{f"rx_{k}": v for k, v in node.receiver.stats().items()},
                 "waiting": node.connector.waiting()}
 
     handlers = {"open": open_node, "reserve": reserve, "result": result, "stats": stats}
@@ -250,7 +250,7 @@ class PrefillSide:
             time.sleep(0.001)
         self.engine.check_integrity()
         stats = self.engine.stats()
-        assert stats["num_free_blocks"] == stats["num_blocks"], "prefill side leaked blocks"
+        assert stats.num_free_blocks == stats.num_blocks, "prefill side leaked blocks"
 
     def close(self) -> None:
         self.sender.close()
@@ -321,7 +321,7 @@ def test_only_blocks_the_decoder_lacks_cross_the_wire(decoder, model_dirs, ipc_d
         # A decoder without them gets all five, including the ones the prefill engine
         # itself took from its own prefix cache (never recomputed, still sent).
         result = prefill.transfer(decoder, fresh, "dd-c", c, 4)
-        assert prefill.engine.stats()["prefix_cache_hits"] >= 128
+        assert prefill.engine.stats().prefix_cache_hits >= 128
         assert decoder.call("stats", fresh)["rx_bytes"] == 5 * per_block
         assert result["digest"] == prefill.digests["dd-c"]
         assert result["tokens"] == local_tokens(model_dirs[model], spec, c, 4, 2048)
@@ -585,7 +585,7 @@ def test_prefill_lease_frees_blocks_when_the_receiver_never_acks(tiny_model):
         prefill.connector.submit("lease", prompt, greedy(1), target)
         start = time.monotonic()
         prefill.step()
-        assert prefill.engine.stats()["num_requests_held"] == 1
+        assert prefill.engine.stats().num_requests_held == 1
         prefill.settle()  # asserts every block is free again
         assert 0.4 < time.monotonic() - start < WAIT_S
         assert prefill.connector.stats["failed"] == 1
@@ -606,7 +606,7 @@ def test_decoder_deadline_and_cancel_free_blocks_and_tell_the_sender(tiny_model)
     try:
         # Nobody sends: the reservation expires and its blocks come back.
         connector.reserve("lonely", prompt_of(30, salt=1), greedy(2), timeout_s=0.3)
-        assert decode.stats()["num_free_blocks"] == 30
+        assert decode.stats().num_free_blocks == 30
         update, deadline = None, time.monotonic() + WAIT_S
         while time.monotonic() < deadline and not (update and update.failed):
             update = connector.poll()
@@ -624,10 +624,24 @@ def test_decoder_deadline_and_cancel_free_blocks_and_tell_the_sender(tiny_model)
         prefill.settle()
         assert prefill.connector.stats["failed"] == 1
         decode.check_integrity()
-        assert decode.stats()["num_free_blocks"] == 32 and not decode.has_unfinished()
+        assert decode.stats().num_free_blocks == 32 and not decode.has_unfinished()
     finally:
         receiver.close()
         prefill.close()
+
+
+def test_nccl_is_the_gloo_transport_on_cuda_memory():
+    """NCCL shares every line with gloo but the backend's name and the KV device: the
+    channel and the point-to-point mover are the same objects (what a CPU can check)."""
+    with pytest.raises(ValueError, match="backend: nccl moves cuda tensors"):
+        TorchDistReceiver(_tiny_kv(), "tcp://127.0.0.1:0", TorchDistConfig(backend="nccl"))
+    gloo, nccl = TorchDistSender(), TorchDistSender(TorchDistConfig(backend="nccl"))
+    try:
+        assert type(gloo.pages) is type(nccl.pages) and gloo.transport == nccl.transport == "torch"
+        assert gloo.pages.via == nccl.pages.via == "p2p"
+    finally:
+        gloo.close()
+        nccl.close()
 
 
 def test_the_transport_module_does_not_shadow_pyzmq():

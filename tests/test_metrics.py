@@ -12,6 +12,7 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
+from dataclasses import fields, replace
 from pathlib import Path
 
 import pytest
@@ -22,9 +23,13 @@ from pdserve.engine.engine import EngineConfig, LLMEngine
 from pdserve.engine.llm import DEFAULT_MODEL
 from pdserve.engine.outputs import RequestTimes
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.stats import EngineStats
 from pdserve.engine.tokenizer import Tokenizer
+from pdserve.kvtransfer.stats import KVTransferStats
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.services.common.metrics import (
+    ENGINE_COUNTERS,
+    ENGINE_GAUGES,
     LATENCY_BUCKETS,
     METRICS,
     PREFIX,
@@ -33,6 +38,7 @@ from pdserve.services.common.metrics import (
     WorkerMetrics,
     full_name,
 )
+from pdserve.services.common.stats import WorkerStats
 from pdserve.services.router.client import options_from_kwargs
 from pdserve.services.router.config import RouterConfig
 from pdserve.services.router.pb_records import request_of
@@ -150,14 +156,20 @@ def test_worker_phases_by_path():
 
 def test_worker_reads_engine_and_connector_counters_at_scrape_time():
     metrics = WorkerMetrics("m", "decode", "decode-0")
-    stats = {"num_requests_running": 3, "kv_cache_usage": 0.25, "prefix_cache_queries": 10}
-    metrics.watch(lambda: stats, lambda: {"kv_transfer_bytes": 4096})
+    zero = dict.fromkeys((f.name for f in fields(EngineStats)), 0)
+    stats = [WorkerStats(**{**zero, "num_requests_running": 3, "kv_cache_usage": 0.25, "prefix_cache_queries": 10})]
+    metrics.watch(lambda: stats[0], lambda: KVTransferStats(kv_transfer_bytes=4096))
     assert sample(metrics, "num_requests_running") == 3
-    stats["num_requests_running"] = 1  # read again on the next scrape
+    stats[0] = replace(stats[0], num_requests_running=1)  # read again on the next scrape
     assert sample(metrics, "num_requests_running") == 1
     assert sample(metrics, "kv_cache_usage_perc") == 0.25
     assert sample(metrics, "prefix_cache_queries", "_total") == 10
     assert sample(metrics, "kv_transfer_bytes", "_total") == 4096
+
+
+def test_every_stat_read_at_scrape_time_is_a_field_of_the_typed_stats():
+    names = {f.name for f in fields(WorkerStats)} | {f.name for f in fields(KVTransferStats)}
+    assert set(ENGINE_GAUGES) | set(ENGINE_COUNTERS) <= names
 
 
 def test_engine_times_each_phase():
@@ -176,7 +188,7 @@ def test_engine_times_each_phase():
     assert local.kv_committed is None
     assert local.arrival <= local.scheduled <= local.first_token <= local.finished
     assert remote.arrival < remote.kv_committed == remote.scheduled <= remote.first_token <= remote.finished
-    assert engine.stats()["num_held_blocks"] == 0
+    assert engine.stats().num_held_blocks == 0
 
 
 # -- serving and switching off -------------------------------------------------------------

@@ -102,4 +102,4 @@ def test_a_draining_worker_finishes_its_stream_and_gets_nothing_new(cluster):
             drain.join(30)
     assert running.error is None and len(running.tokens) == 300
     assert drained[0].drained and drained[0].remaining == 0
-    assert worker.loop.stats(5)["num_free_blocks"] == worker.engine.pool.num_blocks
+    assert worker.loop.stats(5).num_free_blocks == worker.engine.pool.num_blocks

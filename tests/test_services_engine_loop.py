@@ -60,8 +60,8 @@ def first_token(stream: RequestStream) -> TokenEvent:
 def all_free(loop: EngineLoop) -> bool:
     stats = loop.stats(5)
     loop.call(lambda e: e.check_integrity(), 5)
-    return stats["num_free_blocks"] == NUM_BLOCKS and not any(
-        stats[k] for k in ("num_requests_running", "num_requests_waiting", "num_requests_held", "num_requests_reserved")
+    return stats.num_free_blocks == NUM_BLOCKS and not any(
+        (stats.num_requests_running, stats.num_requests_waiting, stats.num_requests_held, stats.num_requests_reserved)
     )
 
 
@@ -97,7 +97,7 @@ def test_abort_mid_run_frees_the_blocks(loop):
 
 def test_reservation_streams_after_commit_and_expires_without(loop):
     reservation = loop.reserve("r", PROMPT, GREEDY, lease=5.0, timeout=5)
-    assert len(reservation.block_ids) == 3 and loop.stats(5)["num_requests_reserved"] == 1
+    assert len(reservation.block_ids) == 3 and loop.stats(5).num_requests_reserved == 1
     stream = loop.attach("r", timeout=5)
     with pytest.raises(KeyError, match="request_id"):
         loop.attach("r", timeout=5)
@@ -140,7 +140,7 @@ def test_a_reservation_that_ends_before_its_stream_is_attached_still_streams(loo
     loop.reserve("quick", PROMPT, SamplingParams(max_tokens=2, temperature=0.0), lease=5.0, timeout=5)
     loop.commit_remote("quick", first_token=7)
     wait_for_free = time.monotonic() + 10
-    while loop.stats(5)["num_free_blocks"] != NUM_BLOCKS:  # finished: its blocks are back
+    while loop.stats(5).num_free_blocks != NUM_BLOCKS:  # finished: its blocks are back
         assert time.monotonic() < wait_for_free
         time.sleep(0.01)
     *tokens, finished = drain(loop.attach("quick", timeout=5))
@@ -177,7 +177,7 @@ def test_reservation_without_room_raises(loop):
 
 def test_exported_blocks_are_held_until_release_or_lease(loop):
     drain(loop.submit("p", PROMPT, SamplingParams(max_tokens=1), timeout=5, export_kv=True))
-    assert loop.stats(5)["num_requests_held"] == 1
+    assert loop.stats(5).num_requests_held == 1
     assert loop.call(lambda e: len(e.held_block_ids("p")), 5) == 3
     loop.release("p")
     assert all_free(loop)
@@ -234,11 +234,11 @@ def test_snapshot_answers_without_the_engine_thread(loop):
     stream = loop.submit("busy", PROMPT, LONG, timeout=5)
     first_token(stream)
     snap = loop.snapshot()
-    assert snap["num_requests_running"] == 1 and time.monotonic() - snap["at"] < 5
+    assert snap.num_requests_running == 1 and time.monotonic() - snap.at < 5
     loop.abort("busy")
     drain(stream)
     give_up = time.monotonic() + 5
-    while loop.snapshot()["num_free_blocks"] != NUM_BLOCKS:
+    while loop.snapshot().num_free_blocks != NUM_BLOCKS:
         assert time.monotonic() < give_up
         time.sleep(0.05)
 
@@ -261,9 +261,9 @@ def test_an_abort_hook_may_keep_blocks_a_write_is_still_landing_in():
         end = drain(stream, timeout=5)[-1]
         assert isinstance(end, FailedEvent) and end.failure is Failure.ABORTED
         stats = loop.stats(5)
-        assert stats["num_requests_reserved"] == 0 and stats["num_free_blocks"] == NUM_BLOCKS - 3  # kept
+        assert stats.num_requests_reserved == 0 and stats.num_free_blocks == NUM_BLOCKS - 3  # kept
         loop.call(lambda e: e.abort("busy"), 5)  # the write is over: the receiver frees them
-        assert loop.stats(5)["num_free_blocks"] == NUM_BLOCKS
+        assert loop.stats(5).num_free_blocks == NUM_BLOCKS
 
         # On the engine thread, commit_remote happens before the poller returns.
         loop.reserve("now", PROMPT, GREEDY, lease=30.0, timeout=5)

@@ -123,7 +123,7 @@ def test_sampling_params_are_refused_naming_a_field_or_run(engine, kwargs, promp
         if not engine.has_unfinished():
             break
     assert out is not None and out.error is None, (kwargs, out and out.error)
-    assert engine.stats()["num_free_blocks"] == engine.stats()["num_blocks"]
+    assert engine.stats().num_free_blocks == engine.stats().num_blocks
     engine.check_integrity()
 
 

@@ -40,7 +40,7 @@ from pdserve.services.common.flags import check, flag
 from pdserve.services.common.keepalive import with_keepalive
 
 if TYPE_CHECKING:
-    from pdserve.kvtransfer.zmq import CurveConfig
+    from pdserve.kvtransfer.curve import CurveConfig
 
 log = logging.getLogger(__name__)
 TOKEN_METADATA = "pdserve-cluster-token"
@@ -181,7 +181,7 @@ class ClusterAuth:
 
     def kv_curve(self) -> CurveConfig | None:
         """CURVE keys of this worker's KV sender and receiver, or None without keys."""
-        from pdserve.kvtransfer.zmq import CurveConfig
+        from pdserve.kvtransfer.curve import CurveConfig
 
         c = self.credentials
         if c.kv_curve_cluster_key is not None:

@@ -21,7 +21,7 @@ import argparse
 import dataclasses
 import os
 import typing
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, TypeVar
 
 ENV_PREFIX = "PDSERVE_"
@@ -104,6 +104,15 @@ def from_namespace(cls: type[T], namespace: argparse.Namespace, **overrides: Any
             values[f.name] = getattr(namespace, f.name)
     values.update(overrides)
     return cls(**values)
+
+
+def parse_argv(cls: type[T], argv: Sequence[str], prog: str | None = None, **overrides: Any) -> T:
+    """The `cls` a command line of its flags gives, parsed as a service's own command
+    parses it (`pdserve decode ARGV...` is `parse_argv(WorkerConfig, ARGV, role="decode")`).
+    Bad flags exit as argparse does (status 2, the message names the flag)."""
+    parser = argparse.ArgumentParser(prog=prog)
+    add_flags(parser, cls)
+    return from_namespace(cls, parser.parse_args(list(argv)), **overrides)
 
 
 def to_argv(config: Any, skip: Iterable[str] = ()) -> list[str]:

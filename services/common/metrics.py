@@ -38,7 +38,7 @@ import types
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from socketserver import ThreadingMixIn
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -46,13 +46,18 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from pdserve.engine.outputs import RequestTimes
+from pdserve.services.common.convert import ROLES
+
+if TYPE_CHECKING:
+    from pdserve.kvtransfer.stats import KVTransferStats
+    from pdserve.services.common.stats import WorkerStats
 
 log = logging.getLogger(__name__)
 
 PREFIX = "pdserve:"
 BASE_LABELS = ("model_name", "role", "worker")
 ROUTER = "router"  # the router's role and worker label
-POOLS = ("prefill", "decode", "mixed")
+POOLS = tuple(ROLES)  # a worker pool per role
 
 # LLM latencies, 1 ms to 10 min (after vLLM's TTFT / ITL / e2e buckets, merged into
 # one ladder so every latency panel reads alike).
@@ -142,7 +147,7 @@ WORKER_METRICS = (
     "engine_step_seconds", "batch_num_seqs", "batch_num_tokens", "kv_transfer_seconds", "reservations_expired",
     "stream_write_cutoffs",
 )
-# engine.stats() / connector stats key -> metric, read at scrape time
+# WorkerStats / KVTransferStats field -> metric, read at scrape time
 ENGINE_GAUGES = {
     "num_requests_running": "num_requests_running", "num_requests_waiting": "num_requests_waiting",
     "kv_cache_usage": "kv_cache_usage_perc", "num_blocks": "num_kv_blocks",
@@ -346,18 +351,17 @@ class WorkerMetrics(_Recorder):
         self._transfer = self.child("kv_transfer_seconds")
         self._expired = self.child("reservations_expired")
 
-    def watch(self, snapshot: Callable[[], Mapping[str, float]], kv_stats: Callable[[], Mapping[str, int]]) -> None:
+    def watch(self, snapshot: Callable[[], WorkerStats], kv_stats: Callable[[], KVTransferStats]) -> None:
         """Report the engine's stats (as of the loop's last iteration) and the KV
         connector's counters at scrape time."""
 
         def collect() -> Iterator[Metric]:
-            stats = {**snapshot(), **kv_stats()}
+            values = {**vars(snapshot()), **vars(kv_stats())}
             for table in (ENGINE_GAUGES, ENGINE_COUNTERS):
-                for key, name in table.items():
-                    if key in stats:
-                        family = self.family(name)
-                        family.add_metric(list(self.base), float(stats[key]))
-                        yield family
+                for field, name in table.items():
+                    family = self.family(name)
+                    family.add_metric(list(self.base), float(values[field]))
+                    yield family
 
         self.collect_with(collect)
 

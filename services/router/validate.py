@@ -20,16 +20,16 @@ from dataclasses import dataclass
 
 from pdserve.engine.config import DEFAULT_MAX_LOGPROBS
 from pdserve.engine.hashing import hash_blocks
-from pdserve.engine.sampling_params import SamplingParams, check_field
+from pdserve.engine.sampling_params import MAX_CACHE_SALT, SamplingParams, check_field
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.engine.validation import SamplingLimits, validate_prompt, validate_sampling_params
+from pdserve.engine.validation import MAX_REQUEST_ID, SamplingLimits, validate_prompt, validate_sampling_params
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.services.common.convert import params_from_options
 from pdserve.services.router.pb_records import options_of
 from pdserve.services.router.records import Request
 
-MAX_REQUEST_ID = 256
-MAX_CACHE_SALT = 256
+# A client's salt: half of what the engine takes, so the tenant in front of it (`key_id/`) always fits.
+MAX_CLIENT_SALT = MAX_CACHE_SALT // 2
 DEFAULT_MAX_PROMPT_BYTES = 1 << 20
 
 
@@ -80,8 +80,8 @@ class Validator:
         if len(request.request_id) > MAX_REQUEST_ID:
             raise ValueError(f"request_id: longer than {MAX_REQUEST_ID} characters")
         prompt = self._prompt(request)
-        if len(request.cache_salt) > MAX_CACHE_SALT:
-            raise ValueError(f"cache_salt: longer than {MAX_CACHE_SALT} characters")
+        if len(request.cache_salt) > MAX_CLIENT_SALT:
+            raise ValueError(f"cache_salt: longer than {MAX_CLIENT_SALT} characters")
         salt = request.cache_salt if tenant is None else f"{tenant}/{request.cache_salt}"
         options = options_of(request.sampling)
         params = params_from_options(options, salt)

@@ -35,6 +35,7 @@ from pdserve.engine.engine import LLMEngine, Reservation, TokenDelta
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.services.common.metrics import Disabled, WorkerMetrics
+from pdserve.services.common.stats import WorkerStats
 from pdserve.services.worker.events import (
     MAX_BATCHES, Event, FailedEvent, Failure, FinishedEvent, RequestStream, TokenEvent,
 )
@@ -73,7 +74,7 @@ class EngineLoop:
         self._pollers: list[Callable[[], None]] = []
         self._abort_hooks: list[Callable[[str], None]] = []
         # engine.stats() as of the last iteration, replaced whole (readers never block)
-        self._snapshot: dict[str, float] = {**engine.stats(), "num_requests_reserved": 0, "at": time.monotonic()}
+        self._snapshot = WorkerStats.of(engine.stats(), 0, time.monotonic())
         engine.token_hook = self._on_token
 
     # -- lifecycle ----------------------------------------------------------------
@@ -239,18 +240,15 @@ class EngineLoop:
         else:
             self._commands.put(command)
 
-    def snapshot(self) -> dict[str, float]:
+    def snapshot(self) -> WorkerStats:
         """Load as of the engine thread's last iteration (`at`: when), without waiting
         for it: for heartbeats, which must not stall behind a long engine step."""
         return self._snapshot
 
-    def stats(self, timeout: float, include_block_hashes: bool = False) -> dict[str, object]:
-        def stats(engine: LLMEngine) -> dict[str, object]:
-            out: dict[str, object] = dict(engine.stats())
-            out["num_requests_reserved"] = len(self._reservations)
-            if include_block_hashes:
-                out["cached_block_hashes"] = engine.cached_block_hashes()
-            return out
+    def stats(self, timeout: float, include_block_hashes: bool = False) -> WorkerStats:
+        def stats(engine: LLMEngine) -> WorkerStats:
+            hashes = tuple(engine.cached_block_hashes()) if include_block_hashes else ()
+            return WorkerStats.of(engine.stats(), len(self._reservations), time.monotonic(), hashes)
 
         return self.call(stats, timeout)
 
@@ -276,8 +274,7 @@ class EngineLoop:
             if self.engine.has_scheduled_work() and not self._stop.is_set():
                 self._step()
             self.engine.kv_events.flush()  # this iteration's cache changes, as one batch
-            self._snapshot = {**self.engine.stats(), "num_requests_reserved": len(self._reservations),
-                              "at": time.monotonic()}
+            self._snapshot = WorkerStats.of(self.engine.stats(), len(self._reservations), time.monotonic())
         self._run_commands(block=False)
 
     def _run_commands(self, block: bool) -> None:

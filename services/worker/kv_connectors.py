@@ -56,6 +56,7 @@ from pdserve.kvtransfer.connector import (
 )
 from pdserve.kvtransfer.connector import TransferTarget as Plan
 from pdserve.kvtransfer.nccl import TorchDistConfig, TorchDistReceiver, TorchDistSender
+from pdserve.kvtransfer.stats import KVTransferStats
 from pdserve.kvtransfer.wire import TransferError
 from pdserve.kvtransfer.zmq import ZmqConfig, ZmqReceiver, ZmqSender
 from pdserve.services.worker.engine_loop import EngineLoop
@@ -116,10 +117,9 @@ class ConnectorReceiver:
         self.loop.abort(request_id)  # its abort hook cancels here, on the engine thread
         return None
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> KVTransferStats:
         c = self.connector.stats if self.connector is not None else {}
-        return {"kv_transfer_bytes": c.get("bytes", 0), "kv_transfers": c.get("committed", 0),
-                "kv_transfer_failures": c.get("failed", 0)}
+        return KVTransferStats(c.get("bytes", 0), c.get("committed", 0), c.get("failed", 0))
 
     def close(self) -> None:
         if self.transport is not None:
@@ -185,10 +185,9 @@ class ConnectorSender:
             return
         self.loop.abort(request_id)  # its abort hook cancels here, on the engine thread
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> KVTransferStats:
         c = self.connector.stats if self.connector is not None else {}
-        return {"kv_transfer_bytes": c.get("bytes", 0), "kv_transfers": c.get("done", 0),
-                "kv_transfer_failures": c.get("failed", 0)}
+        return KVTransferStats(c.get("bytes", 0), c.get("done", 0), c.get("failed", 0))
 
     def close(self) -> None:
         """After the loop has stopped (the sender is the engine thread's)."""

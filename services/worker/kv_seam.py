@@ -42,8 +42,8 @@ A connector is named on the command line as `--kv-connector module:factory`;
 `credentials` (KVCredentials) are the worker's CURVE keys, with which a transport
 must encrypt and authenticate whenever there are any, and the token that signs its
 rendezvous, if it has one. A side may
-also have `stats() -> dict[str, int]` (`kv_transfer_bytes`, `kv_transfers`,
-`kv_transfer_failures`), which the worker's Stats RPC reports. The ZeroMQ and
+also have `stats() -> KVTransferStats` (kvtransfer/stats.py), which the worker's Stats
+RPC reports. The ZeroMQ and
 torch.distributed connectors are in services/worker/kv_connectors.py.
 """
 
@@ -56,6 +56,7 @@ from typing import Protocol
 
 from pdserve.engine.engine import Reservation
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kvtransfer.stats import KVTransferStats
 from pdserve.kvtransfer.zmq import CurveConfig
 from pdserve.services.worker.engine_loop import EngineLoop
 
@@ -111,9 +112,6 @@ class KVReceiver(Protocol):
     def close(self) -> None: ...
 
 
-STAT_NAMES = ("kv_transfer_bytes", "kv_transfers", "kv_transfer_failures")
-
-
 @dataclass(frozen=True)
 class Connector:
     sender: KVSender | None = None
@@ -135,15 +133,13 @@ class Connector:
                 side.bind(loop)
                 loop.add_abort_hook(side.cancel)
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> KVTransferStats:
         """Transfer counters of both sides, summed (zeros without a connector)."""
-        out = dict.fromkeys(STAT_NAMES, 0)
+        out = KVTransferStats()
         for side in (self.sender, self.receiver):
             stats = getattr(side, "stats", None)
             if callable(stats):
-                for name, value in stats().items():
-                    if name in out:
-                        out[name] += int(value)
+                out += stats()
         return out
 
     def close(self) -> None:

@@ -25,6 +25,7 @@ from pdserve.services.common.convert import ROLES
 from pdserve.services.common.credentials import ClusterAuth
 from pdserve.services.common.metrics import metrics_host, worker_metrics
 from pdserve.services.common.server import GrpcServer, announce, shutdown_event
+from pdserve.services.common.stats import load
 from pdserve.services.decode.service import DecodeService
 from pdserve.services.prefill.service import PrefillService
 from pdserve.services.worker.config import WorkerConfig
@@ -120,8 +121,8 @@ class Worker:
             stats = self.loop.stats(5.0)
         except (TimeoutError, RuntimeError):  # a long step, or the engine is gone
             return max(1, self.servicer.calls_in_flight)
-        requests = sum(int(stats[k]) for k in ("num_requests_running", "num_requests_waiting",
-                                               "num_requests_held", "num_requests_reserved"))
+        requests = (stats.num_requests_running + stats.num_requests_waiting + stats.num_requests_held
+                    + stats.num_requests_reserved)
         return requests + self.servicer.calls_in_flight
 
     def stop(self, grace: float = 2.0) -> None:
@@ -142,11 +143,7 @@ class Worker:
         router drops a worker that can no longer serve."""
         if not self.loop.alive:
             return None
-        stats = self.loop.snapshot()
-        return pb.Load(
-            num_free_blocks=stats["num_free_blocks"], num_running=stats["num_requests_running"],
-            num_waiting=stats["num_requests_waiting"],
-        )
+        return load(self.loop.snapshot())
 
 
 def pin(cpus: set[int]) -> None:

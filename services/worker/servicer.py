@@ -19,10 +19,11 @@ from contextlib import contextmanager
 
 import grpc
 
+from pdserve.kvtransfer.stats import KVTransferStats
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
-from pdserve.services.common.convert import ROLES
 from pdserve.services.common.errors import abort_unimplemented
+from pdserve.services.common.stats import stats_response
 from pdserve.services.decode.service import DecodeService
 from pdserve.services.prefill.service import PrefillService
 from pdserve.services.worker.config import WorkerConfig
@@ -36,7 +37,7 @@ MAX_DRAIN_GRACE = 3600.0
 class WorkerServicer(pb_grpc.WorkerServicer):
     def __init__(
         self, config: WorkerConfig, loop: EngineLoop, prefill: PrefillService | None, decode: DecodeService | None,
-        kv_stats: Callable[[], dict[str, int]] = dict, drain: Callable[[float], tuple[bool, int]] | None = None,
+        kv_stats: Callable[[], KVTransferStats] = KVTransferStats, drain: Callable[[float], tuple[bool, int]] | None = None,
         max_calls: int | None = None,
     ) -> None:
         """`max_calls`: Reserve, Prefill and Decode calls served at once; one more is
@@ -110,7 +111,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"Stats: {e}")
         except RuntimeError as e:  # the engine thread has stopped
             context.abort(grpc.StatusCode.UNAVAILABLE, f"Stats: {e}")
-        return stats_message(self.config, {**stats, **self.kv_stats()})
+        return stats_response(self.config.id, self.config.role, self.config.block_size, stats, self.kv_stats())
 
     def Drain(self, request: pb.DrainRequest, context: grpc.ServicerContext) -> pb.DrainResponse:
         if self.drain is None:
@@ -123,18 +124,3 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
     def KvEvents(self, request: pb.KvEventsRequest, context: grpc.ServicerContext) -> Iterator[pb.KvEventBatch]:
         yield from kv_event_stream(self.loop.engine.kv_events, request, context)
-
-
-def stats_message(config: WorkerConfig, stats: dict) -> pb.StatsResponse:
-    return pb.StatsResponse(
-        worker_id=config.id, role=ROLES[config.role], block_size=config.block_size,
-        num_blocks=stats["num_blocks"], num_free_blocks=stats["num_free_blocks"],
-        num_cached_blocks=stats["num_cached_blocks"],
-        prefix_cache_queries=stats["prefix_cache_queries"], prefix_cache_hits=stats["prefix_cache_hits"],
-        num_running=stats["num_requests_running"], num_waiting=stats["num_requests_waiting"],
-        num_held=stats["num_requests_held"], num_reserved=stats["num_requests_reserved"],
-        num_preemptions=stats["num_preemptions"],
-        cached_block_hashes=stats.get("cached_block_hashes", []),
-        kv_transfer_bytes=stats.get("kv_transfer_bytes", 0), kv_transfers=stats.get("kv_transfers", 0),
-        kv_transfer_failures=stats.get("kv_transfer_failures", 0),
-    )

@@ -1,0 +1,28 @@
+"""An engine's counters and gauges at one moment: what `LLMEngine.stats()` returns.
+
+    LLMEngine.stats() -> EngineStats
+        -> a worker adds what its loop knows (services/common/stats.py: WorkerStats)
+        -> the Stats RPC (pb.StatsResponse), heartbeats (pb.Load), /metrics
+
+Field names are the serving field's vocabulary and the metrics' (`num_requests_running`
+is `pdserve:num_requests_running`); no one spells them as strings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_blocks: int
+    num_free_blocks: int
+    num_cached_blocks: int  # blocks whose KV the prefix cache can hand out
+    kv_cache_usage: float  # fraction of blocks in use, 0..1
+    prefix_cache_queries: int  # prompt tokens looked up, since start
+    prefix_cache_hits: int  # of those, tokens found
+    num_preemptions: int  # since start
+    num_requests_running: int
+    num_requests_waiting: int
+    num_requests_held: int  # prefill: finished, blocks kept until their KV is shipped
+    num_held_blocks: int  # the blocks those hold
