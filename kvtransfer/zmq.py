@@ -163,7 +163,7 @@ class CurveConfig:
 @dataclass(frozen=True)
 class ZmqConfig:
     curve: CurveConfig | None = None
-    poll_interval_s: float = 0.02  # receiver: longest sleep between deadline checks
+    poll_interval_s: float = 0.02  # receiver: longest sleep before acking transfers the engine thread ended
     send_hwm: int = 100_000  # messages queued per peer before a send fails
     recv_hwm: int = 10_000
     io_threads: int = 1
@@ -249,8 +249,10 @@ class ZmqReceiver:
         return "zmq"
 
     def expect(self, request_id: str, block_ids: Sequence[int], skip: int, num_tokens: int,
-               digest: bytes, deadline: float, secret: bytes) -> None:
-        self.inbox.expect(request_id, block_ids, skip, num_tokens, digest, deadline, secret)
+               digest: bytes, secret: bytes) -> None:
+        """Pages of blocks [skip, len(block_ids)) of a reservation will arrive, proving
+        `secret`. No deadline here: the reservation's owner cancels it when it gives up."""
+        self.inbox.expect(request_id, block_ids, skip, num_tokens, digest, secret)
 
     @property
     def max_message_bytes(self) -> int:
@@ -270,6 +272,10 @@ class ZmqReceiver:
         while self._events:
             out.append(self._events.popleft())
         return out
+
+    def receiving(self) -> list[str]:
+        """Transfers whose pages began to land since the last call."""
+        return self.inbox.take_started()
 
     def stats(self) -> dict[str, int]:
         with self.inbox.lock:
@@ -341,15 +347,12 @@ class ZmqReceiver:
         ctx.term()
 
     def _serve(self, sock: zmq.Socket) -> None:
-        interval = self.config.poll_interval_s
+        wait_ms = int(self.config.poll_interval_s * 1000) + 1
         while not self._stop.is_set():
-            deadline = self.inbox.next_deadline()
-            wait = interval if deadline is None else min(interval, max(0.0, deadline - self.inbox.clock()))
-            if sock.poll(int(wait * 1000) + 1, zmq.POLLIN):
-                for _ in range(256):  # then look at deadlines again
+            if sock.poll(wait_ms, zmq.POLLIN):
+                for _ in range(256):  # then publish what the engine thread ended meanwhile
                     if not self._serve_one(sock):
                         break
-            self.inbox.expire()
             self._publish(sock)
 
     def _serve_one(self, sock: zmq.Socket) -> bool:

@@ -286,14 +286,9 @@ class Dispatcher:
     ) -> pb.PrefillResponse | None:
         """Prefill on `prefill` into D's reservation; None when it failed as a worker may
         (another one may do better)."""
-        request = pb.PrefillRequest(
-            request_id=rid, token_ids=job.prompt, sampling=job.options,
-            target=pb.KVTarget(
-                worker_id=decode.worker_id, kv_endpoint=reservation.kv_endpoint,
-                block_ids=reservation.block_ids, num_cached_tokens=reservation.num_cached_tokens,
-                transfer_target=reservation.transfer_target,
-            ),
-            sample_first_token=job.params.n == 1 and not job.params.use_beam_search, cache_salt=job.cache_salt,
+        request = pb.PrefillRequest(  # the decode worker's plan, unread: it says where and how
+            request_id=rid, token_ids=job.prompt, sampling=job.options, cache_salt=job.cache_salt,
+            transfer_plan=reservation.transfer_plan,
         )
         try:
             future = prefill.stub.Prefill.future(request, timeout=deadline.remaining())
