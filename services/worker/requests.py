@@ -107,6 +107,11 @@ class Record:
 
 
 class RequestTable:
+    """The records of one engine's requests (see the module docstring). Requests come
+    in by `submit` and `reserve`; outside news by `commit`, `abort`, `abandon`,
+    `release`; the engine thread's turn is `advance` (connector news, deadlines, one
+    engine step). Streams are taken by `submit` (at once) or `attach` (reserved)."""
+
     def __init__(
         self, engine: LLMEngine, connector: KVConnector | None = None, *,
         clock: Callable[[], float] = time.monotonic, held_lease: float = 30.0, unclaimed_ttl: float = 30.0,
