@@ -48,7 +48,7 @@ def _router(args: argparse.Namespace) -> int:
 def _worker(args: argparse.Namespace) -> int:
     from pdserve.services.common.flags import from_namespace
     from pdserve.services.worker.config import WorkerConfig
-    from pdserve.services.worker.main import run
+    from pdserve.services.node import run
 
     return run(from_namespace(WorkerConfig, args, role=args.command))
 

@@ -13,12 +13,14 @@ thread each):
    temporary directory (removed at the end). Its KV is large for its compute
    (multi-head attention: as many KV heads as query heads), so transfer time is not
    negligible next to prefill time even on a CPU.
-2. A decode process (spawned) runs an engine with four receivers on its KV cache:
-   ZeroMQ over tcp://127.0.0.1, the same with CURVE (encrypted and authenticated, as
-   the launchers always run it; keys made for this run), ZeroMQ over ipc://, and
-   torch.distributed (gloo); plus two raw ZeroMQ ROUTER sockets (tcp and ipc) that
-   receive without copying and do nothing else. Control messages (reserve, endpoints) go over a pipe; every KV
-   byte goes over the transport being measured.
+2. A decode process (spawned) runs, per transport, what a decode worker's engine
+   thread runs (an engine, a receiver on its KV cache, the worker's request table,
+   services/worker/requests.py, stepped by hand): ZeroMQ over tcp://127.0.0.1, the
+   same with CURVE (encrypted and authenticated, as the launchers always run it; keys
+   made for this run), ZeroMQ over ipc://, and torch.distributed (gloo); plus two raw
+   ZeroMQ ROUTER sockets (tcp and ipc) that receive without copying and do nothing
+   else. Control messages (reserve, endpoints) go over a pipe; every KV byte goes
+   over the transport being measured.
 3. The prefill side (this process) prefills one prompt and keeps its blocks. Then,
    interleaved, each repetition sends the same pages:
    * raw ZeroMQ, the ceiling: one DEALER message per layer holding the same bytes,
@@ -32,11 +34,13 @@ thread each):
    GB/s is KV bytes / time (1 GB = 1e9 bytes), the median over repetitions; raw and
    ours alternate within each repetition (bench/repeat.py), so drifting load hits
    both alike, and ratios are taken per repetition: median with min-max.
-4. Layer-wise streaming: fresh prompts are prefilled (a) with `PrefillConnector`
-   streaming each layer's pages as soon as the layer is written, and (b) without,
-   sending every page after the prefill (`export_held`). In both, `exposed` is the
-   time from the end of the prefill step to the receiver's ack: the transfer time
-   not hidden behind compute. overlap % = 100 * (1 - exposed(a) / exposed(b)).
+4. Layer-wise streaming: fresh prompts are prefilled (a) as a prefill worker does
+   (its request table: the connector's layer hook sends each layer's pages as soon as
+   the layer is written), and (b) without, sending every page after the prefill
+   (the connector's own calls: start, the layer hook once per layer over the whole
+   prompt, finish). In both, `exposed` is the time from the end of the prefill step
+   to the receiver's ack: the transfer time not hidden behind compute.
+   overlap % = 100 * (1 - exposed(a) / exposed(b)).
    Prefill compute time with and without streaming is printed too (the cost of
    streaming on shared cores shows there).
 
@@ -67,11 +71,15 @@ import zmq
 from pdserve.bench.repeat import Ratio, interleaved
 from pdserve.engine import SamplingParams
 from pdserve.engine.config import CacheConfig, SchedulerConfig
+from pdserve.engine.export import ExportSlice
 from pdserve.engine.engine import EngineConfig, LLMEngine
-from pdserve.kvtransfer.connector import DecodeConnector, PrefillConnector, TransferTarget, page_runs
+from pdserve.kvtransfer.connector import KVConnector, Receiver, Sender, Transport, page_runs
 from pdserve.kvtransfer.nccl import TorchDistReceiver, TorchDistSender
+from pdserve.kvtransfer.plan import TransferPlan
 from pdserve.kvtransfer.wire import PageLayout, prompt_digest
 from pdserve.kvtransfer.zmq import CurveConfig, ZmqConfig, ZmqReceiver, ZmqSender
+from pdserve.services.worker.events import FailedEvent, FinishedEvent, RequestStream
+from pdserve.services.worker.requests import RequestTable
 
 SPAWN = mp.get_context("spawn")
 FIRST_REGULAR_TOKEN = 3
@@ -143,6 +151,12 @@ def make_prompt(rng: random.Random, cfg: BenchConfig) -> list[int]:
     return [rng.randrange(FIRST_REGULAR_TOKEN, cfg.vocab_size) for _ in range(cfg.prompt_len)]
 
 
+def worker_table(engine: LLMEngine, sender: Sender | None = None, receiver: Receiver | None = None) -> RequestTable:
+    """What a worker's engine thread runs over `engine` and these transport ends."""
+    connector = KVConnector(Transport(sender, receiver), engine.runner.kv_cache, engine.model_config.vocab_size)
+    return RequestTable(engine, connector)
+
+
 # -- the decode process ---------------------------------------------------------------
 
 
@@ -158,16 +172,17 @@ def _raw_sink(sock: zmq.Socket, stop: threading.Event) -> None:
 
 def decode_process(conn, model_dir: str, cfg: BenchConfig, ipc_dir: str, curve: CurveConfig) -> None:
     torch.set_num_threads(1)
-    engine = LLMEngine(engine_config(Path(model_dir), cfg, 2 * cfg.num_blocks + 8))
-    kv = engine.runner.kv_cache
-    receivers = {
-        "zmq_tcp": ZmqReceiver(kv, "tcp://127.0.0.1:0"),
-        "zmq_curve": ZmqReceiver(kv, "tcp://127.0.0.1:0", ZmqConfig(curve=curve)),
-        "zmq_ipc": ZmqReceiver(kv, f"ipc://{ipc_dir}/kv.sock"),
+    receivers: dict[str, Callable[[torch.Tensor], Receiver]] = {
+        "zmq_tcp": lambda kv: ZmqReceiver(kv, "tcp://127.0.0.1:0"),
+        "zmq_curve": lambda kv: ZmqReceiver(kv, "tcp://127.0.0.1:0", ZmqConfig(curve=curve)),
+        "zmq_ipc": lambda kv: ZmqReceiver(kv, f"ipc://{ipc_dir}/kv.sock"),
     }
-    if kv.device.type == "cpu":  # gloo moves host tensors only
-        receivers["gloo"] = TorchDistReceiver(kv, "tcp://127.0.0.1:0")
-    connectors = {name: DecodeConnector(engine, r) for name, r in receivers.items()}
+    if cfg.device == "cpu":  # gloo moves host tensors only
+        receivers["gloo"] = lambda kv: TorchDistReceiver(kv, "tcp://127.0.0.1:0")
+    tables = {}  # one decode worker's engine and request table per transport
+    for name, make in receivers.items():
+        engine = LLMEngine(engine_config(Path(model_dir), cfg, 2 * cfg.num_blocks + 8))
+        tables[name] = worker_table(engine, receiver=make(engine.runner.kv_cache))
     ctx = zmq.Context()
     stop = threading.Event()
     raw = {}
@@ -177,26 +192,35 @@ def decode_process(conn, model_dir: str, cfg: BenchConfig, ipc_dir: str, curve: 
         sock.bind(bind)
         raw[name] = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         threading.Thread(target=_raw_sink, args=(sock, stop), daemon=True).start()
-    endpoints = {name: r.start() for name, r in receivers.items()} | raw
+    for table in tables.values():
+        table.connector.start()
+    endpoints = {name: t.connector.endpoint for name, t in tables.items()} | raw
     conn.send(endpoints)
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    streams: dict[str, RequestStream] = {}  # as the Decode calls would read them
     try:
         while True:
-            for connector in connectors.values():
-                update = connector.poll()  # max_tokens=1: a commit finishes the request
-                if update.failed:
-                    print(f"decode: transfer failed {update.failed}", file=sys.stderr, flush=True)
+            for table in tables.values():
+                table.advance()  # max_tokens=1: a commit finishes the request
+            for rid, stream in list(streams.items()):
+                ended = [e for e in stream.get(0) if isinstance(e, (FinishedEvent, FailedEvent))]
+                if ended:
+                    del streams[rid]
+                if ended and isinstance(ended[-1], FailedEvent):
+                    print(f"decode: transfer {rid} failed: {ended[-1].message}", file=sys.stderr, flush=True)
             if not conn.poll(0.005):  # the receivers ack on their own threads; commits can wait
                 continue
             cmd, args = conn.recv()
             if cmd == "stop":
                 break
             transport, rid, prompt = args
-            conn.send(connectors[transport].reserve(rid, prompt, params).pack())
+            _, plan = tables[transport].reserve(rid, prompt, params, WAIT_S)
+            streams[rid] = tables[transport].attach(rid)
+            conn.send(plan)
     finally:
         stop.set()
-        for r in receivers.values():
-            r.close()
+        for table in tables.values():
+            table.connector.close()
 
 
 class DecodePeer:
@@ -208,11 +232,11 @@ class DecodePeer:
             raise RuntimeError("decode process did not start")
         self.endpoints: dict[str, str] = self.conn.recv()
 
-    def reserve(self, transport: str, rid: str, prompt: list[int]) -> TransferTarget:
+    def reserve(self, transport: str, rid: str, prompt: list[int]) -> TransferPlan:
         self.conn.send(("reserve", (transport, rid, prompt)))
         if not self.conn.poll(WAIT_S):
             raise RuntimeError("decode process did not answer")
-        return TransferTarget.unpack(self.conn.recv())
+        return TransferPlan.unpack(self.conn.recv())
 
     def stop(self) -> None:
         self.conn.send(("stop", ()))
@@ -260,17 +284,17 @@ def time_raw(sock: zmq.Socket, kv: torch.Tensor, held: HeldPrompt, header_bytes:
     return time.perf_counter() - start
 
 
-def time_ours(sender: ZmqSender, kv: torch.Tensor, held: HeldPrompt, target: TransferTarget) -> float:
-    """Our transfer of the held pages to a fresh reservation, until the ack."""
+def time_ours(sender: ZmqSender, kv: torch.Tensor, held: HeldPrompt, plan: TransferPlan) -> float:
+    """Our transfer (the byte side alone) of the held pages to a fresh reservation, until the ack."""
     layout = PageLayout.of(kv)
     digest = prompt_digest(held.prompt)
     start = time.perf_counter()
-    out = sender.open(target.request_id, target.endpoint, target.server_key, secret=target.secret)
+    out = sender.open(plan.request_id, plan.endpoint, plan.server_key, secret=plan.secret)
     for layer in range(layout.num_layers):
-        runs = page_runs(kv, layer, target.skip_blocks, target.num_blocks, held.block_ids, target.block_ids)
+        runs = page_runs(kv, layer, plan.skip_blocks, plan.num_blocks, held.block_ids, plan.block_ids)
         sender.send_pages(out, layer, runs, layout)
     sender.send_final(out, len(held.prompt), digest, [held.first_token])
-    return _until_ack(sender, target.request_id, start)
+    return _until_ack(sender, plan.request_id, start)
 
 
 def _until_ack(sender: ZmqSender, rid: str, start: float) -> float:
@@ -290,24 +314,27 @@ class OverlapRun:
     exposed_s: float  # that moment -> the receiver's ack
 
 
-def stream_once(connector: PrefillConnector, decode: DecodePeer, rid: str, prompt: list[int]) -> OverlapRun:
-    target = decode.reserve("zmq_tcp", rid, prompt)
+def stream_once(table: RequestTable, decode: DecodePeer, rid: str, prompt: list[int]) -> OverlapRun:
+    """As a prefill worker: its request table ships each layer's pages as the layer is written."""
+    plan = decode.reserve("zmq_tcp", rid, prompt)
     start = time.perf_counter()
-    connector.submit(rid, prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), target)
-    while True:
-        update = connector.step()
-        if any(o.request_id == rid for o in update.outputs):
-            computed = time.perf_counter()
-            break
-    if rid in update.released:  # acked within the very step that finished the prefill
-        return OverlapRun(computed - start, 0.0)
-    return OverlapRun(computed - start, _until_released(connector, rid, computed) - computed)
+    table.submit(rid, prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), plan=plan)
+    while not any(o.request_id == rid for o in table.advance()):
+        pass
+    computed = time.perf_counter()
+    give_up = computed + WAIT_S
+    while table.get(rid) is not None:  # HELD until the ack (a later poll)
+        if time.perf_counter() > give_up:
+            raise RuntimeError(f"{rid}: never acked")
+        table.advance()
+    return OverlapRun(computed - start, time.perf_counter() - computed)
 
 
-def serial_once(connector: PrefillConnector, decode: DecodePeer, rid: str, prompt: list[int]) -> OverlapRun:
-    """Prefill first (no layer hook), then send every page."""
-    engine = connector.engine
-    target = decode.reserve("zmq_tcp", rid, prompt)
+def serial_once(table: RequestTable, decode: DecodePeer, rid: str, prompt: list[int]) -> OverlapRun:
+    """Prefill first (no layer hook), then send every page: the planning side's own
+    calls (start, the layer hook once per layer over the whole prompt, finish)."""
+    engine, prefill = table.engine, table.connector.prefill
+    plan = decode.reserve("zmq_tcp", rid, prompt)
     hook, engine.layer_hook = engine.layer_hook, None
     try:
         start = time.perf_counter()
@@ -319,17 +346,19 @@ def serial_once(connector: PrefillConnector, decode: DecodePeer, rid: str, promp
         computed = time.perf_counter()
     finally:
         engine.layer_hook = hook
-    connector.export_held(rid, prompt, target, [first])
-    return OverlapRun(computed - start, _until_released(connector, rid, computed) - computed)
-
-
-def _until_released(connector: PrefillConnector, rid: str, start: float) -> float:
-    while time.perf_counter() < start + WAIT_S:
-        update = connector.poll(timeout_s=0.05)
-        if rid in update.released:
-            if update.released[rid] != "done":
-                raise RuntimeError(f"{rid}: {update.released[rid]}")
-            return time.perf_counter()
+    prefill.start(rid, prompt, plan)
+    whole = [ExportSlice(rid, 0, len(prompt), engine.held_block_ids(rid))]
+    for layer in range(PageLayout.of(engine.runner.kv_cache).num_layers):
+        prefill.on_layer(layer, whole)
+    prefill.finish(rid, first)
+    while time.perf_counter() < computed + WAIT_S:
+        update = prefill.poll(timeout_s=0.05)
+        if rid in update.failed:
+            raise RuntimeError(f"{rid}: {update.failed[rid]}")
+        if rid in update.done:
+            acked = time.perf_counter()
+            engine.release(rid)
+            return OverlapRun(computed - start, acked - computed)
     raise RuntimeError(f"{rid}: never acked")
 
 
@@ -394,8 +423,8 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = print) -> str:
                 if name.startswith("raw"):
                     return time_raw(raw_socks[name], kv, held, header_bytes)
                 counter += 1
-                target = decode.reserve(name, f"tput-{counter}", held.prompt)
-                return time_ours(senders[name], kv, held, target)
+                plan = decode.reserve(name, f"tput-{counter}", held.prompt)
+                return time_ours(senders[name], kv, held, plan)
 
             return once
 
@@ -423,12 +452,12 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = print) -> str:
         curve = Ratio.paired(times["zmq_tcp"], times["zmq_curve"])
         log(f"  zmq_tcp / raw_tcp GB/s per repetition: {tcp}; zmq_ipc / raw_ipc: {ipc}; zmq_curve / zmq_tcp: {curve}")
 
-        connector = PrefillConnector(engine, senders["zmq_tcp"])
+        table = worker_table(engine, sender=senders["zmq_tcp"])
         plain, stream, serial = [], [], []
         for rep in range(cfg.overlap_reps + 1):  # repetition 0 warms up
             p = plain_prefill_s(engine, f"plain-{rep}", make_prompt(rng, cfg))
-            s = stream_once(connector, decode, f"stream-{rep}", make_prompt(rng, cfg))
-            c = serial_once(connector, decode, f"serial-{rep}", make_prompt(rng, cfg))
+            s = stream_once(table, decode, f"stream-{rep}", make_prompt(rng, cfg))
+            c = serial_once(table, decode, f"serial-{rep}", make_prompt(rng, cfg))
             if rep:
                 plain.append(p)
                 stream.append(s)

@@ -400,7 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--torch-threads", type=int, default=c.torch_threads, help="per worker")
     g.add_argument("--worker-cpus", default=c.worker_cpus, help="pin workers to CPUs, e.g. '0;1' (see pdserve up)")
     g.add_argument("--kv-connector", default=c.kv_connector,
-                   help="workers' KV transfer connector 'module:factory' (default: ZeroMQ tcp; '' for none)")
+                   help="workers' KV transport: zmq | zmq_ipc | gloo | nccl | none (default: ZeroMQ tcp)")
     g.add_argument("--no-prefix-caching", action="store_true", help="workers without a prefix cache")
     g.add_argument("--prefill-policy", default=c.prefill_policy, help="router's prefill choice: prefix | round_robin")
     g.add_argument("--device", default=c.device, help="workers' torch device (cuda for the GPU mode)")

@@ -34,7 +34,7 @@ from pdserve.engine.output import OutputProcessor, TokenDelta, TokenHook
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import SamplingParams, continues_from_first_token
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.stats import EngineStats
 from pdserve.engine.tokenizer import Tokenizer, has_tokenizer
@@ -144,15 +144,15 @@ class LLMEngine:
         """Queue a request. With `export_kv` (prefill role) its blocks outlive it until
         `release(request_id)`, so the KV can be shipped to a decode worker.
 
-        With `first_token` (n == 1, no beams): that token, sampled elsewhere, is the
-        request's first output token (told to the token hook at once, as a committed
-        transfer's is), and the prompt is computed with it, as a preempted sequence is
-        recomputed, before the next token is sampled: a decode worker taking over a
-        prompt whose KV never arrived. Returns the request's output if that token
-        already finished it (else [])."""
+        With `first_token` (`continues_from_first_token`: n == 1, no beams): that
+        token, sampled elsewhere, is the request's first output token (told to the
+        token hook at once, as a committed transfer's is), and the prompt is computed
+        with it, as a preempted sequence is recomputed, before the next token is
+        sampled: a decode worker taking over a prompt whose KV never arrived. Returns
+        the request's output if that token already finished it (else [])."""
         self.validate(prompt_token_ids, params)
         if first_token is not None:
-            if params.n != 1 or params.use_beam_search:
+            if not continues_from_first_token(params):
                 raise ValueError("first_token: only for n == 1 without beam search")
             if not 0 <= first_token < self.model_config.vocab_size:
                 raise ValueError(f"first_token: {first_token} is not in [0, {self.model_config.vocab_size})")

@@ -137,6 +137,17 @@ class SamplingParams:
         return max(self.n, self.beam_width)
 
 
+def continues_from_first_token(params: SamplingParams) -> bool:
+    """Whether a request whose first token was sampled on another worker goes on from
+    that token: the one rule, wherever a first token crosses (a KV transfer's plan, the
+    decode worker's fallback after a lost transfer). Only one sequence without beam
+    search can: n > 1 forks every sequence from the last prompt token, and beams need
+    every candidate there, so the decode worker recomputes that token and samples
+    itself. The token's logprobs, when asked, travel with it (the prefill worker
+    computes them and answers them to the router)."""
+    return params.n == 1 and not params.use_beam_search
+
+
 def check_field(ok: bool, name: str, rule: str, value: object) -> None:
     """Raise ValueError "<name>: <rule>, got <value>" unless `ok`. The value is cut
     short: the message becomes a gRPC status, and a client's megabyte string must

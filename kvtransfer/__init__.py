@@ -1,15 +1,20 @@
-"""Moving KV pages from prefill workers to decode workers.
+"""Moving KV pages between workers.
 
-    wire.py       the versioned frame format and the receiver's acceptance rules
+    wire.py       the versioned frame format and the receiver's acceptance rules (Inbox)
     curve.py      CURVE keys of an endpoint (no sockets: services load it freely)
     channel.py    the control channel every transport shares: ZeroMQ headers, acks,
                   pairing, CURVE; page bytes left to a page mover
     zmq.py        ZeroMQ transport: the channel + frame pages (tcp/ipc, zero-copy)
     nccl.py       torch.distributed transport: the channel + point-to-point pages
                   (NCCL on GPU, gloo on CPU)
-    connector.py  prefill side (stream pages layer by layer, release on ack or lease)
-                  and decode side (reserve, receive, commit or abort on deadline)
+    plan.py       the transfer plan: made by the decode side, carried by the router as bytes
+    connector.py  one interface, two sides: the planning side the engine thread calls
+                  (DecodeConnector, PrefillConnector) over the byte side transports
+                  implement (Receiver, Sender); KVConnector is one worker's
+    registry.py   transports by name (--kv-connector zmq | zmq_ipc | gloo | nccl | none)
+    stats.py      the transfer counters (KVTransferStats)
 
-kvtransfer knows nothing about scheduling: the connectors drive an engine through
-its public disaggregation API and never touch its internals.
+kvtransfer knows nothing about scheduling or lifecycles: the planning side reports
+what arrived, was acknowledged or failed, and never calls the engine; the worker's
+request table (services/worker/requests.py) decides and frees.
 """

@@ -73,7 +73,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class ZmqConfig:
     curve: CurveConfig | None = None
-    poll_interval_s: float = 0.02  # receiver: longest sleep between deadline checks
+    poll_interval_s: float = 0.02  # receiver: longest sleep before acking transfers the engine thread ended
     send_hwm: int = 100_000  # messages queued per peer before a send fails
     recv_hwm: int = 10_000
     io_threads: int = 1
@@ -210,8 +210,10 @@ class ReceiverChannel:
         return self.pages.host_buffers
 
     def expect(self, request_id: str, block_ids: Sequence[int], skip: int, num_tokens: int,
-               digest: bytes, deadline: float, secret: bytes) -> None:
-        self.inbox.expect(request_id, block_ids, skip, num_tokens, digest, deadline, secret)
+               digest: bytes, secret: bytes) -> None:
+        """Pages of blocks [skip, len(block_ids)) of a reservation will arrive, proving
+        `secret`. No deadline here: the reservation's owner cancels it when it gives up."""
+        self.inbox.expect(request_id, block_ids, skip, num_tokens, digest, secret)
 
     @property
     def max_message_bytes(self) -> int:
@@ -231,6 +233,10 @@ class ReceiverChannel:
         while self._events:
             out.append(self._events.popleft())
         return out
+
+    def receiving(self) -> list[str]:
+        """Transfers whose pages began to land since the last call."""
+        return self.inbox.take_started()
 
     def stats(self) -> dict[str, int]:
         with self.inbox.lock:
@@ -302,15 +308,12 @@ class ReceiverChannel:
         ctx.term()
 
     def _serve(self, sock: zmq.Socket) -> None:
-        interval = self.config.poll_interval_s
+        wait_ms = int(self.config.poll_interval_s * 1000) + 1
         while not self._stop.is_set():
-            deadline = self.inbox.next_deadline()
-            wait = interval if deadline is None else min(interval, max(0.0, deadline - self.inbox.clock()))
-            if sock.poll(int(wait * 1000) + 1, zmq.POLLIN):
-                for _ in range(256):  # then look at deadlines again
+            if sock.poll(wait_ms, zmq.POLLIN):
+                for _ in range(256):  # then publish what the engine thread ended meanwhile
                     if not self._serve_one(sock):
                         break
-            self.inbox.expire()
             self._publish(sock)
 
     def _serve_one(self, sock: zmq.Socket) -> bool:
@@ -430,7 +433,7 @@ class SenderChannel:
         out.seq += 1
 
     def send_abort(self, out: Outgoing, reason: str) -> None:
-        """Best effort: tell the receiver to give up now rather than at its deadline."""
+        """Best effort: tell the receiver to give up now rather than when its owner does."""
         try:
             self.send(out, [encode(sign(AbortHeader(out.request_id, reason[:1000]), out.secret))])
         except TransferError:

@@ -1,24 +1,32 @@
-"""The two roles of a KV transfer, driving an engine through its disaggregation API.
+"""The KV connector: one interface with two sides (the idea of vLLM v1's KVConnector).
 
-Decode side (`DecodeConnector`):
+    planning side: what the engine thread calls         byte side: what a transport is
+    ---------------------------------------------        ------------------------------
+    decode   DecodeConnector.expect(reservation) -> plan  Receiver: expect / cancel /
+             DecodeConnector.poll() -> receiving,           events / receiving
+                                       arrived, failed      (ZmqReceiver, TorchDistReceiver)
+             DecodeConnector.cancel(id) -> bool
+    prefill  PrefillConnector.start(id, plan)             Sender: open / send_pages /
+             PrefillConnector.on_layer (engine hook)        send_final / send_abort / poll
+             PrefillConnector.finish(id, first token)       (ZmqSender, TorchDistSender)
+             PrefillConnector.poll() -> done, failed
+             PrefillConnector.cancel(id)
 
-    reserve ──> WAITING_FOR_REMOTE_KV ──pages + final──> commit_remote (decoding)
-                     │  deadline, sender abort, bad pages, cancel
-                     └──────────────────────────────────> abort (blocks freed)
+A worker has one `KVConnector`: the planning side of each role it plays over one
+transport (chosen by name: kvtransfer/registry.py). The planning side runs on the
+engine thread only and never touches the engine: it says what arrived, what was
+acknowledged and what failed, and the worker's request table
+(services/worker/requests.py) decides, moves the request and frees its blocks. So
+there is no lifecycle and no deadline here: a transfer waits until its owner cancels
+it (expiry is the owner's deadline), and a cancel that finds pages landing returns
+False, after which a later `poll` reports the transfer failed once the write is
+over, and only then may the blocks be freed.
 
-Prefill side (`PrefillConnector`):
-
-    submit ──> prefill (layer hook: send layer i's new pages as soon as it is written)
-           ──> finished: send final (first token) ──> held ──ack or lease──> release
-
-Both connectors run on the engine thread: the engine is not thread-safe, and these
-are the only callers that touch it. On the decode side a receiver thread writes page
-bytes into reserved blocks (owned by that reservation alone until commit) and queues
-done/failed events that `poll` turns into `commit_remote` / `abort`.
-
-Invariants: every reservation ends in exactly one commit or abort, no later than its
-deadline (plus a grace period if the receiver is silent); every exported request's
-blocks are released on ack, on a failed ack, or when the lease runs out.
+On the decode side a receiver thread writes page bytes into reserved blocks (owned
+by that reservation alone until it is committed or freed). On the prefill side each
+layer's new pages leave as soon as the layer is written, the first token (if the
+plan says so) with the final message, and the blocks stay held until the receiver's
+ack.
 """
 
 from __future__ import annotations
@@ -30,117 +38,53 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-import msgpack
 import torch
 
 from pdserve.engine.hashing import hash_blocks  # the one block hash every worker agrees on
+from pdserve.engine.sampling_params import continues_from_first_token
+from pdserve.kvtransfer.plan import TransferPlan
+from pdserve.kvtransfer.stats import KVTransferStats
 from pdserve.kvtransfer.wire import (
     AckHeader,
     Outgoing,
     PageLayout,
     TransferError,
     TransferEvent,
-    check_secret,
     new_secret,
     prompt_digest,
 )
 
-if TYPE_CHECKING:  # the engine is driven through its public API, imported for types only
-    from pdserve.engine.engine import ExportSlice, LLMEngine, Reservation
-    from pdserve.engine.outputs import RequestOutput
+if TYPE_CHECKING:  # engine types only
+    from pdserve.engine.disagg import Reservation
+    from pdserve.engine.export import ExportSlice
     from pdserve.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
 
-# -- the plan the router carries from decode to prefill ------------------------------
-
-
-@dataclass(frozen=True)
-class TransferTarget:
-    """Where a prefill worker ships one request's KV. Made by the decode worker's
-    `reserve`, carried by the router (`pack`/`unpack`: msgpack) to the prefill worker.
-
-    `skip_blocks` leading prompt blocks are already on the decode worker (its prefix
-    cache; `cached_block_hashes` are their chained hashes, which the prefill side
-    checks against its own); only blocks from there on cross the wire. `block_ids`
-    are the decode worker's reserved blocks, a hint that lets the sender make runs
-    contiguous on both ends (the receiver never trusts them).
-
-    `secret` is the reservation's one-time secret (wire.py): whoever holds the target
-    can fill the reservation, so it travels only over the cluster's authenticated
-    channels, from the decode worker through the router to the one prefill worker the
-    router chose.
-    """
-
-    request_id: str
-    endpoint: str
-    transport: str  # "zmq" or "torch"
-    layout: PageLayout
-    num_tokens: int
-    skip_blocks: int
-    cached_block_hashes: tuple[bytes, ...]
-    block_ids: tuple[int, ...]
-    deadline_s: float  # how long the receiver waits, from reservation
-    server_key: bytes | None = None  # the receiver's CURVE public key
-    sample_first_token: bool = True  # False: the decode worker recomputes the last token
-    secret: bytes = b""  # proves the sender to the receiver; required (see validate)
-
-    @property
-    def num_blocks(self) -> int:
-        return -(-self.num_tokens // self.layout.block_size)
-
-    def pack(self) -> bytes:
-        return msgpack.packb({
-            "rid": self.request_id, "endpoint": self.endpoint, "transport": self.transport,
-            "layout": self.layout.to_wire(), "num_tokens": self.num_tokens, "skip": self.skip_blocks,
-            "hashes": list(self.cached_block_hashes), "block_ids": list(self.block_ids),
-            "deadline_s": self.deadline_s, "server_key": self.server_key, "sample_first": self.sample_first_token,
-            "secret": self.secret,
-        }, use_bin_type=True)
-
-    @classmethod
-    def unpack(cls, raw: bytes) -> "TransferTarget":
-        try:
-            d = msgpack.unpackb(raw, raw=False)
-            target = cls(
-                d["rid"], d["endpoint"], d["transport"], PageLayout.from_wire(d["layout"]), d["num_tokens"],
-                d["skip"], tuple(d["hashes"]), tuple(d["block_ids"]), float(d["deadline_s"]),
-                d["server_key"], d["sample_first"], d["secret"],
-            )
-        except Exception as exc:
-            raise ValueError(f"transfer target: malformed ({exc})") from None
-        target.validate()
-        return target
-
-    def validate(self) -> None:
-        if not isinstance(self.request_id, str) or not isinstance(self.endpoint, str):
-            raise ValueError("transfer target: request_id and endpoint must be strings")
-        ints = [self.num_tokens, self.skip_blocks, *self.block_ids]
-        if any(isinstance(v, bool) or not isinstance(v, int) for v in ints) or self.num_tokens < 1:
-            raise ValueError("transfer target: num_tokens, skip_blocks, block_ids must be ints")
-        if not 0 <= self.skip_blocks < self.num_blocks or len(self.cached_block_hashes) != self.skip_blocks:
-            raise ValueError(f"skip_blocks: {self.skip_blocks} with {len(self.cached_block_hashes)} hashes for {self.num_blocks} blocks")
-        if self.block_ids and len(self.block_ids) != self.num_blocks:
-            raise ValueError(f"block_ids: {len(self.block_ids)} ids for {self.num_blocks} blocks")
-        check_secret(self.secret, "transfer target: secret")
+# -- the byte side ------------------------------------------------------------------
 
 
 class Receiver(Protocol):
-    """What the decode connector needs from a transport (ZmqReceiver, TorchDistReceiver)."""
+    """A transport's decode end (ZmqReceiver, TorchDistReceiver)."""
 
     endpoint: str
     server_key: bytes | None
     transport: str
+    on_events: Callable[[], None] | None  # told (on the transport's thread) when `events` has news
 
+    def start(self) -> str: ...
     def expect(self, request_id: str, block_ids: Sequence[int], skip: int, num_tokens: int,
-               digest: bytes, deadline: float, secret: bytes) -> None: ...
+               digest: bytes, secret: bytes) -> None: ...
     def cancel(self, request_id: str, reason: str = ...) -> bool: ...
     def events(self) -> list[TransferEvent]: ...
+    def receiving(self) -> list[str]: ...
+    def stats(self) -> dict[str, int]: ...
+    def close(self) -> None: ...
 
 
 class Sender(Protocol):
-    """What the prefill connector needs from a transport (ZmqSender, TorchDistSender)."""
+    """A transport's prefill end (ZmqSender, TorchDistSender)."""
 
     transport: str
 
@@ -149,6 +93,18 @@ class Sender(Protocol):
     def send_final(self, out: Outgoing, num_tokens: int, digest: bytes, first_tokens: Sequence[int]) -> None: ...
     def send_abort(self, out: Outgoing, reason: str) -> None: ...
     def poll(self, timeout_s: float = 0.0) -> list[AckHeader]: ...
+    def close(self) -> None: ...
+
+
+@dataclass
+class Transport:
+    """One worker's byte side, as a registry factory makes it: a sender if it ships
+    KV (prefill, mixed), a receiver (not started) if it takes KV (decode, mixed)."""
+
+    sender: Sender | None = None
+    receiver: Receiver | None = None
+    sender_endpoint: str = ""  # what a worker that only ships advertises ("can ship KV")
+    cleanup: Callable[[], None] = lambda: None  # after both are closed (e.g. an ipc directory)
 
 
 def page_runs(kv: torch.Tensor, layer: int, lo: int, hi: int, src: Sequence[int],
@@ -173,196 +129,113 @@ def page_runs(kv: torch.Tensor, layer: int, lo: int, hi: int, src: Sequence[int]
 # -- decode side -------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class DecodeConfig:
-    timeout_s: float = 30.0  # a reservation whose KV has not fully arrived by then fails
-    grace_s: float = 2.0  # backstop: abort this long after the deadline if the receiver is silent
-
-    def __post_init__(self) -> None:
-        if self.timeout_s <= 0 or self.grace_s < 0:
-            raise ValueError("decode config: timeout_s must be > 0 and grace_s >= 0")
-
-
 @dataclass
 class DecodeUpdate:
-    """What one `poll`/`step` did: outputs of finished requests, reservations committed
-    (now decoding) and reservations failed (aborted, blocks freed) with the reason."""
+    """What one `poll` found, by request id: transfers whose pages began to land,
+    transfers whose KV arrived whole (the first token to go on from, or None: sample
+    here), and transfers that ended without it (why). A transfer cancelled while a
+    write was landing is reported in `failed` once that write is over."""
 
-    outputs: list[RequestOutput] = field(default_factory=list)
-    committed: list[str] = field(default_factory=list)
+    receiving: list[str] = field(default_factory=list)
+    arrived: dict[str, int | None] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
-    transfer_seconds: dict[str, float] = field(default_factory=dict)  # reserve -> commit, per committed
+    seconds: dict[str, float] = field(default_factory=dict)  # expect -> arrival, per arrived
 
 
 @dataclass
-class _Waiting:
+class _Expected:
     reservation: Reservation
     started: float
-    backstop: float
     sample_first_token: bool
+    cancelled: bool = False  # cancel found a write landing: reported failed when it ends
 
 
 class DecodeConnector:
-    """Decode worker side: reserve blocks, let the receiver fill them, commit or abort."""
+    """Decode worker side: expect a reservation's KV, say when it arrived or failed."""
 
-    def __init__(
-        self,
-        engine: LLMEngine,
-        receiver: Receiver,
-        config: DecodeConfig = DecodeConfig(),
-        on_received: Callable[[Reservation], None] | None = None,
-        clock: Callable[[], float] = time.monotonic,
-        commit: Callable[[str, int | None], list[RequestOutput] | None] | None = None,
-    ) -> None:
-        self.engine = engine
+    def __init__(self, receiver: Receiver, kv_cache: torch.Tensor, vocab_size: int,
+                 on_received: Callable[[Reservation], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.receiver = receiver
-        self.config = config
-        self.layout = PageLayout.of(engine.runner.kv_cache)
-        self.on_received = on_received  # engine thread, after the pages landed, before commit
+        self.layout = PageLayout.of(kv_cache)
+        self.vocab_size = vocab_size
+        self.on_received = on_received  # after a transfer's pages landed, before it is reported arrived
         self.clock = clock
-        # How a reservation whose KV arrived starts decoding: `engine.commit_remote` by
-        # default; a caller that owns the engine's loop (and its bookkeeping of
-        # reservations) passes its own, which must not raise.
-        self._commit_remote = commit or engine.commit_remote
         self.stats: Counter[str] = Counter()
-        self._waiting: dict[str, _Waiting] = {}
-        # Cancelled while a message was landing in their blocks: abort (free) them when
-        # the receiver's failed event says the write is over; value: failure to report.
-        self._cancelling: dict[str, str | None] = {}
+        self._expected: dict[str, _Expected] = {}
 
-    def reserve(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                timeout_s: float | None = None) -> TransferTarget:
-        """Reserve blocks for a prompt whose KV a prefill worker will send.
-
-        Raises NoCapacityError when the KV cache is full, ValueError on bad input.
-        """
-        if params.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs: needs every prompt position computed here; prefill locally")
-        reservation = self.engine.reserve_remote(request_id, list(prompt_token_ids), params)
-        try:
-            return self.adopt(reservation, prompt_token_ids, params, timeout_s)
-        except Exception:
-            self.engine.abort(request_id)
-            raise
-
-    def adopt(self, reservation: Reservation, prompt_token_ids: Sequence[int], params: SamplingParams,
-              timeout_s: float | None = None, sample_first_token: bool | None = None) -> TransferTarget:
-        """Expect the KV of a reservation the caller made itself (`engine.reserve_remote`);
-        from here on this connector commits or aborts it. On error nothing is adopted
-        and the reservation is still the caller's to abort.
-
-        `sample_first_token`: whether the prefill worker's first token is used (True)
-        or this worker recomputes the last prompt token and samples (False). Default:
-        only for n == 1 without beams or logprobs (a caller that gets the first token's
-        logprobs from the prefill worker by other means may say True for logprobs)."""
+    def expect(self, reservation: Reservation, prompt_token_ids: Sequence[int], params: SamplingParams) -> TransferPlan:
+        """The plan for a prefill worker to fill `reservation` (blocks the caller has
+        reserved for this prompt). Raises ValueError for a request that cannot take
+        remote KV; then nothing is expected."""
         if params.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs: needs every prompt position computed here; prefill locally")
         prompt = list(prompt_token_ids)
         request_id = reservation.request_id
-        timeout = self.config.timeout_s if timeout_s is None else timeout_s
-        if timeout <= 0:
-            raise ValueError(f"timeout_s: must be > 0, got {timeout}")
         bs = self.layout.block_size
         skip = reservation.num_cached_tokens // bs
-        now = self.clock()
         secret = new_secret()  # one per reservation: nothing from an earlier one proves it
-        self.receiver.expect(request_id, reservation.block_ids, skip, len(prompt), prompt_digest(prompt), now + timeout,
-                             secret)
-        # n > 1, beams and logprobs need the decoder to sample the first token itself.
-        sample_first = params.n == 1 and params.beam_width == 1 and params.logprobs is None
-        if sample_first_token is not None:
-            if sample_first_token and (params.n > 1 or params.beam_width > 1):
-                raise ValueError("sample_first_token: n > 1 and beam search sample the first token here")
-            sample_first = sample_first_token
-        self._waiting[request_id] = _Waiting(reservation, now, now + timeout + self.config.grace_s, sample_first)
+        self.receiver.expect(request_id, reservation.block_ids, skip, len(prompt), prompt_digest(prompt), secret)
+        sample_first = continues_from_first_token(params)
+        self._expected[request_id] = _Expected(reservation, self.clock(), sample_first)
         self.stats["reserved"] += 1
         self.stats["cached_blocks"] += skip
-        return TransferTarget(
+        return TransferPlan(
             request_id, self.receiver.endpoint, self.receiver.transport, self.layout, len(prompt), skip,
-            tuple(hash_blocks(prompt, bs, cache_salt=params.cache_salt)[:skip]), tuple(reservation.block_ids), timeout,
-            self.receiver.server_key, sample_first, secret,
+            tuple(hash_blocks(prompt, bs, cache_salt=params.cache_salt)[:skip]), tuple(reservation.block_ids),
+            secret, self.receiver.server_key, sample_first,
         )
 
     def cancel(self, request_id: str, reason: str = "cancelled") -> bool:
-        """Abort a request wherever it is (waiting for KV or decoding); frees its blocks,
-        right away (True) or, if pages are landing in them at this moment, on a later
-        `poll` (False: until then nobody else may free them).
-
-        Always cancel through here, never `engine.abort` directly, while KV may be
-        arriving: the receiver must stop writing the blocks before they are freed.
-        """
-        self._waiting.pop(request_id, None)
-        if request_id in self._cancelling:
-            return False
-        if self.receiver.cancel(request_id, reason):
-            self.engine.abort(request_id)
+        """Stop expecting a request's KV. True: nothing writes its blocks any more;
+        False: pages are landing in them right now, and a later `poll` reports the
+        request in `failed` when they are done (until then nobody may free them).
+        Unknown ids: True."""
+        expected = self._expected.get(request_id)
+        if expected is None:
             return True
-        self._cancelling[request_id] = None
+        self.stats["cancelled"] += 1
+        if self.receiver.cancel(request_id, reason):
+            del self._expected[request_id]
+            return True
+        expected.cancelled = True
         return False
 
-    def waiting(self) -> list[str]:
-        """Reservations whose KV has not arrived yet (incl. those being cancelled)."""
-        return [*self._waiting, *self._cancelling]
+    def expecting(self) -> list[str]:
+        """Requests whose KV is expected (including those whose cancel waits for a write)."""
+        return list(self._expected)
 
     def poll(self) -> DecodeUpdate:
-        """Turn finished transfers into commits or aborts; enforce deadlines."""
-        update = DecodeUpdate()
-        for event in self.receiver.events():
-            rid = event.request_id
-            if rid in self._cancelling:  # the write in flight is over: free now
-                report = self._cancelling.pop(rid)
-                if report is None:
-                    self.engine.abort(rid)
-                else:
-                    self._fail(rid, report, update)
-                continue
-            waiting = self._waiting.pop(rid, None)
-            if waiting is None:
-                continue  # cancelled meanwhile
-            if event.ok:
-                self._commit(waiting, event, update)
+        # Events first: a transfer whose end is seen here began to land before it
+        # ended, so it is in `receiving` now or was in an earlier update.
+        events = self.receiver.events()
+        update = DecodeUpdate(receiving=[rid for rid in self.receiver.receiving() if rid in self._expected])
+        for event in events:
+            expected = self._expected.pop(event.request_id, None)
+            if expected is None:
+                continue  # cancelled while nothing was writing, or never ours
+            if expected.cancelled:  # the write in flight is over
+                update.failed[event.request_id] = event.reason or "cancelled"
+            elif event.ok:
+                self._arrived(expected, event, update)
             else:
-                self._fail(rid, event.reason, update)
-        now = self.clock()
-        for rid in [r for r, w in self._waiting.items() if now >= w.backstop]:
-            del self._waiting[rid]
-            reason = "deadline exceeded (receiver silent)"
-            if self.receiver.cancel(rid, "deadline exceeded"):
-                self._fail(rid, reason, update)
-            else:
-                self._cancelling[rid] = reason
+                self._failed(event.request_id, event.reason, update)
         return update
 
-    def step(self) -> DecodeUpdate:
-        """`poll`, then one engine step if any request can run."""
-        update = self.poll()
-        stats = self.engine.stats()
-        if stats.num_requests_running or stats.num_requests_waiting:
-            update.outputs.extend(self.engine.step())
-        return update
-
-    def _commit(self, waiting: _Waiting, event: TransferEvent, update: DecodeUpdate) -> None:
-        rid = waiting.reservation.request_id
+    def _arrived(self, expected: _Expected, event: TransferEvent, update: DecodeUpdate) -> None:
+        rid = event.request_id
         tokens = event.first_tokens
-        vocab = self.engine.model_config.vocab_size
-        if len(tokens) > 1 or any(not 0 <= t < vocab for t in tokens):
-            self._fail(rid, f"first_tokens: {list(tokens)} is not one token in [0, {vocab})", update)
+        if len(tokens) > 1 or any(not 0 <= t < self.vocab_size for t in tokens):
+            self._failed(rid, f"first_tokens: {list(tokens)} is not one token in [0, {self.vocab_size})", update)
             return
         if self.on_received is not None:
-            self.on_received(waiting.reservation)
-        first = tokens[0] if tokens and waiting.sample_first_token else None
-        try:
-            update.outputs.extend(self._commit_remote(rid, first) or ())
-        except ValueError as exc:
-            self._fail(rid, f"commit: {exc}", update)
-            return
-        update.committed.append(rid)
-        update.transfer_seconds[rid] = self.clock() - waiting.started
+            self.on_received(expected.reservation)
+        update.arrived[rid] = tokens[0] if tokens and expected.sample_first_token else None
+        update.seconds[rid] = self.clock() - expected.started
         self.stats["committed"] += 1
         self.stats["bytes"] += event.nbytes
 
-    def _fail(self, request_id: str, reason: str, update: DecodeUpdate) -> None:
-        self.engine.abort(request_id)
+    def _failed(self, request_id: str, reason: str, update: DecodeUpdate) -> None:
         update.failed[request_id] = reason
         self.stats["failed"] += 1
         log.info("kv transfer for %s failed: %s", request_id, reason)
@@ -371,183 +244,54 @@ class DecodeConnector:
 # -- prefill side ------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class PrefillConfig:
-    lease_s: float = 60.0  # after the final message, release held blocks by then at the latest
-
-    def __post_init__(self) -> None:
-        if self.lease_s <= 0:
-            raise ValueError(f"lease_s: must be > 0, got {self.lease_s}")
-
-
 @dataclass
 class _Export:
     """One request being exported. `sent_upto[layer]` is the block index below which
-    that layer's pages have been sent; `lease` is set once the final message is out."""
+    that layer's pages have been sent; `final_at` is set once the final message is out."""
 
-    target: TransferTarget
+    plan: TransferPlan
     out: Outgoing
     digest: bytes
     sent_upto: list[int]
-    failed: str | None = None
-    lease: float | None = None
-    final_at: float | None = None  # when the final message went out
+    failed: str | None = None  # a send failed (in the layer hook): reported by the next poll
+    final_at: float | None = None
 
 
 @dataclass
 class PrefillUpdate:
-    outputs: list[RequestOutput] = field(default_factory=list)
-    released: dict[str, str] = field(default_factory=dict)  # request id -> "done" | why not
-    # request id -> seconds from the final message to the receiver's ack, for "done"
-    transfer_seconds: dict[str, float] = field(default_factory=dict)
+    """What one `poll` found, by request id: exports the receiver acknowledged (seconds
+    from the final message to the ack) and exports that cannot complete (why)."""
+
+    done: dict[str, float] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 class PrefillConnector:
     """Prefill worker side: stream each layer's pages the decoder lacks as soon as the
-    layer is written, send the first token with the final message, release on ack."""
+    layer is written, send the first token with the final message, report the ack."""
 
-    def __init__(self, engine: LLMEngine, sender: Sender, config: PrefillConfig = PrefillConfig(),
-                 clock: Callable[[], float] = time.monotonic,
-                 release: Callable[[str], None] | None = None) -> None:
-        self.engine = engine
+    def __init__(self, sender: Sender, kv_cache: torch.Tensor, clock: Callable[[], float] = time.monotonic) -> None:
         self.sender = sender
-        self.config = config
+        self.kv = kv_cache
+        self.layout = PageLayout.of(kv_cache)
         self.clock = clock
-        # How held blocks are freed once shipped (or given up): `engine.release` by
-        # default; a caller that owns the engine's loop (and its leases) passes its own.
-        self._release = release or engine.release
-        self.kv = engine.runner.kv_cache
-        self.layout = PageLayout.of(self.kv)
         self.stats: Counter[str] = Counter()
         self._exports: dict[str, _Export] = {}
-        engine.layer_hook = self._on_layer
 
-    def submit(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-               target: TransferTarget) -> None:
-        """Prefill a prompt and stream its KV to `target` (`params`: usually max_tokens=1).
-
-        Raises ValueError when the target does not fit this prompt or engine, and
-        TransferError when the receiver cannot be reached.
-        """
-        self.track(request_id, prompt_token_ids, target, params.cache_salt)
-        try:
-            self.engine.add_request(request_id, list(prompt_token_ids), params, export_kv=True)
-        except Exception:
-            self._exports.pop(request_id, None)
-            raise
-
-    def track(self, request_id: str, prompt_token_ids: Sequence[int], target: TransferTarget,
+    def start(self, request_id: str, prompt_token_ids: Sequence[int], plan: TransferPlan,
               cache_salt: str | None = None) -> None:
-        """Stream the KV of a request the caller adds to the engine itself, right after,
-        with `export_kv=True` (and this `cache_salt`); `step`/`on_outputs` (or `finish`)
-        send its final message."""
+        """Ship the KV of a request the caller is about to add to the engine (with
+        `export_kv` and this `cache_salt`), as `plan` says: from here on `on_layer`
+        sends its pages. Raises ValueError when the plan does not fit this prompt or
+        engine, TransferError when the receiver cannot be reached."""
         prompt = list(prompt_token_ids)
-        self._check_target(request_id, prompt, target, cache_salt)
-        out = self.sender.open(request_id, target.endpoint, target.server_key, secret=target.secret)
-        self._exports[request_id] = self._new_export(target, out, prompt)
+        self._check_plan(request_id, prompt, plan, cache_salt)
+        out = self.sender.open(request_id, plan.endpoint, plan.server_key, secret=plan.secret)
+        self._exports[request_id] = _Export(plan, out, prompt_digest(prompt), [plan.skip_blocks] * self.layout.num_layers)
 
-    def export_held(self, request_id: str, prompt_token_ids: Sequence[int], target: TransferTarget,
-                    first_tokens: Sequence[int] = (), cache_salt: str | None = None) -> None:
-        """Ship the KV of a finished, held request to a target in one go (every layer,
-        then the final message); the blocks stay held until acked or the lease ends.
-        On TransferError the receiver is told to give up and the blocks stay held."""
-        prompt = list(prompt_token_ids)
-        self._check_target(request_id, prompt, target, cache_salt)
-        block_ids = self.engine.held_block_ids(request_id)
-        out = self.sender.open(request_id, target.endpoint, target.server_key, secret=target.secret)
-        export = self._new_export(target, out, prompt)
-        try:
-            for layer in range(self.layout.num_layers):
-                self._send_layer(export, layer, 0, len(prompt), block_ids)
-        except TransferError as exc:
-            self.sender.send_abort(out, f"send: {exc}")
-            raise
-        self._exports[request_id] = export
-        self._send_final(request_id, export, list(first_tokens))
-
-    def step(self) -> PrefillUpdate:
-        """One engine step, then finish exported requests and handle acks and leases."""
-        outputs = self.engine.step() if self.engine.has_unfinished() else []
-        update = self.on_outputs(outputs)
-        self.poll(update)
-        return update
-
-    def on_outputs(self, outputs: list[RequestOutput]) -> PrefillUpdate:
-        """Send the final message of every exported request among `outputs`."""
-        update = PrefillUpdate(outputs=outputs)
-        for output in outputs:
-            completion = output.outputs[0] if output.outputs else None
-            first = completion.token_ids[0] if completion is not None and completion.token_ids else None
-            self.finish(output.request_id, first, update)
-        return update
-
-    def finish(self, request_id: str, first_token: int | None, update: PrefillUpdate | None = None) -> None:
-        """An exported request's prefill is over: send the final message (with the first
-        token, unless the target asked the decoder to sample it); from now on its held
-        blocks wait for the ack or the lease. A request the engine aborted instead (no
-        held blocks) is dropped, and the receiver told."""
-        update = update if update is not None else PrefillUpdate()
-        export = self._exports.get(request_id)
-        if export is None or export.lease is not None:
-            return
-        if request_id not in self.engine.held:
-            self.sender.send_abort(export.out, "prefill aborted")
-            self._drop(request_id, "prefill aborted", update, release=False)
-            return
-        tokens = [first_token] if first_token is not None and export.target.sample_first_token else []
-        self._send_final(request_id, export, tokens)
-        if export.failed is not None:
-            self._drop(request_id, export.failed, update)
-
-    def poll(self, update: PrefillUpdate | None = None, timeout_s: float = 0.0) -> PrefillUpdate:
-        """Release blocks the receiver confirmed (or refused), and those whose lease ended;
-        waits up to `timeout_s` for an ack when none is there yet."""
-        update = update or PrefillUpdate()
-        for ack in self.sender.poll(timeout_s):
-            export = self._exports.get(ack.request_id)
-            if export is None:
-                continue
-            if export.lease is None:  # still prefilling: stop sending, release when it finishes
-                if not ack.ok:
-                    export.failed = f"receiver: {ack.reason}"
-                continue
-            self._drop(ack.request_id, "done" if ack.ok else f"receiver: {ack.reason}", update)
-        now = self.clock()
-        for rid in [r for r, e in self._exports.items() if e.lease is not None and now >= e.lease]:
-            self._drop(rid, "lease expired", update)
-        return update
-
-    def cancel(self, request_id: str, reason: str = "cancelled") -> None:
-        """Stop a request's prefill and transfer; its blocks are freed."""
-        export = self._exports.pop(request_id, None)
-        if export is not None:
-            self.sender.send_abort(export.out, reason)
-        self.engine.abort(request_id)
-
-    def exporting(self) -> list[str]:
-        return list(self._exports)
-
-    # -- internals ---------------------------------------------------------------
-
-    def _check_target(self, request_id: str, prompt: list[int], target: TransferTarget, cache_salt: str | None) -> None:
-        target.validate()
-        if target.request_id != request_id:
-            raise ValueError(f"target: for {target.request_id!r}, not {request_id!r}")
-        if target.transport != self.sender.transport:
-            raise ValueError(f"target.transport: {target.transport!r}, this sender speaks {self.sender.transport!r}")
-        if target.layout != self.layout:
-            raise ValueError(f"target.layout: receiver holds {target.layout}, this engine {self.layout}")
-        if target.num_tokens != len(prompt):
-            raise ValueError(f"target.num_tokens: {target.num_tokens} for a prompt of {len(prompt)}")
-        ours = hash_blocks(prompt, self.layout.block_size, cache_salt=cache_salt)[: target.skip_blocks]
-        if list(target.cached_block_hashes) != ours:
-            raise ValueError("target.cached_block_hashes: do not match this prompt's blocks")
-
-    def _new_export(self, target: TransferTarget, out: Outgoing, prompt: list[int]) -> _Export:
-        return _Export(target, out, prompt_digest(prompt), [target.skip_blocks] * self.layout.num_layers)
-
-    def _on_layer(self, layer: int, slices: list[ExportSlice]) -> None:
-        """Engine hook, after `layer` wrote the K/V of each slice's tokens. Never raises."""
+    def on_layer(self, layer: int, slices: list[ExportSlice]) -> None:
+        """The engine's layer hook, after `layer` wrote the K/V of each slice's tokens.
+        Never raises: a send that fails fails its transfer (reported by `poll`)."""
         for s in slices:
             export = self._exports.get(s.request_id)
             if export is None or export.failed is not None:
@@ -558,37 +302,154 @@ class PrefillConnector:
                 export.failed = f"send: {exc}"
                 self.stats["send_errors"] += 1
 
+    def finish(self, request_id: str, first_token: int | None) -> None:
+        """The request's prefill is over (its blocks held): send the final message, with
+        `first_token` if the plan uses it. From now on the blocks wait for the ack
+        (`poll`). Raises TransferError when the transfer has failed (the receiver is
+        told, the export forgotten)."""
+        export = self._exports.get(request_id)
+        if export is None:
+            raise TransferError(f"request_id: {request_id!r} has no KV transfer")
+        tokens = [first_token] if first_token is not None and export.plan.sample_first_token else []
+        if export.failed is None:
+            try:
+                self.sender.send_final(export.out, export.plan.num_tokens, export.digest, tokens)
+                export.final_at = self.clock()
+                return
+            except TransferError as exc:
+                export.failed = f"send: {exc}"
+        self._drop(request_id, export.failed, abort=True)
+        raise TransferError(export.failed)
+
+    def poll(self, timeout_s: float = 0.0) -> PrefillUpdate:
+        """Acks that arrived (waiting up to `timeout_s` for one when none is there), and
+        exports whose sends failed since the last call."""
+        update = PrefillUpdate()
+        for ack in self.sender.poll(timeout_s):
+            export = self._exports.get(ack.request_id)
+            if export is None:
+                continue
+            if ack.ok and export.final_at is not None:
+                update.done[ack.request_id] = self.clock() - export.final_at
+                self._drop(ack.request_id, None)
+            elif not ack.ok:
+                update.failed[ack.request_id] = f"receiver: {ack.reason}"
+                self._drop(ack.request_id, update.failed[ack.request_id])
+        for rid in [r for r, e in self._exports.items() if e.failed is not None]:
+            update.failed[rid] = self._exports[rid].failed
+            self._drop(rid, update.failed[rid], abort=True)
+        return update
+
+    def cancel(self, request_id: str, reason: str = "cancelled") -> None:
+        """Forget a request's transfer (idempotent, unknown ids ignored). Before the
+        final message the receiver is told to give up (an abort, not a failure); after
+        it, the receiver has all it needs or hears the final first anyway, and the
+        transfer counts as failed: it was never acknowledged (e.g. the lease ran out)."""
+        export = self._exports.get(request_id)
+        if export is None:
+            return
+        sent = export.final_at is not None
+        self._drop(request_id, reason, abort=not sent, failed=sent)
+
+    def exporting(self) -> list[str]:
+        return list(self._exports)
+
+    # -- internals ---------------------------------------------------------------
+
+    def _check_plan(self, request_id: str, prompt: list[int], plan: TransferPlan, cache_salt: str | None) -> None:
+        plan.validate()
+        if plan.request_id != request_id:
+            raise ValueError(f"transfer_plan: for {plan.request_id!r}, not {request_id!r}")
+        if request_id in self._exports:
+            raise ValueError(f"request_id: {request_id!r} is already being exported")
+        if plan.transport != self.sender.transport:
+            raise ValueError(f"transfer_plan.transport: {plan.transport!r}, this sender speaks {self.sender.transport!r}")
+        if plan.layout != self.layout:
+            raise ValueError(f"transfer_plan.layout: receiver holds {plan.layout}, this engine {self.layout}")
+        if plan.num_tokens != len(prompt):
+            raise ValueError(f"transfer_plan.num_tokens: {plan.num_tokens} for a prompt of {len(prompt)}")
+        ours = hash_blocks(prompt, self.layout.block_size, cache_salt=cache_salt)[: plan.skip_blocks]
+        if list(plan.cached_block_hashes) != ours:
+            raise ValueError("transfer_plan.cached_block_hashes: do not match this prompt's blocks")
+
     def _send_layer(self, export: _Export, layer: int, start: int, end: int, block_ids: Sequence[int]) -> None:
         """Send pages [lo, hi) of `layer`: from the first block this chunk touched (or the
         first one never sent, e.g. our own prefix-cache hits), skipping what the
         receiver holds. A partially filled block is sent again with the next chunk."""
         bs = self.layout.block_size
-        lo = max(export.target.skip_blocks, min(export.sent_upto[layer], start // bs))
-        hi = min(-(-end // bs), export.target.num_blocks)
+        lo = max(export.plan.skip_blocks, min(export.sent_upto[layer], start // bs))
+        hi = min(-(-end // bs), export.plan.num_blocks)
         if hi <= lo:
             return
-        runs = page_runs(self.kv, layer, lo, hi, block_ids, export.target.block_ids)
+        runs = page_runs(self.kv, layer, lo, hi, block_ids, export.plan.block_ids)
         self.stats["bytes"] += self.sender.send_pages(export.out, layer, runs, self.layout)
         export.sent_upto[layer] = hi
 
-    def _send_final(self, request_id: str, export: _Export, first_tokens: list[int]) -> None:
-        export.final_at = self.clock()
-        export.lease = export.final_at + self.config.lease_s
-        if export.failed is not None:
-            self.sender.send_abort(export.out, export.failed)
+    def _drop(self, request_id: str, why: str | None, abort: bool = False, failed: bool = True) -> None:
+        export = self._exports.pop(request_id)
+        if abort:
+            self.sender.send_abort(export.out, why or "cancelled")
+        if why is None:
+            self.stats["done"] += 1
+        elif failed:
+            self.stats["failed"] += 1
+
+
+# -- one worker's connector -----------------------------------------------------------
+
+
+class KVConnector:
+    """One worker's KV transfer: the planning side of each role it plays (`decode`:
+    it has a receiver; `prefill`: a sender) over one transport. Built by
+    kvtransfer/registry.py from `--kv-connector`; without a transport it moves nothing
+    (`endpoint` ""): the worker then advertises no KV endpoint."""
+
+    def __init__(self, transport: Transport, kv_cache: torch.Tensor, vocab_size: int,
+                 clock: Callable[[], float] = time.monotonic,
+                 on_received: Callable[[Reservation], None] | None = None) -> None:
+        self.transport = transport
+        self.decode = None if transport.receiver is None else DecodeConnector(
+            transport.receiver, kv_cache, vocab_size, on_received, clock)
+        self.prefill = None if transport.sender is None else PrefillConnector(transport.sender, kv_cache, clock)
+        self._started = self._closed = False
+
+    @classmethod
+    def none(cls) -> "KVConnector":
+        """A connector that moves nothing."""
+        return cls(Transport(), torch.empty(0), 0)
+
+    def start(self, wake: Callable[[], None] | None = None) -> None:
+        """Bind the receiver, if any; `wake` is told (on its thread) when it has news."""
+        receiver = self.transport.receiver
+        if receiver is not None and not self._started:
+            receiver.on_events = wake
+            receiver.start()
+        self._started = True
+
+    @property
+    def endpoint(self) -> str:
+        """What the worker advertises: the receiver's endpoint, else the sender's name."""
+        receiver = self.transport.receiver
+        if receiver is not None:
+            return receiver.endpoint if self._started else ""
+        return self.transport.sender_endpoint if self.transport.sender is not None else ""
+
+    def stats(self) -> KVTransferStats:
+        """Transfer counters of both sides, summed (zeros without a transport): page
+        bytes sent and received, transfers acknowledged or arrived, and failed."""
+        out = KVTransferStats()
+        for side, done in ((self.decode, "committed"), (self.prefill, "done")):
+            if side is not None:
+                out += KVTransferStats(side.stats["bytes"], side.stats[done], side.stats["failed"])
+        return out
+
+    def close(self) -> None:
+        """Once the engine thread has stopped (the sender is that thread's). Idempotent."""
+        if self._closed:
             return
-        try:
-            self.sender.send_final(export.out, export.target.num_tokens, export.digest, first_tokens)
-        except TransferError as exc:
-            export.failed = f"send: {exc}"
-            self.sender.send_abort(export.out, export.failed)
-
-    def _drop(self, request_id: str, why: str, update: PrefillUpdate, release: bool = True) -> None:
-        export = self._exports.pop(request_id, None)
-        if why == "done" and export is not None and export.final_at is not None:
-            update.transfer_seconds[request_id] = self.clock() - export.final_at
-        if release:
-            self._release(request_id)
-        update.released[request_id] = why
-        self.stats["done" if why == "done" else "failed"] += 1
-
+        self._closed = True
+        if self.transport.receiver is not None and self._started:
+            self.transport.receiver.close()
+        if self.transport.sender is not None:
+            self.transport.sender.close()
+        self.transport.cleanup()

@@ -56,7 +56,6 @@ import hmac
 import os
 import struct
 import threading
-import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 import dataclasses
@@ -433,15 +432,15 @@ class _Expected:
     skip: int
     num_tokens: int
     digest: bytes
-    deadline: float
     secret: bytes  # every message of the transfer proves it (see `sign`)
     have: list[bytearray]
     missing: int
     peer: bytes | None = None
     next_seq: int = 0
     nbytes: int = 0
+    started: bool = False  # a message proving the secret has begun to land
     writing: bool = False  # a message's bytes are landing in its blocks right now
-    doomed: str | None = None  # cancelled or expired while writing: fail when the write ends
+    doomed: str | None = None  # cancelled while writing: fail when the write ends
 
 
 class Landing:
@@ -487,7 +486,14 @@ class Landing:
 
 
 class Inbox:
-    """The receiver's reservations and the state machine of each transfer.
+    """The receiver's transfers: which blocks each may fill, what has landed, and the
+    acknowledgements owed. Bytes and acknowledgements only: whether and when a request
+    waits, expires or is freed is its owner's (services/worker/requests.py), which
+    ends a transfer here with `cancel`.
+
+        expect ──first proven message──> (started) ──final, all pages──> done event
+           │ cancel / bad message / sender abort / lost connection ──> failed event
+           └ cancel while a write lands: the failed event follows when the write ends
 
     Thread-safe: the engine thread calls `expect`/`cancel`, a transport thread feeds
     messages. Every write into the KV tensor happens inside `pages()` under the lock and
@@ -496,15 +502,15 @@ class Inbox:
     its blocks after the engine learns of it (and maybe frees them).
     """
 
-    def __init__(self, kv_cache: torch.Tensor, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, kv_cache: torch.Tensor) -> None:
         self.layout = PageLayout.of(kv_cache)
         self.kv = kv_cache
-        self.clock = clock
         self.lock = threading.RLock()
         self.rejected: Counter[str] = Counter()
         self.stats: Counter[str] = Counter()
         self._table: dict[str, _Expected] = {}
         self._events: list[TransferEvent] = []
+        self._started: list[str] = []  # transfers whose first proven message began to land
         # Reservations that ended before any sender was bound to them (no message
         # accepted): their secret and why, so the first message their sender sends
         # later (proving the secret) is answered with a failed ack, and the sender
@@ -517,7 +523,7 @@ class Inbox:
     # -- engine side -------------------------------------------------------------
 
     def expect(self, request_id: str, block_ids: Sequence[int], skip: int, num_tokens: int,
-               digest: bytes, deadline: float, secret: bytes) -> None:
+               digest: bytes, secret: bytes) -> None:
         """Register a reservation: pages of blocks [skip, len(block_ids)) will arrive, in
         messages that prove `secret` (which only the chosen sender knows)."""
         check_secret(secret)
@@ -533,14 +539,15 @@ class Inbox:
             have = [bytearray(n) for _ in range(self.layout.num_layers)]
             missing = (n - skip) * self.layout.num_layers
             self._table[request_id] = _Expected(
-                request_id, tuple(block_ids), skip, num_tokens, digest, deadline, secret, have, missing,
+                request_id, tuple(block_ids), skip, num_tokens, digest, secret, have, missing,
             )
 
     def cancel(self, request_id: str, reason: str = "cancelled") -> bool:
-        """Fail a reservation. True when nothing writes its blocks any more, so the
-        engine may free them now; False while a message is landing in them: the failed
-        event follows when that write ends (bounded by the transport's timeout), and the
-        blocks must be freed only then. Never waits for the network."""
+        """Fail a reservation (its owner gave up on it: aborted, or its deadline passed).
+        True when nothing writes its blocks any more, so the engine may free them now;
+        False while a message is landing in them: the failed event follows when that
+        write ends (bounded by the transport's timeout), and the blocks must be freed
+        only then. Never waits for the network."""
         with self.lock:
             t = self._table.get(request_id)
             if t is None:
@@ -567,27 +574,20 @@ class Inbox:
             events, self._events = self._events, []
             return events
 
+    def take_started(self) -> list[str]:
+        """Transfers whose first message proving their secret began to land since the
+        last call (each once; not events: nothing ended)."""
+        with self.lock:
+            started, self._started = self._started, []
+            return started
+
     def pending(self) -> list[str]:
         with self.lock:
             return list(self._table)
 
-    def next_deadline(self) -> float | None:
-        with self.lock:
-            return min((t.deadline for t in self._table.values()), default=None)
-
-    def expire(self) -> None:
-        """Fail every transfer past its deadline (when its write in flight ends)."""
-        now = self.clock()
-        with self.lock:
-            for t in [t for t in self._table.values() if t.deadline <= now]:
-                if t.writing:
-                    t.doomed = t.doomed or "deadline exceeded"
-                else:
-                    self._fail(t, "deadline exceeded")
-
     def fail_peer(self, peer: bytes, reason: str, request_id: str | None = None) -> None:
         """The connection to a sender broke: fail its transfers now (and `request_id`'s,
-        if no other sender holds it) instead of waiting for their deadlines."""
+        if no other sender holds it) instead of leaving them to their owners' deadlines."""
         with self.lock:
             for t in list(self._table.values()):
                 if t.peer == peer or (t.request_id == request_id and t.peer is None):
@@ -610,14 +610,17 @@ class Inbox:
         on a clean exit the pages count as received, on any exception none of this
         message's pages do, and the exception propagates (the caller counts it). The
         lock is not held while the bytes land: the transfer is marked `writing`, so a
-        cancel or deadline meanwhile is deferred until the write ends (one transport
-        thread writes, so at most one message per transfer is in flight).
+        cancel meanwhile is deferred until the write ends (one transport thread writes,
+        so at most one message per transfer is in flight).
         """
         with self.lock:
             t = self._admit(h, peer)
             layer_bytes = self._layer_bytes[h.layer] if self._layer_bytes is not None else None
             landings = [Landing(self.kv, h.layer, t.block_ids[f : f + c], host, layer_bytes) for f, c in h.runs]
             t.writing = True
+            if not t.started:
+                t.started = True
+                self._started.append(t.request_id)
         ok = False
         try:
             yield landings
@@ -654,7 +657,7 @@ class Inbox:
                 self._events.append(TransferEvent(t.request_id, True, "", h.first_tokens, t.peer, t.nbytes))
 
     def abort(self, h: AbortHeader, peer: bytes) -> None:
-        """The sender gave up: fail the transfer now instead of at its deadline."""
+        """The sender gave up: fail the transfer now instead of leaving it to its owner's deadline."""
         with self.lock:
             t = self._proven(h, peer)
             t.peer = peer

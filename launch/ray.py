@@ -94,7 +94,7 @@ class WorkerActor:
         import tempfile
 
         from pdserve.launch.credentials import unpack
-        from pdserve.services.worker.main import Worker, prepare
+        from pdserve.services.node import Worker, prepare
 
         # The launch's credentials arrive as file contents (this node may not share the
         # launcher's disk) and live in a private directory of this actor's process.
@@ -104,7 +104,7 @@ class WorkerActor:
         if is_wildcard(config.host):  # reachable from other nodes: advertise this node's address
             node_ip = ray.util.get_node_ip_address()
             config = replace(config, advertise_host=config.advertise_host or node_ip)
-            os.environ.setdefault("PDSERVE_KV_HOST", node_ip)  # where a KV receiver binds (kv_connectors.py)
+            os.environ.setdefault("PDSERVE_KV_HOST", node_ip)  # where a KV receiver binds (kvtransfer/registry.py)
         prepare(config)
         self.worker_id = config.id
         self.worker = Worker(config)

@@ -25,7 +25,7 @@ from pdserve.services.router.main import Router
 from pdserve.services.worker.config import WorkerConfig
 from pdserve.services.worker.engine_loop import EngineLoop
 from pdserve.services.worker.events import FailedEvent, Failure, TokenEvent
-from pdserve.services.worker.main import Worker
+from pdserve.services.node import Worker
 
 WRITE_TIMEOUT = 1.0
 # A client that keeps HTTP/2 flow control tight (no window growth): once it stops

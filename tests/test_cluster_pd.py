@@ -34,7 +34,7 @@ from pdserve.services.router.client import Client, collect
 from pdserve.services.router.config import RouterConfig
 from pdserve.services.router.main import Router
 from pdserve.services.worker.config import WorkerConfig
-from pdserve.services.worker.main import Worker
+from pdserve.services.node import Worker
 
 MAX_N = 4
 THRESHOLD = 64  # the router's default --local-prefill-threshold
@@ -314,11 +314,11 @@ def test_pd2_survivors_serve_and_leave_every_block_free(pd2, client2, llm):
 # -- the other transports, with in-process workers ------------------------------------------
 
 
-@pytest.mark.parametrize("factory", ["zmq_ipc_connector", "gloo_connector"])
+@pytest.mark.parametrize("factory", ["zmq_ipc", "gloo"])
 def test_ipc_and_gloo_connectors(factory, llm):
     router = Router(RouterConfig(port=0, local_prefill_threshold=0))
     address = router.start()
-    spec = f"pdserve.services.worker.kv_connectors:{factory}"
+    spec = factory  # --kv-connector zmq_ipc | gloo
     started = []
     try:
         for role in ("decode", "prefill"):

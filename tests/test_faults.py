@@ -42,7 +42,7 @@ from pdserve.services.router.client import Client, collect
 from pdserve.services.router.config import RouterConfig
 from pdserve.services.router.main import Router
 from pdserve.services.worker.config import DEFAULT_KV_CONNECTOR, WorkerConfig
-from pdserve.services.worker.main import Worker
+from pdserve.services.node import Worker
 
 def long_prompt(name: str) -> str:
     """A prompt well above the local-prefill threshold, whose first block no other has

@@ -44,7 +44,7 @@ from pdserve.engine.llm import DEFAULT_MODEL
 from pdserve.services.common.credentials import ClusterAuth
 from pdserve.services.common.flags import ENV_PREFIX, _cli_fields, from_namespace
 from pdserve.services.router.config import RouterConfig
-from pdserve.services.worker import kv_connectors
+from pdserve.kvtransfer import registry as kv_registry
 from pdserve.services.worker.config import WorkerConfig
 
 sys.path.insert(0, str(REPO / "scripts"))
@@ -396,7 +396,7 @@ def test_every_values_key_reaches_the_cli(monkeypatch, capsys) -> None:
     of the parser as that value (camelCase -> --kebab-case, numbers intact)."""
     samples = {"integer": 8589934592, "number": 2.5, "boolean": False}
     strings = {"dtype": "bfloat16", "attentionBackend": "triton", "logLevel": "DEBUG", "device": "cuda:1",
-               "kvConnector": "pdserve.services.worker.kv_connectors:zmq_ipc_connector", "cpuAffinity": "0,2-3",
+               "kvConnector": "zmq_ipc", "cpuAffinity": "0,2-3",
                "prefillPolicy": "round_robin"}
     blocks = {"engine": ("engine",), "router": ("router", "config"), "prefill": ("prefill", "config"),
               "decode": ("decode", "config")}
@@ -423,7 +423,7 @@ def test_every_values_key_reaches_the_cli(monkeypatch, capsys) -> None:
 def test_pdserve_env_the_chart_sets_is_read_by_pdserve(example) -> None:
     """Every PDSERVE_* variable in a pod is a flag's or one kvtransfer reads: the chart
     sets nothing the code ignores, but --drain-timeout's, set ahead of the flag."""
-    known = {kv_connectors.HOST_ENV, kv_connectors.IPC_DIR_ENV}
+    known = {kv_registry.HOST_ENV, kv_registry.IPC_DIR_ENV}
     # Read by `pdserve` once the services drain on SIGTERM (WorkerConfig/RouterConfig
     # .drain_timeout); until then the variable is ignored, and it is harmless.
     known.add(ENV_PREFIX + "DRAIN_TIMEOUT")
@@ -508,7 +508,7 @@ def test_the_pods_make_a_working_cluster_with_the_generated_credentials(tmp_path
 
     from pdserve.services.router.client import Client, collect
     from pdserve.services.router.main import Router
-    from pdserve.services.worker.main import Worker
+    from pdserve.services.node import Worker
 
     values = {"credentials": {"cluster": {"mtls": True}, "apiKeys": {"generate": True}},
               "router": {"config": {"localPrefillThreshold": 0}}, "engine": {"numBlocks": 64}}
@@ -523,7 +523,7 @@ def test_the_pods_make_a_working_cluster_with_the_generated_credentials(tmp_path
     workers = {}
     try:
         configs = worker_configs(objects, tmp_path / "workers", monkeypatch, capsys)
-        monkeypatch.setenv(kv_connectors.HOST_ENV, "127.0.0.1")  # the pod IP's stand-in
+        monkeypatch.setenv(kv_registry.HOST_ENV, "127.0.0.1")  # the pod IP's stand-in
         for pool in ("decode", "prefill"):
             workers[pool] = Worker(dataclasses.replace(
                 configs[pool], router=router.internal_address, advertise_host="127.0.0.1",

@@ -117,7 +117,7 @@ def test_a_step_failing_outside_the_engine_spares_reservations_and_the_engine_go
         running = loop.submit("running", PROMPTS["sampled"], PARAMS["sampled"], timeout=10)
         first = running.get(30)
         assert first
-        with caplog.at_level(logging.ERROR, logger="pdserve.services.worker.engine_loop"):
+        with caplog.at_level(logging.ERROR, logger="pdserve.services.worker.requests"):
             loop.call(lambda e: setattr(failing, "armed", True), 5)
             end = drain(running)[-1]
         assert isinstance(end, FailedEvent) and end.failure == Failure.INTERNAL and "scheduler bug" in end.message

@@ -31,7 +31,7 @@ from pdserve.services.router.kv_view import KvSubscriber, KvView
 from pdserve.services.router.main import Router
 from pdserve.services.worker import kv_events as worker_kv
 from pdserve.services.worker.config import WorkerConfig
-from pdserve.services.worker.main import Worker
+from pdserve.services.node import Worker
 
 BS = 4
 

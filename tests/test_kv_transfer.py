@@ -1,12 +1,17 @@
-"""KV transfer over real sockets and processes.
+"""KV transfer over real sockets and processes, through the API a worker runs.
 
-A decode worker runs in a spawned process (engines, receivers and `DecodeConnector`s,
-driven by a small command pipe — control only: every KV byte crosses our transports).
-The prefill side runs in the test process. Checks: pages arrive bit-identical over
-ZeroMQ tcp and ipc and over torch.distributed (gloo), for several model shapes and
-dtypes, and decoding continues with the tokens the prefill engine would produce;
-only blocks the decoder lacks cross the wire; a sender dying mid-transfer, malformed
-frames, unauthenticated peers and silent receivers end in freed blocks, never hangs.
+Each side is what a worker's engine thread runs, stepped by hand: a RequestTable
+(services/worker/requests.py) over an engine and a KVConnector, which calls the
+connector's planning side exactly as in production (expect / poll / cancel on the
+decode side; start / the layer hook / finish / poll / cancel on the prefill side).
+A decode worker runs in a spawned process (engines, receivers and request tables,
+driven by a small command pipe — control only: every KV byte crosses our
+transports). The prefill side runs in the test process. Checks: pages arrive
+bit-identical over ZeroMQ tcp and ipc and over torch.distributed (gloo), for several
+model shapes and dtypes, and decoding continues with the tokens the prefill engine
+would produce; only blocks the decoder lacks cross the wire; a sender dying
+mid-transfer, malformed frames, unauthenticated peers and silent receivers end in
+freed blocks, never hangs. Deadlines in this process run on a ManualClock.
 """
 
 from __future__ import annotations
@@ -25,15 +30,20 @@ import torch
 import zmq
 import zmq.auth
 
+from cluster_helpers import wait_for
+from manual_clock import ManualClock
 from pdserve.engine import SamplingParams
 from pdserve.engine.config import CacheConfig, SchedulerConfig
 from pdserve.engine.engine import EngineConfig, LLMEngine
 from pdserve.engine.hashing import hash_blocks
 from hf_models import build_model
-from pdserve.kvtransfer.connector import DecodeConnector, PrefillConfig, PrefillConnector, TransferTarget, page_runs
+from pdserve.kvtransfer.connector import KVConnector, Transport, page_runs
 from pdserve.kvtransfer.nccl import TorchDistConfig, TorchDistReceiver, TorchDistSender
+from pdserve.kvtransfer.plan import TransferPlan
 from pdserve.kvtransfer.wire import VERSION, PagesHeader, PageLayout, encode, new_secret, prompt_digest, sign
 from pdserve.kvtransfer.zmq import CurveConfig, ZmqConfig, ZmqReceiver, ZmqSender
+from pdserve.services.worker.events import FailedEvent, FinishedEvent
+from pdserve.services.worker.requests import AWAITING_KV, RequestTable, State
 
 SPAWN = mp.get_context("spawn")
 WAIT_S = 60.0  # upper bound on any single wait; tests finish far sooner
@@ -77,6 +87,26 @@ def greedy(max_tokens: int, n: int = 1) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, n=n)
 
 
+def worker_table(engine: LLMEngine, sender=None, receiver=None, clock=time.monotonic, on_received=None,
+                 held_lease: float = 30.0) -> RequestTable:
+    """A worker's request table over `engine` and a connector on these transport ends
+    (the receiver started)."""
+    kv = engine.runner.kv_cache
+    connector = KVConnector(Transport(sender, receiver), kv, engine.model_config.vocab_size, clock, on_received)
+    connector.start()
+    return RequestTable(engine, connector, clock=clock, held_lease=held_lease)
+
+
+def outcome(stream) -> dict | None:
+    """A request's end as seen on its stream: its tokens per sequence, or why it failed."""
+    for event in stream.get(0):
+        if isinstance(event, FinishedEvent):
+            return {"tokens": [c.token_ids for c in event.output.outputs]}
+        if isinstance(event, FailedEvent):
+            return {"failed": event.message, "failure": event.failure.value}
+    return None
+
+
 # -- the decode worker process ------------------------------------------------------
 
 
@@ -85,22 +115,35 @@ class _DecodeNode:
         self.engine = LLMEngine(engine_config(model_dir, spec))
         kv = self.engine.runner.kv_cache
         self.receiver = TorchDistReceiver(kv, bind) if transport == "gloo" else ZmqReceiver(kv, bind)
-        self.receiver.start()
         self.results = results
 
         def received(reservation) -> None:
             self.results[reservation.request_id] = {"digest": kv_digest(kv, reservation.block_ids, self.tokens[reservation.request_id])}
 
         self.tokens: dict[str, int] = {}
-        self.connector = DecodeConnector(self.engine, self.receiver, on_received=received)
+        self.streams: dict[str, object] = {}
+        self.table = worker_table(self.engine, receiver=self.receiver, on_received=received)
+
+    def reserve(self, rid: str, prompt: list[int], params: SamplingParams, lease: float) -> bytes:
+        _, plan = self.table.reserve(rid, prompt, params, lease)
+        self.streams[rid] = self.table.attach(rid)  # the Decode call
+        return plan
 
     def step(self) -> bool:
-        update = self.connector.step()
-        for output in update.outputs:
-            self.results.setdefault(output.request_id, {})["tokens"] = [c.token_ids for c in output.outputs]
-        for rid, reason in update.failed.items():
-            self.results.setdefault(rid, {})["failed"] = reason
-        return bool(update.outputs or update.committed or update.failed)
+        outputs = self.table.advance()
+        ended = False
+        for rid, stream in list(self.streams.items()):
+            result = outcome(stream)
+            if result is not None:
+                self.results.setdefault(rid, {}).update(result)
+                del self.streams[rid]
+                ended = True
+        return bool(outputs) or ended
+
+    def waiting(self) -> list[str]:
+        """Requests whose KV is still expected or waited for."""
+        return [*self.table.connector.decode.expecting(),
+                *(rid for rid in self.table.live() if self.table.get(rid).state in AWAITING_KV)]
 
 
 def decode_worker(conn) -> None:
@@ -113,10 +156,10 @@ def decode_worker(conn) -> None:
         nodes[name] = _DecodeNode(model_dir, ModelSpec(*spec), transport, bind, results)
         return nodes[name].receiver.endpoint
 
-    def reserve(name, rid, prompt, max_tokens, n=1, timeout_s=None):
+    def reserve(name, rid, prompt, max_tokens, n=1, lease=30.0):
         node = nodes[name]
         node.tokens[rid] = len(prompt)
-        return node.connector.reserve(rid, prompt, greedy(max_tokens, n), timeout_s).pack()
+        return node.reserve(rid, prompt, greedy(max_tokens, n), lease)
 
     def result(rid):
         r = results.get(rid, {})
@@ -126,7 +169,7 @@ def decode_worker(conn) -> None:
         node = nodes[name]
         node.engine.check_integrity()
         return {**vars(node.engine.stats()), **{f"rx_{k}": v for k, v in node.receiver.stats().items()},
-                "waiting": node.connector.waiting()}
+                "waiting": node.waiting()}
 
     handlers = {"open": open_node, "reserve": reserve, "result": result, "stats": stats}
     try:
@@ -217,35 +260,37 @@ def open_node(decoder, model_dirs, ipc_dir, model: str, transport: str, tag: str
 
 
 class PrefillSide:
-    """The prefill engine and connector in the test process, stepped by hand so the test
-    can fingerprint the KV of a finished request before its blocks are released."""
+    """A prefill worker's request table in the test process, stepped by hand so the
+    test can fingerprint the KV of a finished request before its blocks are released."""
 
-    def __init__(self, model_dir: str, spec: ModelSpec, transport: str, chunk: int = 2048, **connector) -> None:
+    def __init__(self, model_dir: str, spec: ModelSpec, transport: str, chunk: int = 2048,
+                 clock=time.monotonic, held_lease: float = 30.0) -> None:
         self.engine = LLMEngine(engine_config(model_dir, spec, chunk=chunk))
         self.sender = TorchDistSender() if transport == "gloo" else ZmqSender()
-        self.connector = PrefillConnector(self.engine, self.sender, **connector)
+        self.table = worker_table(self.engine, sender=self.sender, clock=clock, held_lease=held_lease)
+        self.connector = self.table.connector.prefill
         self.digests: dict[str, str] = {}
 
+    def submit(self, rid: str, prompt: list[int], plan: TransferPlan):
+        return self.table.submit(rid, prompt, greedy(1), plan=plan)
+
     def step(self) -> None:
-        outputs = self.engine.step() if self.engine.has_unfinished() else []
-        for o in outputs:
-            if o.request_id in self.engine.held:
-                blocks = self.engine.held_block_ids(o.request_id)
-                self.digests[o.request_id] = kv_digest(self.engine.runner.kv_cache, blocks, len(o.prompt_token_ids))
-        self.connector.on_outputs(outputs)
-        self.connector.poll()
+        self.table.advance()
+        for rid in self.engine.held:  # finished and held until the receiver's ack (a later poll)
+            if rid not in self.digests:
+                prompt_len = self.engine.held[rid].num_prompt_tokens
+                self.digests[rid] = kv_digest(self.engine.runner.kv_cache, self.engine.held_block_ids(rid), prompt_len)
 
     def transfer(self, decoder: DecodePeer, node: str, rid: str, prompt: list[int], max_tokens: int, n: int = 1) -> dict:
-        target = TransferTarget.unpack(decoder.call("reserve", node, rid, prompt, max_tokens, n))
-        self.connector.submit(rid, prompt, greedy(1), target)
+        self.submit(rid, prompt, TransferPlan.unpack(decoder.call("reserve", node, rid, prompt, max_tokens, n)))
         result = decoder.wait_result(rid, self.step)
         self.settle()
         return result
 
     def settle(self) -> None:
-        """Step until every export is acked and released."""
+        """Step until every request has ended (its export acked and released)."""
         deadline = time.monotonic() + WAIT_S
-        while self.connector.exporting() and time.monotonic() < deadline:
+        while self.table.live() and time.monotonic() < deadline:
             self.step()
             time.sleep(0.001)
         self.engine.check_integrity()
@@ -253,7 +298,7 @@ class PrefillSide:
         assert stats.num_free_blocks == stats.num_blocks, "prefill side leaked blocks"
 
     def close(self) -> None:
-        self.sender.close()
+        self.table.connector.close()
 
 
 def local_tokens(model_dir: str, spec: ModelSpec, prompt: list[int], max_tokens: int, chunk: int, n: int = 1) -> list[list[int]]:
@@ -348,9 +393,9 @@ def dying_prefill(conn, model_dir: str, spec: tuple, prompt: list[int], transpor
     """Prefill that sends layer 0's pages, then dies without a word."""
     torch.set_num_threads(1)
     engine = LLMEngine(engine_config(model_dir, ModelSpec(*spec)))
-    connector = PrefillConnector(engine, TorchDistSender() if transport == "gloo" else ZmqSender())
+    table = worker_table(engine, sender=TorchDistSender() if transport == "gloo" else ZmqSender())
     conn.send("ready")
-    target = conn.recv()
+    plan = conn.recv()
     hook = engine.layer_hook
 
     def die_after_layer_0(layer, slices):
@@ -361,9 +406,9 @@ def dying_prefill(conn, model_dir: str, spec: tuple, prompt: list[int], transpor
             os._exit(3)
 
     engine.layer_hook = die_after_layer_0
-    target = TransferTarget.unpack(target)
-    connector.submit(target.request_id, prompt, greedy(1), target)
-    connector.step()
+    plan = TransferPlan.unpack(plan)
+    table.submit(plan.request_id, prompt, greedy(1), plan=plan)
+    table.advance()
 
 
 @pytest.mark.parametrize("transport", ["tcp", "gloo"])
@@ -382,8 +427,8 @@ def test_sender_dies_mid_transfer_reservation_fails_and_frees(decoder, model_dir
     proc.join(WAIT_S)
     assert proc.exitcode == 3
     result = decoder.wait_result(rid)
-    # zmq: pages arrived, then silence until the deadline. gloo: either that, or the
-    # broken connection fails the transfer at once.
+    # zmq: pages arrived, then silence until the reservation's deadline. gloo: either
+    # that, or the broken connection fails the transfer at once.
     assert "deadline" in result["failed"] or (transport == "gloo" and "connection lost" in result["failed"])
     stats = decoder.call("stats", node)
     if transport == "tcp":
@@ -409,10 +454,10 @@ def test_malformed_frames_are_counted_and_the_decoder_keeps_serving(decoder, mod
     prefill = PrefillSide(model_dirs[model], spec, "tcp")
     page, heads, dim = prefill.connector.layout.page_bytes, prefill.connector.layout.num_kv_heads, prefill.connector.layout.head_dim
     prompt = prompt_of(40, salt=11)  # 3 blocks
-    target = TransferTarget.unpack(decoder.call("reserve", node, "victim", prompt, 3))
+    plan = TransferPlan.unpack(decoder.call("reserve", node, "victim", prompt, 3))
     # A sender gone wrong: it holds the reservation's secret, so each of these gets
     # as far as the check it breaks (strangers without the secret: test_security.py).
-    secret = target.secret
+    secret = plan.secret
     ctx = zmq.Context()
     rogue = ctx.socket(zmq.DEALER)
     rogue.linger = 0
@@ -440,7 +485,7 @@ def test_malformed_frames_are_counted_and_the_decoder_keeps_serving(decoder, mod
     ctx.term()
     # None of it touched the reservation: the real transfer completes.
     try:
-        prefill.connector.submit("victim", prompt, greedy(1), target)
+        prefill.submit("victim", prompt, plan)
         result = decoder.wait_result("victim", prefill.step)
         prefill.settle()
         assert result["digest"] == prefill.digests["victim"]
@@ -469,6 +514,20 @@ def _tiny_kv() -> torch.Tensor:
     return torch.zeros((2, 8, 2, 4, 1, 8), dtype=torch.float16)
 
 
+def test_nccl_is_the_gloo_transport_on_cuda_memory():
+    """NCCL shares every line with gloo but the backend's name and the KV device: the
+    channel and the point-to-point mover are the same objects (what a CPU can check)."""
+    with pytest.raises(ValueError, match="backend: nccl moves cuda tensors"):
+        TorchDistReceiver(_tiny_kv(), "tcp://127.0.0.1:0", TorchDistConfig(backend="nccl"))
+    gloo, nccl = TorchDistSender(), TorchDistSender(TorchDistConfig(backend="nccl"))
+    try:
+        assert type(gloo.pages) is type(nccl.pages) and gloo.transport == nccl.transport == "torch"
+        assert gloo.pages.via == nccl.pages.via == "p2p"
+    finally:
+        gloo.close()
+        nccl.close()
+
+
 def _send_whole(sender: ZmqSender, target_rid: str, endpoint: str, src: torch.Tensor, prompt: list[int],
                 secret: bytes, server_key: bytes | None = None) -> None:
     out = sender.open(target_rid, endpoint, server_key, secret=secret)
@@ -490,17 +549,26 @@ def test_curve_admits_only_authorized_senders(certs):
         "plaintext": ZmqSender(),
     }
     try:
-        deadline = time.monotonic() + 1.5
         for i, (who, sender) in enumerate(senders.items()):
             secret = new_secret()
-            receiver.expect(who, [2 * i, 2 * i + 1], 0, len(prompt), prompt_digest(prompt), deadline, secret)
+            receiver.expect(who, [2 * i, 2 * i + 1], 0, len(prompt), prompt_digest(prompt), secret)
             _send_whole(sender, who, endpoint, src, prompt, secret)
         events = {}
-        while len(events) < 3 and time.monotonic() < deadline + WAIT_S:
+        deadline = time.monotonic() + WAIT_S
+        while "authorized" not in events and time.monotonic() < deadline:
             events.update({e.request_id: e for e in receiver.events()})
             time.sleep(0.01)
         assert events["authorized"].ok and events["authorized"].first_tokens == (5,)
         assert torch.equal(receiver.inbox.kv[:, 0:2].view(torch.int16), src[:, 0:2].view(torch.int16))
+        # The others never got a message in: their reservations wait, untouched, until
+        # their owner gives up on them (at its deadline).
+        wait_for(lambda: receiver.stats().get("refused_peers", 0) >= 1, WAIT_S, "the stranger's handshake to be refused")
+        assert sorted(receiver.inbox.pending()) == ["plaintext", "stranger"]
+        for who in ("stranger", "plaintext"):
+            assert receiver.cancel(who, "deadline exceeded")
+        while len(events) < 3 and time.monotonic() < deadline:
+            events.update({e.request_id: e for e in receiver.events()})
+            time.sleep(0.01)
         for who in ("stranger", "plaintext"):
             assert not events[who].ok and "deadline" in events[who].reason
         stats = receiver.stats()
@@ -509,7 +577,7 @@ def test_curve_admits_only_authorized_senders(certs):
         assert torch.count_nonzero(receiver.inbox.kv[:, 2:]) == 0
         # The authorized sender also got its ack, over the encrypted channel.
         acks = []
-        while not acks and time.monotonic() < deadline + WAIT_S:
+        while not acks and time.monotonic() < deadline:
             acks = senders["authorized"].poll()
         assert acks[0].ok and acks[0].request_id == "authorized"
     finally:
@@ -531,7 +599,7 @@ def test_curve_frames_of_the_largest_size_arrive(certs):
     try:
         endpoint = receiver.start()
         secret = new_secret()
-        receiver.expect("big", [0, 1, 2, 3, 4], 0, len(prompt), prompt_digest(prompt), time.monotonic() + WAIT_S, secret)
+        receiver.expect("big", [0, 1, 2, 3, 4], 0, len(prompt), prompt_digest(prompt), secret)
         out = sender.open("big", endpoint, secret=secret)
         for layer in range(2):
             sender.send_pages(out, layer, [(0, src[layer, 0:5])], PageLayout.of(kv))  # frames of 2, 2, 1 pages
@@ -577,17 +645,21 @@ def test_prefill_lease_frees_blocks_when_the_receiver_never_acks(tiny_model):
     silent.linger = 0
     silent.bind("tcp://127.0.0.1:*")
     endpoint = silent.getsockopt_string(zmq.LAST_ENDPOINT)
-    prefill = PrefillSide(model_dir, spec, "tcp", config=PrefillConfig(lease_s=0.5))
+    clock = ManualClock()
+    prefill = PrefillSide(model_dir, spec, "tcp", clock=clock, held_lease=0.5)
     prompt = prompt_of(40, salt=3)
     layout = PageLayout.of(prefill.engine.runner.kv_cache)
-    target = TransferTarget("lease", endpoint, "zmq", layout, len(prompt), 0, (), (), 5.0, secret=new_secret())
+    plan = TransferPlan("lease", endpoint, "zmq", layout, len(prompt), 0, (), (), secret=new_secret())
     try:
-        prefill.connector.submit("lease", prompt, greedy(1), target)
-        start = time.monotonic()
+        prefill.submit("lease", prompt, plan)
         prefill.step()
         assert prefill.engine.stats().num_requests_held == 1
+        assert prefill.table.get("lease").state is State.HELD
+        clock.advance(0.49)
+        prefill.step()
+        assert prefill.engine.stats().num_requests_held == 1  # within the lease
+        clock.advance(0.01)
         prefill.settle()  # asserts every block is free again
-        assert 0.4 < time.monotonic() - start < WAIT_S
         assert prefill.connector.stats["failed"] == 1
         assert silent.poll(1000)  # the pages did go out
     finally:
@@ -600,48 +672,40 @@ def test_decoder_deadline_and_cancel_free_blocks_and_tell_the_sender(tiny_model)
     model_dir, spec = tiny_model
     decode = LLMEngine(engine_config(model_dir, spec, num_blocks=32))
     receiver = ZmqReceiver(decode.runner.kv_cache, "tcp://127.0.0.1:0")
-    receiver.start()
-    connector = DecodeConnector(decode, receiver)
+    clock = ManualClock()
+    table = worker_table(decode, receiver=receiver, clock=clock)
     prefill = PrefillSide(model_dir, spec, "tcp", chunk=20)  # 3 steps for 50 tokens
     try:
         # Nobody sends: the reservation expires and its blocks come back.
-        connector.reserve("lonely", prompt_of(30, salt=1), greedy(2), timeout_s=0.3)
+        table.reserve("lonely", prompt_of(30, salt=1), greedy(2), lease=0.3)
+        lonely = table.attach("lonely")
         assert decode.stats().num_free_blocks == 30
-        update, deadline = None, time.monotonic() + WAIT_S
-        while time.monotonic() < deadline and not (update and update.failed):
-            update = connector.poll()
-            time.sleep(0.01)
-        assert "deadline" in update.failed["lonely"]
+        clock.advance(0.3)
+        table.advance()
+        result = outcome(lonely)
+        assert result["failure"] == "expired" and "deadline" in result["failed"]
+        assert decode.stats().num_free_blocks == 32
         # Cancelled mid-transfer: the sender hears it, stops, and releases its blocks.
         prompt = prompt_of(50, salt=2)
-        target = connector.reserve("cancelled", prompt, greedy(2))
-        prefill.connector.submit("cancelled", prompt, greedy(1), target)
+        _, plan = table.reserve("cancelled", prompt, greedy(2), lease=30.0)
+        cancelled = table.attach("cancelled")
+        prefill.submit("cancelled", prompt, TransferPlan.unpack(plan))
         prefill.step()  # first chunk's pages go out
+        deadline = time.monotonic() + WAIT_S
         while receiver.stats().get("messages", 0) < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
-        connector.cancel("cancelled")
-        assert connector.poll().failed == {}  # already aborted by cancel
+        table.abort("cancelled")
+        while table.connector.decode.expecting() and time.monotonic() < deadline:  # a write may have been landing
+            table.advance()
+            time.sleep(0.01)
+        assert table.get("cancelled") is None and outcome(cancelled)["failure"] == "aborted"  # ended and freed
         prefill.settle()
         assert prefill.connector.stats["failed"] == 1
         decode.check_integrity()
         assert decode.stats().num_free_blocks == 32 and not decode.has_unfinished()
     finally:
-        receiver.close()
+        table.connector.close()
         prefill.close()
-
-
-def test_nccl_is_the_gloo_transport_on_cuda_memory():
-    """NCCL shares every line with gloo but the backend's name and the KV device: the
-    channel and the point-to-point mover are the same objects (what a CPU can check)."""
-    with pytest.raises(ValueError, match="backend: nccl moves cuda tensors"):
-        TorchDistReceiver(_tiny_kv(), "tcp://127.0.0.1:0", TorchDistConfig(backend="nccl"))
-    gloo, nccl = TorchDistSender(), TorchDistSender(TorchDistConfig(backend="nccl"))
-    try:
-        assert type(gloo.pages) is type(nccl.pages) and gloo.transport == nccl.transport == "torch"
-        assert gloo.pages.via == nccl.pages.via == "p2p"
-    finally:
-        gloo.close()
-        nccl.close()
 
 
 def test_the_transport_module_does_not_shadow_pyzmq():
@@ -665,29 +729,29 @@ def test_page_runs_follow_contiguity_on_both_ends():
     assert [(f, p.shape[0]) for f, p in page_runs(kv, 0, 1, 6, src)] == [(1, 3), (4, 2)]
 
 
-def test_transfer_target_round_trips_and_is_checked(tiny_model):
+def test_transfer_plan_round_trips_and_is_checked(tiny_model):
     model_dir, spec = tiny_model
     engine = LLMEngine(engine_config(model_dir, spec))
     layout = PageLayout.of(engine.runner.kv_cache)
     prompt = prompt_of(40, salt=4)
-    target = TransferTarget("t", "tcp://127.0.0.1:1", "zmq", layout, 40, 2, tuple(hash_blocks(prompt, 16)[:2]),
-                            (9, 10, 11), 3.0, None, True, new_secret())
-    assert TransferTarget.unpack(target.pack()) == target
+    plan = TransferPlan("t", "tcp://127.0.0.1:1", "zmq", layout, 40, 2, tuple(hash_blocks(prompt, 16)[:2]),
+                        (9, 10, 11), new_secret(), None, True)
+    assert TransferPlan.unpack(plan.pack()) == plan
     with pytest.raises(ValueError, match="secret"):
-        TransferTarget(**{**target.__dict__, "secret": b""}).validate()
+        TransferPlan(**{**plan.__dict__, "secret": b""}).validate()
     with pytest.raises(ValueError, match="malformed"):
-        TransferTarget.unpack(b"\x81\xa1x\x01")
-    with pytest.raises(ValueError, match="skip_blocks"):
-        TransferTarget("t", "e", "zmq", layout, 40, 3, (b"x",) * 3, (), 1.0, secret=new_secret()).validate()  # would skip the last block
-    connector = PrefillConnector(engine, ZmqSender())
+        TransferPlan.unpack(b"\x81\xa1x\x01")
+    with pytest.raises(ValueError, match="skip_blocks"):  # would skip the last block
+        TransferPlan("t", "e", "zmq", layout, 40, 3, (b"x",) * 3, (), new_secret()).validate()
+    table = worker_table(engine, sender=ZmqSender())
     try:
         with pytest.raises(ValueError, match="cached_block_hashes"):
-            connector.submit("t", prompt_of(40, salt=5), greedy(1), target)
+            table.submit("t", prompt_of(40, salt=5), greedy(1), plan=plan)
         with pytest.raises(ValueError, match="layout"):
             other = PageLayout(layout.num_layers, 16, layout.num_kv_heads, layout.head_dim, "bfloat16")
-            connector.submit("t", prompt, greedy(1), TransferTarget(**{**target.__dict__, "layout": other}))
+            table.submit("t", prompt, greedy(1), plan=TransferPlan(**{**plan.__dict__, "layout": other}))
         with pytest.raises(ValueError, match="transport"):
-            connector.submit("t", prompt, greedy(1), TransferTarget(**{**target.__dict__, "transport": "torch"}))
-        assert not engine.has_unfinished()  # nothing was queued
+            table.submit("t", prompt, greedy(1), plan=TransferPlan(**{**plan.__dict__, "transport": "torch"}))
+        assert not engine.has_unfinished() and not table.live()  # nothing was queued
     finally:
-        connector.sender.close()
+        table.connector.close()

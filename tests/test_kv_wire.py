@@ -70,9 +70,9 @@ def make_kv() -> torch.Tensor:
     return torch.arange(torch.Size(shape).numel(), dtype=torch.float32).reshape(shape) * -1.0
 
 
-def make_inbox(clock=None) -> Inbox:
-    inbox = Inbox(make_kv(), clock=clock) if clock else Inbox(make_kv())
-    inbox.expect("r", RESERVED, SKIP, len(PROMPT), DIGEST, inbox.clock() + 3600, SECRET)
+def make_inbox() -> Inbox:
+    inbox = Inbox(make_kv())
+    inbox.expect("r", RESERVED, SKIP, len(PROMPT), DIGEST, SECRET)
     return inbox
 
 
@@ -326,6 +326,20 @@ def test_a_bound_transfer_ignores_unproven_messages_from_others():
     assert not inbox.take_events()[0].ok
 
 
+def test_a_transfer_starts_with_its_first_proven_message_once():
+    """`take_started` (what makes a reservation RECEIVING on the worker) names a
+    transfer when a message proving its secret begins to land, once; refused ones
+    start nothing."""
+    inbox = make_inbox()
+    assert feed(inbox, pages("r", 0, 0, [(1, 3)], secret=new_secret())) == "bad_mac"
+    assert inbox.take_started() == []
+    inbox.expect("r2", RESERVED, SKIP, len(PROMPT), DIGEST, SECRET)
+    assert feed(inbox, pages("r2", 0, 0, [(1, 3)], frames=[b"x"])) == "truncated"  # proven: it began to land
+    assert feed(inbox, pages("r2", 0, 0, [(1, 3)])) is None
+    assert feed(inbox, pages("r2", 1, 1, [(1, 3)])) is None
+    assert inbox.take_started() == ["r2"] and inbox.take_started() == []
+
+
 def test_a_transfer_is_bound_to_its_first_accepted_sender():
     inbox = make_inbox()
     # A rejected message binds nothing, so it cannot lock the real sender out.
@@ -350,16 +364,16 @@ def test_final_without_the_right_pages_fails_the_transfer(message, why):
     assert inbox.pending() == []
 
 
-def test_cancel_and_deadline_end_reservations():
-    now = [100.0]
-    inbox = make_inbox(clock=lambda: now[0])
-    inbox.expect("s", (0, 1), 0, 8, prompt_digest(list(range(8))), 101.0, SECRET)
+def test_cancel_ends_reservations_and_the_inbox_keeps_no_deadline():
+    """A transfer ends when its owner (the worker's request table) cancels it: at
+    its deadline too, which is the owner's; the inbox waits as long as it is told."""
+    inbox = make_inbox()
+    inbox.expect("s", (0, 1), 0, 8, prompt_digest(list(range(8))), SECRET)
     assert inbox.cancel("r", "client went away")
     assert inbox.cancel("r")  # already gone: safe to free
-    inbox.expire()
     assert [e.request_id for e in inbox.take_events()] == ["r"]
-    now[0] = 101.0
-    inbox.expire()
+    assert inbox.pending() == ["s"]
+    assert inbox.cancel("s", "deadline exceeded")  # the owner's deadline passed
     [event] = inbox.take_events()
     assert event.request_id == "s" and not event.ok and "deadline" in event.reason
     assert feed(inbox, pages("s", 0, 0, [(0, 1)])) == "ended_request"  # its sender hears why, once
@@ -373,7 +387,7 @@ def test_a_cancel_during_a_write_waits_for_it_and_never_blocks():
     with inbox.pages(header, PEER) as landings:
         # Bytes are landing (p2p receives can take a while): the engine thread is not
         # blocked, but it must not free the blocks yet.
-        other = threading.Thread(target=inbox.expect, args=("x", (0,), 0, 2, DIGEST, inbox.clock() + 60, SECRET))
+        other = threading.Thread(target=inbox.expect, args=("x", (0,), 0, 2, DIGEST, SECRET))
         other.start()
         other.join(5)
         assert not other.is_alive()
@@ -389,14 +403,14 @@ def test_a_cancel_during_a_write_waits_for_it_and_never_blocks():
 def test_expect_refuses_bad_reservations():
     inbox = make_inbox()
     with pytest.raises(ValueError, match="already expected"):
-        inbox.expect("r", RESERVED, SKIP, len(PROMPT), DIGEST, 0, SECRET)
+        inbox.expect("r", RESERVED, SKIP, len(PROMPT), DIGEST, SECRET)
     with pytest.raises(ValueError, match="block_ids"):
-        inbox.expect("x", (1, NUM_BLOCKS), 0, 8, DIGEST, 0, SECRET)
+        inbox.expect("x", (1, NUM_BLOCKS), 0, 8, DIGEST, SECRET)
     with pytest.raises(ValueError, match="num_tokens"):
-        inbox.expect("x", (1, 2), 0, 9, DIGEST, 0, SECRET)
+        inbox.expect("x", (1, 2), 0, 9, DIGEST, SECRET)
     for secret in (b"", b"short", "s" * 32, None):
         with pytest.raises(ValueError, match="secret"):
-            inbox.expect("x", (1, 2), 0, 8, DIGEST, 0, secret)
+            inbox.expect("x", (1, 2), 0, 8, DIGEST, secret)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -404,7 +418,7 @@ def test_half_precision_pages_keep_their_bits(dtype):
     layout = PageLayout(2, 4, 1, 8, dtype)
     kv = torch.zeros((2, 6, *layout.page_shape), dtype=layout.torch_dtype)
     inbox = Inbox(kv)
-    inbox.expect("h", (4, 2), 0, 5, prompt_digest([1] * 5), inbox.clock() + 60, SECRET)
+    inbox.expect("h", (4, 2), 0, 5, prompt_digest([1] * 5), SECRET)
     src = torch.randn((2, 2, *layout.page_shape)).to(layout.torch_dtype)
     for layer in range(2):
         raw = [src[layer, i].view(torch.uint8).numpy().tobytes() for i in range(2)]

@@ -17,7 +17,7 @@ from pdserve.services.router.client import Client
 from pdserve.services.router.config import RouterConfig
 from pdserve.services.router.main import Router
 from pdserve.services.worker.config import WorkerConfig
-from pdserve.services.worker.main import Worker
+from pdserve.services.node import Worker
 
 
 @pytest.fixture(scope="module")

@@ -39,7 +39,7 @@ from certs import CA
 from cluster_helpers import REPO, UpProcess, child_env, wait_for
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.hashing import hash_blocks
-from pdserve.kvtransfer.connector import TransferTarget
+from pdserve.kvtransfer.plan import TransferPlan
 from pdserve.kvtransfer.nccl import SignedStore, listening_store
 from pdserve.kvtransfer.wire import VERSION, PageLayout, new_secret, prompt_digest
 from pdserve.kvtransfer.zmq import ZmqConfig, ZmqReceiver, ZmqSender
@@ -52,9 +52,9 @@ from pdserve.services.router.client import Client, collect
 from pdserve.services.router.config import RouterConfig
 from pdserve.services.router.main import Router
 from pdserve.services.worker.config import WorkerConfig
-from pdserve.services.worker.main import Worker
+from pdserve.services.node import Worker
 
-ZMQ_CONNECTOR = "pdserve.services.worker.kv_connectors:zmq_connector"
+ZMQ_CONNECTOR = "zmq"
 OPTIONS = pb.SamplingOptions(max_tokens=6, temperature=0.0)
 UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
 
@@ -196,7 +196,6 @@ def test_worker_rpcs_without_cluster_credentials_are_refused(guarded):
     blocks, or point a prefill worker's KV at any endpoint."""
     prompt = list(range(3, 60))
     before = worker_stats(guarded, "decode").prefix_cache_queries
-    target = pb.KVTarget(worker_id="x", kv_endpoint="tcp://127.0.0.1:9", block_ids=[1, 2, 3])
     calls = {
         "decode": {
             "Reserve": lambda s, m: s.Reserve(pb.ReserveRequest(request_id="r", token_ids=prompt, sampling=OPTIONS),
@@ -210,7 +209,8 @@ def test_worker_rpcs_without_cluster_credentials_are_refused(guarded):
         },
         "prefill": {
             "Prefill": lambda s, m: s.Prefill(pb.PrefillRequest(request_id="p", token_ids=prompt, sampling=OPTIONS,
-                                                                target=target), timeout=5, metadata=m),
+                                                                transfer_plan=b"a plan to tcp://127.0.0.1:9"),
+                                              timeout=5, metadata=m),
         },
     }
     # Every Worker RPC is tried: one added later is refused here too, or this fails.
@@ -294,7 +294,7 @@ def test_a_curve_stranger_cannot_connect_to_the_kv_channel(guarded, launch):
         assert handshake(ctx, endpoint, server_key, sender_keys) == "ok"  # the launch's senders may
     finally:
         ctx.term()
-    refused_peers = guarded["decode"].connector.receiver.transport.stats()["refused_peers"]
+    refused_peers = guarded["decode"].connector.transport.receiver.stats()["refused_peers"]
     assert refused_peers >= 2
 
 
@@ -321,22 +321,26 @@ def test_workers_sharing_a_cluster_curve_key_exchange_kv_and_no_other_key_gets_i
     senders = {"member": ZmqSender(ZmqConfig(curve=prefill)), "stranger": ZmqSender(ZmqConfig(curve=other.kv_curve()))}
     try:
         endpoint = receiver.start()
-        deadline = time.monotonic() + 3.0
         for i, (who, sender) in enumerate(senders.items()):
             secret = new_secret()
-            receiver.expect(who, [2 * i, 2 * i + 1], 0, len(prompt), prompt_digest(prompt), deadline, secret)
+            receiver.expect(who, [2 * i, 2 * i + 1], 0, len(prompt), prompt_digest(prompt), secret)
             out = sender.open(who, endpoint, receiver.server_key, secret=secret)
             for layer in range(layout.num_layers):
                 sender.send_pages(out, layer, [(0, src[layer])], layout)
             sender.send_final(out, len(prompt), prompt_digest(prompt), [5])
         events = {}
 
-        def both_ended() -> bool:
+        def ended(count: int) -> bool:
             events.update({e.request_id: e for e in receiver.events()})
-            return len(events) == 2
+            return len(events) == count
 
-        wait_for(both_ended, 30, "both transfers to end", step=0.01)
+        wait_for(lambda: ended(1), 30, "the member's transfer to end", step=0.01)
         assert events["member"].ok and torch.equal(kv[:, 0:2], src)
+        wait_for(lambda: receiver.stats().get("refused_peers", 0) >= 1, 30, "the stranger's handshake to be refused")
+        # Nothing of the stranger's got in: its reservation waits, untouched, until its
+        # owner gives up on it (at the owner's deadline).
+        assert receiver.inbox.pending() == ["stranger"] and receiver.cancel("stranger", "deadline exceeded")
+        wait_for(lambda: ended(2), 30, "the stranger's reservation to end", step=0.01)
         assert not events["stranger"].ok and torch.count_nonzero(kv[:, 2:]) == 0
         assert receiver.stats()["refused_peers"] >= 1  # at the handshake: not one frame got in
     finally:
@@ -397,7 +401,7 @@ def test_kv_poisoning_is_refused_and_the_prefix_stays_clean(guarded, launch, llm
     server_key, _ = zmq.auth.load_certificate(launch.directory / "kv" / "decode.key")
     keys = zmq.auth.load_certificate(launch.directory / "kv" / "prefill.key_secret")
     endpoint = guarded["decode"].connector.endpoint
-    receiver = guarded["decode"].connector.receiver.transport
+    receiver = guarded["decode"].connector.transport.receiver
     for rid, with_pages in (("victim", True), ("victim-final-only", False)):
         channel, stub = worker_stub(guarded["decode"].address, guarded["auth"])
         with channel:
@@ -429,16 +433,14 @@ def test_a_wrong_or_replayed_reservation_secret_is_dropped_and_its_blocks_freed(
     def transfer(rid: str, prompt: list[int], secret_of=None):
         reserved = decode.Reserve(pb.ReserveRequest(request_id=rid, token_ids=prompt, sampling=OPTIONS,
                                                     timeout_seconds=20), timeout=5)
-        plan = TransferTarget.unpack(reserved.transfer_target)
+        plan = TransferPlan.unpack(reserved.transfer_plan)
         secrets[rid] = plan.secret
         if secret_of is not None:
             plan = dataclasses.replace(plan, secret=secret_of(plan))
         stream = decode.Decode(pb.DecodeRequest(request_id=rid), timeout=30)
-        target = pb.KVTarget(worker_id="decode-0", kv_endpoint=reserved.kv_endpoint, block_ids=reserved.block_ids,
-                             num_cached_tokens=reserved.num_cached_tokens, transfer_target=plan.pack())
         try:
-            prefill.Prefill(pb.PrefillRequest(request_id=rid, token_ids=prompt, sampling=OPTIONS, target=target,
-                                              sample_first_token=True), timeout=20)
+            prefill.Prefill(pb.PrefillRequest(request_id=rid, token_ids=prompt, sampling=OPTIONS,
+                                              transfer_plan=plan.pack()), timeout=20)
         except grpc.RpcError as e:  # the refusal may reach the prefill worker first
             assert e.code() == grpc.StatusCode.UNAVAILABLE, e
         return stream
@@ -512,11 +514,11 @@ def test_gloo_transfers_run_with_a_signed_rendezvous_and_curve(launch, llm):
     try:
         for role in ("decode", "prefill"):
             worker = Worker(WorkerConfig(role=role, router=router.internal_address, worker_id=f"{role}-gloo",
-                                         num_blocks=64, kv_connector="pdserve.services.worker.kv_connectors:gloo_connector",
+                                         num_blocks=64, kv_connector="gloo",
                                          credentials=launch.for_role(role)))
             worker.start()
             started.append(worker)
-        assert started[0].connector.receiver.transport.dist_config.token is not None
+        assert started[0].connector.transport.receiver.dist_config.token is not None
         prompt = code("gloo", 4)
         with Client(router.address, timeout=60) as client:
             (seq,) = collect(client.generate(prompt, max_tokens=6, temperature=0.0)).values()
@@ -745,7 +747,7 @@ def test_no_module_that_reads_from_a_socket_unpickles():
         if any(name == m or name.startswith(m + ".") for name in _imports(tree) for m in NETWORK_MODULES):
             readers[path.relative_to(REPO).as_posix()] = path
     # The finder must see the network paths it is meant to guard.
-    assert {"kvtransfer/zmq.py", "kvtransfer/nccl.py", "services/router/main.py", "services/worker/main.py",
+    assert {"kvtransfer/zmq.py", "kvtransfer/nccl.py", "services/router/main.py", "services/node.py",
             "services/router/registry.py", "launch/cluster.py"} <= set(readers)
     problems = {name: unsafe_uses(path.read_text()) for name, path in readers.items()}
     assert {name: found for name, found in problems.items() if found} == {}

@@ -1,19 +1,28 @@
-"""The engine thread: commands in, per-request events out, every path frees blocks."""
+"""The engine thread: commands in, per-request events out, every path frees blocks.
+Deadlines run on a ManualClock: a test moves time on instead of waiting for it."""
 
 from __future__ import annotations
 
 import resource
+import threading
 import time
 
 import pytest
 import torch
 
+from cluster_helpers import wait_for
+from manual_clock import ManualClock
 from pdserve.engine import SamplingParams
 from pdserve.engine.config import CacheConfig
 from pdserve.engine.engine import EngineConfig, LLMEngine, NoCapacityError
 from pdserve.engine.llm import DEFAULT_MODEL
+from pdserve.kvtransfer.connector import KVConnector, Transport
+from pdserve.kvtransfer.plan import TransferPlan
+from pdserve.kvtransfer.wire import PagesHeader, sign
+from pdserve.kvtransfer.zmq import ZmqReceiver
 from pdserve.services.worker.engine_loop import EngineLoop
 from pdserve.services.worker.events import FailedEvent, Failure, FinishedEvent, RequestStream, TokenEvent
+from pdserve.services.worker.requests import State
 
 NUM_BLOCKS = 48
 PROMPT = list(range(3, 40))
@@ -29,10 +38,21 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+LEASE = 30.0  # held blocks' lease and unclaimed streams' ttl: passed by moving the clock
+
+
+def new_engine() -> LLMEngine:
+    return LLMEngine(EngineConfig(model=DEFAULT_MODEL, cache=CacheConfig(num_blocks=NUM_BLOCKS)))
+
+
 @pytest.fixture
-def loop():
-    engine = LLMEngine(EngineConfig(model=DEFAULT_MODEL, cache=CacheConfig(num_blocks=NUM_BLOCKS)))
-    loop = EngineLoop(engine, idle_wait=0.05, held_lease=0.3).start()
+def clock():
+    return ManualClock()
+
+
+@pytest.fixture
+def loop(clock):
+    loop = EngineLoop(new_engine(), clock=clock, idle_wait=0.05, held_lease=LEASE, unclaimed_ttl=LEASE).start()
     yield loop
     loop.close()
 
@@ -95,9 +115,10 @@ def test_abort_mid_run_frees_the_blocks(loop):
     assert all_free(loop)
 
 
-def test_reservation_streams_after_commit_and_expires_without(loop):
-    reservation = loop.reserve("r", PROMPT, GREEDY, lease=5.0, timeout=5)
+def test_reservation_streams_after_commit_and_expires_without(loop, clock):
+    reservation, plan = loop.reserve("r", PROMPT, GREEDY, lease=5.0, timeout=5)
     assert len(reservation.block_ids) == 3 and loop.stats(5).num_requests_reserved == 1
+    assert plan == b""  # no KV connector: no plan; whoever fills the blocks commits
     stream = loop.attach("r", timeout=5)
     with pytest.raises(KeyError, match="request_id"):
         loop.attach("r", timeout=5)
@@ -106,8 +127,14 @@ def test_reservation_streams_after_commit_and_expires_without(loop):
     assert tokens[0].delta.token_id == 7 and isinstance(finished, FinishedEvent)
     assert finished.output.outputs[0].token_ids[0] == 7
 
-    loop.reserve("late", PROMPT, GREEDY, lease=0.3, timeout=5)
-    end = drain(loop.attach("late", timeout=5), timeout=5)[-1]
+    loop.reserve("late", PROMPT, GREEDY, lease=5.0, timeout=5)
+    stream = loop.attach("late", timeout=5)
+    clock.advance(4.9)
+    loop.wake()
+    loop.call(lambda e: None, 5)
+    assert loop.stats(5).num_requests_reserved == 1  # not yet
+    clock.advance(0.1)
+    end = drain(stream, timeout=5)[-1]
     assert isinstance(end, FailedEvent) and end.failure is Failure.EXPIRED
     loop.commit_remote("late", first_token=7)  # too late: ignored
     assert all_free(loop)
@@ -139,10 +166,8 @@ def test_a_reservation_that_ends_before_its_stream_is_attached_still_streams(loo
     waits for that one attach (found by tests/test_load.py as NOT_FOUND)."""
     loop.reserve("quick", PROMPT, SamplingParams(max_tokens=2, temperature=0.0), lease=5.0, timeout=5)
     loop.commit_remote("quick", first_token=7)
-    wait_for_free = time.monotonic() + 10
-    while loop.stats(5).num_free_blocks != NUM_BLOCKS:  # finished: its blocks are back
-        assert time.monotonic() < wait_for_free
-        time.sleep(0.01)
+    wait_for(lambda: loop.stats(5).num_free_blocks == NUM_BLOCKS, 10, "the finished request's blocks",
+             step=0.01)
     *tokens, finished = drain(loop.attach("quick", timeout=5))
     assert [t.delta.token_id for t in tokens][0] == 7 and isinstance(finished, FinishedEvent)
     assert finished.output.outputs[0].token_ids == [t.delta.token_id for t in tokens]
@@ -156,17 +181,22 @@ def test_a_reservation_that_ends_before_its_stream_is_attached_still_streams(loo
     assert all_free(loop)
 
 
-def test_an_unattached_ended_stream_is_dropped_after_a_while():
-    engine = LLMEngine(EngineConfig(model=DEFAULT_MODEL, cache=CacheConfig(num_blocks=NUM_BLOCKS)))
-    loop = EngineLoop(engine, idle_wait=0.05, unclaimed_ttl=0.2).start()
-    try:
-        loop.reserve("never", PROMPT, GREEDY, lease=5.0, timeout=5)
-        loop.abort("never")
-        time.sleep(0.5)
-        with pytest.raises(KeyError, match="request_id"):
-            loop.attach("never", timeout=5)
-    finally:
-        loop.close()
+def test_an_unattached_ended_stream_is_dropped_after_a_while(loop, clock):
+    loop.reserve("never", PROMPT, GREEDY, lease=5.0, timeout=5)
+    loop.abort("never")
+    loop.call(lambda e: None, 5)  # the abort (queued) has run: its ttl counts from now
+    clock.advance(LEASE)
+    wait_for(lambda: loop.call(lambda e: loop.requests.get("never") is None, 5), 10, "the unclaimed stream to go")
+    with pytest.raises(KeyError, match="request_id"):
+        loop.attach("never", timeout=5)
+    loop.reserve("late", PROMPT, GREEDY, lease=5.0, timeout=5)
+    loop.abort("late")
+    loop.call(lambda e: None, 5)
+    clock.advance(LEASE - 0.1)
+    loop.wake()
+    loop.call(lambda e: None, 5)
+    assert isinstance(drain(loop.attach("late", timeout=5))[-1], FailedEvent)  # within its ttl: still there
+    assert all_free(loop)
 
 
 def test_reservation_without_room_raises(loop):
@@ -175,15 +205,19 @@ def test_reservation_without_room_raises(loop):
     assert all_free(loop)
 
 
-def test_exported_blocks_are_held_until_release_or_lease(loop):
+def test_exported_blocks_are_held_until_release_or_lease(loop, clock):
     drain(loop.submit("p", PROMPT, SamplingParams(max_tokens=1), timeout=5, export_kv=True))
     assert loop.stats(5).num_requests_held == 1
     assert loop.call(lambda e: len(e.held_block_ids("p")), 5) == 3
     loop.release("p")
     assert all_free(loop)
     drain(loop.submit("q", PROMPT, SamplingParams(max_tokens=1), timeout=5, export_kv=True))
-    time.sleep(0.6)  # the lease (0.3 s) runs out
-    assert all_free(loop)
+    clock.advance(LEASE - 0.1)
+    loop.wake()
+    loop.call(lambda e: None, 5)
+    assert loop.stats(5).num_requests_held == 1  # the lease has not run out yet
+    clock.advance(0.1)  # now it has
+    wait_for(lambda: all_free(loop), 10, "the held blocks to be released")
 
 
 def test_an_engine_error_fails_the_requests_in_flight_and_the_loop_goes_on(loop, monkeypatch):
@@ -220,64 +254,75 @@ def test_close_fails_open_requests(loop):
 
 
 def test_pollers_run_on_the_engine_thread_and_may_fail(loop):
-    import threading
-
     threads: set[str] = set()
     loop.add_poller(lambda: threads.add(threading.current_thread().name))
     loop.add_poller(lambda: 1 / 0)  # logged, the loop goes on
-    time.sleep(0.3)
+    wait_for(lambda: threads, 10, "the poller to run", step=0.01)
     assert threads == {"engine-loop"}
     assert isinstance(drain(loop.submit("after", PROMPT, GREEDY, timeout=5))[-1], FinishedEvent)
 
 
-def test_snapshot_answers_without_the_engine_thread(loop):
+def test_snapshot_answers_without_the_engine_thread(loop, clock):
     stream = loop.submit("busy", PROMPT, LONG, timeout=5)
     first_token(stream)
     snap = loop.snapshot()
-    assert snap.num_requests_running == 1 and time.monotonic() - snap.at < 5
+    assert snap.num_requests_running == 1 and snap.at == clock()
+    now = clock.advance(10.0)
+    wait_for(lambda: loop.snapshot().at == now, 10, "a fresh snapshot", step=0.01)  # kept fresh unasked
     loop.abort("busy")
     drain(stream)
-    give_up = time.monotonic() + 5
-    while loop.snapshot().num_free_blocks != NUM_BLOCKS:
-        assert time.monotonic() < give_up
-        time.sleep(0.05)
+    wait_for(lambda: loop.snapshot().num_free_blocks == NUM_BLOCKS, 5, "the snapshot to see the blocks free",
+             step=0.05)
 
 
-def test_an_abort_hook_may_keep_blocks_a_write_is_still_landing_in():
-    """A KV receiver that cannot stop a write at once says so (False): the stream ends
-    now, the blocks stay until the receiver frees them; commits and failures told from
-    the engine thread take effect at once, and `wake` runs the pollers."""
-    engine = LLMEngine(EngineConfig(model=DEFAULT_MODEL, cache=CacheConfig(num_blocks=NUM_BLOCKS)))
-    loop = EngineLoop(engine, idle_wait=5.0)
-    landing: set[str] = {"busy"}
-    polled: list[float] = []
-    loop.add_abort_hook(lambda rid: rid not in landing)
-    loop.add_poller(lambda: polled.append(time.monotonic()))
+def test_a_cancel_while_pages_land_keeps_the_blocks_until_the_write_is_over():
+    """A KV receiver that cannot stop a write at once says so: the stream ends now,
+    the blocks stay until the write is over, then the request table frees them (the
+    receiver's news wakes the loop). The write is held open by the test, as the
+    receiver's thread would while a message's bytes land."""
+    engine = new_engine()
+    kv = engine.runner.kv_cache
+    receiver = ZmqReceiver(kv, "tcp://127.0.0.1:0")
+    connector = KVConnector(Transport(receiver=receiver), kv, engine.model_config.vocab_size)
+    loop = EngineLoop(engine, connector=connector, idle_wait=600.0).start()  # it looks only when woken
+    try:
+        _, raw = loop.reserve("busy", PROMPT, GREEDY, lease=30.0, timeout=5)
+        plan = TransferPlan.unpack(raw)
+        stream = loop.attach("busy", timeout=5)
+        layout = plan.layout
+        header = sign(PagesHeader("busy", 0, 0, ((plan.skip_blocks, 1),), (layout.page_bytes,), layout.dtype,
+                                  layout.wire_page), plan.secret)
+        state = lambda: loop.call(lambda e: loop.requests.get("busy").state, 5)  # noqa: E731
+        with receiver.inbox.pages(header, b"the sender") as landings:
+            loop.wake()
+            wait_for(lambda: state() is State.RECEIVING, 10, "the reservation to be receiving", step=0.01)
+            loop.abort("busy")
+            end = drain(stream, timeout=5)[-1]
+            assert isinstance(end, FailedEvent) and end.failure is Failure.ABORTED
+            stats = loop.stats(5)
+            assert stats.num_requests_reserved == 0 and stats.num_free_blocks == NUM_BLOCKS - 3  # kept
+            assert state() is State.FAILED
+            landings[0].buffer()[:] = bytes(landings[0].nbytes)
+        wait_for(lambda: loop.stats(5).num_free_blocks == NUM_BLOCKS, 10, "the blocks to be freed", step=0.01)
+        assert loop.call(lambda e: loop.requests.get("busy"), 5) is None and all_free(loop)
+    finally:
+        loop.close()
+
+
+def test_commits_on_the_engine_thread_take_effect_at_once_and_wake_runs_the_pollers():
+    polled: list[int] = []
+    loop = EngineLoop(new_engine(), idle_wait=600.0)  # no turn but for commands and wake-ups
+    loop.add_poller(lambda: polled.append(1))
     loop.start()
     try:
-        loop.reserve("busy", PROMPT, GREEDY, lease=30.0, timeout=5)
-        stream = loop.attach("busy", timeout=5)
-        loop.abort("busy")
-        end = drain(stream, timeout=5)[-1]
-        assert isinstance(end, FailedEvent) and end.failure is Failure.ABORTED
-        stats = loop.stats(5)
-        assert stats.num_requests_reserved == 0 and stats.num_free_blocks == NUM_BLOCKS - 3  # kept
-        loop.call(lambda e: e.abort("busy"), 5)  # the write is over: the receiver frees them
-        assert loop.stats(5).num_free_blocks == NUM_BLOCKS
-
-        # On the engine thread, commit_remote happens before the poller returns.
+        assert not polled  # idle from the start: waiting for a command
+        loop.wake()
+        wait_for(lambda: polled, 10, "the woken loop to run its pollers", step=0.01)
         loop.reserve("now", PROMPT, GREEDY, lease=30.0, timeout=5)
         stream = loop.attach("now", timeout=5)
         seen: list[int] = []
         loop.call(lambda e: (loop.commit_remote("now", 7), seen.append(len(e.scheduler.running))), 5)
         assert seen == [1]
         assert isinstance(drain(stream)[-1], FinishedEvent)
-        polled.clear()
-        started = time.monotonic()
-        loop.wake()  # idle_wait is 5 s: only the wake-up runs the poller this soon
-        give_up = started + 2.0
-        while not polled and time.monotonic() < give_up:
-            time.sleep(0.01)
-        assert polled and polled[0] - started < 1.0
     finally:
         loop.close()

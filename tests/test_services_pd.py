@@ -1,9 +1,8 @@
 """The router's prefill/decode path through the KV seam, in one process.
 
-The transfer here is a test double (`LoopbackConnector`): it copies pages between
-two engines in this process, standing in for kvtransfer's connector, so the
-router's Reserve -> Prefill -> Decode flow and the workers' Reserve/Prefill
-handlers run for real over gRPC.
+The router's Reserve -> Prefill -> Decode flow and the workers' Reserve, Prefill and
+Decode handlers run for real over gRPC, and the KV crosses between the two workers'
+engines over the ZeroMQ transport (`--kv-connector zmq`), as in a cluster.
 """
 
 from __future__ import annotations
@@ -15,14 +14,11 @@ import torch
 
 from cluster_helpers import all_blocks_free, stats, wait_for
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine.engine import Reservation
+from pdserve.services.node import Worker
 from pdserve.services.router.client import Client, collect
 from pdserve.services.router.config import RouterConfig
 from pdserve.services.router.main import Router
 from pdserve.services.worker.config import WorkerConfig
-from pdserve.services.worker.engine_loop import EngineLoop
-from pdserve.services.worker.kv_seam import Connector, TransferTarget
-from pdserve.services.worker.main import Worker
 
 PROMPTS = ["import os\n\n\ndef " * 6, "class Stack:\n    def __init__(self):\n        " * 3, "for i in range("]
 # Fresh long prompts: one the decode worker has already received is cached there,
@@ -31,75 +27,24 @@ FIB = "def fib(n):\n    return n\n" * 5
 SORT = "def sort(xs):\n    return sorted(xs)\n" * 4
 
 
-class LoopbackReceiver:
-    def __init__(self, endpoint: str) -> None:
-        self.endpoint = endpoint
-        self.loop: EngineLoop | None = None
-        self.expected: dict[str, Reservation] = {}
-        self.cancelled: list[str] = []
-
-    def bind(self, loop: EngineLoop) -> None:
-        self.loop = loop
-
-    def expect(self, reservation: Reservation, prompt, params, deadline: float) -> bytes:
-        self.expected[reservation.request_id] = reservation
-        return f"plan:{reservation.request_id}".encode()
-
-    def cancel(self, request_id: str) -> None:
-        self.cancelled.append(request_id)
-        self.expected.pop(request_id, None)
-
-    def close(self) -> None:
-        pass
+def shipped(worker: Worker) -> int:
+    """Transfers a prefill worker shipped and its receiver acknowledged."""
+    return worker.connector.stats().kv_transfers
 
 
-class LoopbackSender:
-    """Copies a finished prefill's held blocks into the receiver's reserved ones."""
-
-    def __init__(self, receivers: dict[str, LoopbackReceiver]) -> None:
-        self.endpoint = "loopback-sender"
-        self.receivers = receivers
-        self.loop: EngineLoop | None = None
-        self.targets: dict[str, TransferTarget] = {}
-        self.shipped: list[str] = []
-
-    def bind(self, loop: EngineLoop) -> None:
-        self.loop = loop
-
-    def start(self, target: TransferTarget) -> None:
-        self.targets[target.request_id] = target
-
-    def finish(self, request_id: str, first_token: int | None) -> None:
-        target = self.targets.pop(request_id)
-        assert target.plan == f"plan:{request_id}".encode()  # the router passed it through
-        receiver = self.receivers[target.kv_endpoint]
-        src = self.loop.call(lambda e: e.held_block_ids(request_id), timeout=5)
-        skip = target.num_cached_tokens // receiver.loop.engine.config.cache.block_size
-        dst_cache = receiver.loop.engine.runner.kv_cache
-        src_cache = self.loop.engine.runner.kv_cache
-        for i in range(skip, len(target.block_ids)):
-            dst_cache[:, target.block_ids[i]] = src_cache[:, src[i]]
-        receiver.loop.commit_remote(request_id, first_token)
-        self.loop.release(request_id)
-        self.shipped.append(request_id)
-
-    def cancel(self, request_id: str) -> None:
-        self.targets.pop(request_id, None)
-
-    def close(self) -> None:
-        pass
+def cancels(worker: Worker) -> int:
+    """Reservations a decode worker's receiver was told to stop filling."""
+    return worker.connector.decode.stats["cancelled"]
 
 
 def loopback_pair(router: Router, suffix: str, decode_blocks: int, prefill_blocks: int = 256):
     """decode-<suffix> and prefill-<suffix> (not started), registering with `router`,
-    the KV crossing through the loopback double: (receiver, sender, decode, prefill)."""
-    receiver = LoopbackReceiver(f"loopback://decode-{suffix}")
-    sender = LoopbackSender({receiver.endpoint: receiver})
+    the KV crossing between them over ZeroMQ: (decode, prefill)."""
     decode = Worker(WorkerConfig(role="decode", router=router.internal_address, worker_id=f"decode-{suffix}",
-                                 num_blocks=decode_blocks), Connector(receiver=receiver))
+                                 num_blocks=decode_blocks, kv_connector="zmq"))
     prefill = Worker(WorkerConfig(role="prefill", router=router.internal_address, worker_id=f"prefill-{suffix}",
-                                  num_blocks=prefill_blocks), Connector(sender=sender))
-    return receiver, sender, decode, prefill
+                                  num_blocks=prefill_blocks, kv_connector="zmq"))
+    return decode, prefill
 
 
 @pytest.fixture(scope="module")
@@ -112,11 +57,11 @@ def llm():
 def cluster():
     router = Router(RouterConfig(port=0, local_prefill_threshold=20, worker_timeout=3.0))
     address = router.start()
-    receiver, sender, decode, prefill = loopback_pair(router, "0", decode_blocks=256)
+    decode, prefill = loopback_pair(router, "0", decode_blocks=256)
     decode.start()
     prefill.start()
     client = Client(address, timeout=60)
-    yield dict(router=router, client=client, decode=decode, prefill=prefill, sender=sender, receiver=receiver)
+    yield dict(router=router, client=client, decode=decode, prefill=prefill)
     client.close()
     prefill.stop()
     decode.stop()
@@ -130,23 +75,24 @@ def test_long_prompts_prefill_remotely_short_ones_locally(cluster, llm):
     for w, g in zip(want, got):
         assert list(g.token_ids) == w.outputs[0].token_ids and g.text == w.outputs[0].text
         assert g.usage.completion_tokens == 12 and g.timing.ttft_seconds > 0
-    assert len(cluster["sender"].shipped) == 2  # the short prompt stayed on the decode worker
+    # the short prompt stayed on the decode worker
+    wait_for(lambda: shipped(cluster["prefill"]) == 2, 10, "two transfers to be acknowledged")
 
 
 def test_parallel_samples_prefill_once_and_fork_on_decode(cluster, llm):
     params = dict(max_tokens=8, temperature=0.7, seed=3, n=2)
     want = llm.generate([FIB], SamplingParams(**params))[0]
-    shipped = len(cluster["sender"].shipped)
+    before = shipped(cluster["prefill"])
     got = collect(cluster["client"].generate(FIB, **params))
     assert [list(got[i].token_ids) for i in (0, 1)] == [c.token_ids for c in want.outputs]
-    assert len(cluster["sender"].shipped) == shipped + 1
+    wait_for(lambda: shipped(cluster["prefill"]) == before + 1, 10, "one transfer to be acknowledged")
 
 
 def test_logprobs_of_the_first_token_come_from_prefill(cluster, llm):
-    shipped = len(cluster["sender"].shipped)
+    before = shipped(cluster["prefill"])
     want = llm.generate([SORT], SamplingParams(max_tokens=5, temperature=0.0, logprobs=1))[0].outputs[0]
     got = collect(cluster["client"].generate(SORT, max_tokens=5, temperature=0.0, logprobs=1))[0]
-    assert len(cluster["sender"].shipped) == shipped + 1
+    wait_for(lambda: shipped(cluster["prefill"]) == before + 1, 10, "one transfer to be acknowledged")
     assert [lp.token_id for lp in got.logprobs] == want.token_ids
     assert got.logprobs[0].logprob == pytest.approx(want.logprobs[0][want.token_ids[0]], abs=1e-4)
 
@@ -158,15 +104,29 @@ def test_cancel_during_disaggregated_stream_frees_both_sides(cluster):
     call.cancel()
     for worker in (cluster["decode"], cluster["prefill"]):
         wait_for(lambda: all_blocks_free(worker.address), 10, f"{worker.config.id}'s blocks to be free")
-    assert cluster["receiver"].cancelled  # told before its blocks were freed
+    assert shipped(cluster["prefill"]) > 0  # it did cross before it was cancelled
+
+
+def test_a_reservation_cancelled_before_its_kv_arrived_tells_the_receiver_first(cluster):
+    """Aborted while waiting for its KV: the receiver is told to stop filling the
+    blocks before they are freed (the request table's one way out)."""
+    decode = cluster["decode"]
+    before = cancels(decode)
+    rid = "abandoned-reservation"
+    decode.loop.reserve(rid, list(range(3, 60)), SamplingParams(max_tokens=4), lease=30.0, timeout=5)
+    decode.loop.abort(rid)
+    wait_for(lambda: all_blocks_free(decode.address), 10, "the reservation's blocks to be free")
+    assert cancels(decode) == before + 1 and rid not in decode.connector.decode.expecting()
 
 
 def test_bad_input_reaches_no_worker(cluster):
-    shipped = len(cluster["sender"].shipped)
+    before = shipped(cluster["prefill"])
+    reserved = cluster["decode"].connector.decode.stats["reserved"]
     with pytest.raises(grpc.RpcError) as info:
         list(cluster["client"].generate(PROMPTS[0], max_tokens=5, top_p=0.0))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert len(cluster["sender"].shipped) == shipped
+    assert cluster["decode"].connector.decode.stats["reserved"] == reserved  # no reservation, no transfer
+    assert shipped(cluster["prefill"]) == before
 
 
 def test_without_a_prefill_worker_decode_prefills_itself(cluster, llm):
@@ -174,9 +134,9 @@ def test_without_a_prefill_worker_decode_prefills_itself(cluster, llm):
     cluster["router"].registry.probe_soon()
     wait_for(lambda: not cluster["router"].registry.has_remote_prefill(), 10, "the prefill worker to be dropped")
     want = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=6, temperature=0.0))[0].outputs[0].token_ids
-    shipped = len(cluster["sender"].shipped)
+    reserved = cluster["decode"].connector.decode.stats["reserved"]
     got = collect(cluster["client"].generate(PROMPTS[0], max_tokens=6, temperature=0.0))[0]
-    assert list(got.token_ids) == want and len(cluster["sender"].shipped) == shipped
+    assert list(got.token_ids) == want and cluster["decode"].connector.decode.stats["reserved"] == reserved
     assert all_blocks_free(cluster["decode"].address)
     assert stats(cluster["decode"].address).num_reserved == 0
 
@@ -186,12 +146,10 @@ def test_a_dead_prefill_worker_is_skipped_for_the_next(llm, caplog):
     router = Router(RouterConfig(port=0, local_prefill_threshold=0, stats_interval=60.0, worker_timeout=60.0,
                                  heartbeat_interval=30.0))
     address = router.start()
-    receiver = LoopbackReceiver("loopback://decode-x")
-    senders = {name: LoopbackSender({receiver.endpoint: receiver}) for name in ("prefill-a", "prefill-b")}
-    decode = Worker(WorkerConfig(role="decode", router=router.internal_address, worker_id="decode-x", num_blocks=64),
-                    Connector(receiver=receiver))
-    prefills = {name: Worker(WorkerConfig(role="prefill", router=router.internal_address, worker_id=name, num_blocks=64),
-                             Connector(sender=sender)) for name, sender in senders.items()}
+    decode = Worker(WorkerConfig(role="decode", router=router.internal_address, worker_id="decode-x", num_blocks=64,
+                                 kv_connector="zmq"))
+    prefills = {name: Worker(WorkerConfig(role="prefill", router=router.internal_address, worker_id=name, num_blocks=64,
+                                          kv_connector="zmq")) for name in ("prefill-a", "prefill-b")}
     try:
         for worker in (decode, *prefills.values()):
             worker.start()
@@ -200,7 +158,8 @@ def test_a_dead_prefill_worker_is_skipped_for_the_next(llm, caplog):
         with Client(address, timeout=60) as client:
             got = collect(client.generate(SORT, max_tokens=6, temperature=0.0))[0]
         assert list(got.token_ids) == want
-        assert (len(senders["prefill-a"].shipped), len(senders["prefill-b"].shipped)) == (1, 0)
+        wait_for(lambda: shipped(prefills["prefill-a"]) == 1, 10, "prefill-a's transfer to be acknowledged")
+        assert (shipped(prefills["prefill-a"]), shipped(prefills["prefill-b"])) == (1, 0)
         assert "prefill on prefill-b failed" in caplog.text
         wait_for(lambda: all_blocks_free(decode.address) and all_blocks_free(prefills["prefill-a"].address), 10,
                  "every block to be free")
@@ -217,7 +176,7 @@ def test_a_reservation_without_room_prefills_on_the_decode_worker(llm):
     failing it with UNAVAILABLE (found by tests/test_load.py with a small cache)."""
     router = Router(RouterConfig(port=0, local_prefill_threshold=0))
     address = router.start()
-    _, sender, decode, prefill = loopback_pair(router, "r", decode_blocks=16)
+    decode, prefill = loopback_pair(router, "r", decode_blocks=16)
     busy, queued = list(range(100, 260)), list(range(300, 400))  # 10 and 7 of the decode worker's 16 blocks
     params = dict(max_tokens=24, temperature=0.0, ignore_eos=True)
     want = llm.generate([queued], SamplingParams(**params))[0].outputs[0].token_ids
@@ -230,7 +189,8 @@ def test_a_reservation_without_room_prefills_on_the_decode_worker(llm):
             got = collect(client.generate(queued, **params))[0]
             assert len(collect(first)[0].token_ids) == params["max_tokens"] - 1
         assert list(got.token_ids) == want
-        assert len(sender.shipped) == 1  # only the first request's KV crossed
+        wait_for(lambda: shipped(prefill) == 1, 10, "the first request's transfer to be acknowledged")
+        assert decode.connector.decode.stats["reserved"] == 1  # only the first request's KV crossed
         wait_for(lambda: all_blocks_free(decode.address) and all_blocks_free(prefill.address), 10,
                  "every block to be free")
     finally:

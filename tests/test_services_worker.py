@@ -11,7 +11,7 @@ from pdserve.engine.hashing import hash_blocks
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from pdserve.services.worker.config import WorkerConfig
-from pdserve.services.worker.main import Worker
+from pdserve.services.node import Worker
 
 PROMPT = list(range(3, 40))
 OPTIONS = pb.SamplingOptions(max_tokens=4, temperature=0.0)

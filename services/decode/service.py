@@ -1,4 +1,15 @@
-"""The decode role's RPCs: Reserve and Decode."""
+"""The decode role's RPCs: Reserve and Decode.
+
+    router --Reserve(prompt)--> here     blocks for the prompt (its cached prefix
+                                         counted), the KV connector's transfer plan
+                                         back to the router, for the prefill worker
+    router --Decode(id)-------> here     the reserved request's stream: waits for its
+                                         KV, then decodes (services/decode/stream.py)
+    router --Decode(prompt, local_prefill)   the whole request here (no transfer)
+
+The reservation, its deadline (--reservation-timeout at most) and everything it
+holds live in the engine loop's request table (services/worker/requests.py).
+"""
 
 from __future__ import annotations
 
@@ -17,16 +28,15 @@ from pdserve.services.common.write_guard import WriteGuard
 from pdserve.services.decode.stream import DecodeStream
 from pdserve.services.worker.config import WorkerConfig
 from pdserve.services.worker.engine_loop import EngineLoop
-from pdserve.services.worker.kv_seam import KVReceiver
+from pdserve.services.worker.events import RequestStream
+from pdserve.services.worker.rpc import CALL_TIMEOUT
 
 log = logging.getLogger(__name__)
-CALL_TIMEOUT = 10.0  # longest wait for the engine thread to take a command
 
 
 class DecodeService:
-    def __init__(self, loop: EngineLoop, receiver: KVReceiver | None, config: WorkerConfig) -> None:
+    def __init__(self, loop: EngineLoop, config: WorkerConfig) -> None:
         self.loop = loop
-        self.receiver = receiver
         self.config = config
         # A reader that stops reading (a router stuck behind its client) is cut off.
         self.write_guard = WriteGuard(config.stream_write_timeout, f"decode worker {config.id}",
@@ -34,21 +44,14 @@ class DecodeService:
 
     def reserve(self, request: pb.ReserveRequest, context: grpc.ServicerContext) -> pb.ReserveResponse:
         """Blocks for a prompt whose KV a prefill worker will send (P/D seam)."""
-        if self.receiver is None:
+        if not self.loop.receives_kv:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "Reserve: this worker has no KV receiver (--kv-connector)")
         with rpc_errors(context):
             lease = self._lease(request.timeout_seconds)
             params = params_from_options(request.sampling, request.cache_salt)
-            reservation = self.loop.reserve(request.request_id, list(request.token_ids), params, lease, CALL_TIMEOUT)
-        try:
-            plan = self.receiver.expect(reservation, list(request.token_ids), params, Deadline.after(lease).at)
-        except Exception as e:
-            self.loop.abort(request.request_id)
-            context.abort(grpc.StatusCode.INTERNAL, f"Reserve: KV receiver refused {request.request_id!r}: {e}")
-        return pb.ReserveResponse(
-            kv_endpoint=self.receiver.endpoint, num_cached_tokens=reservation.num_cached_tokens,
-            block_ids=reservation.block_ids, block_size=self.config.block_size, transfer_target=plan,
-        )
+            reservation, plan = self.loop.reserve(request.request_id, list(request.token_ids), params, lease,
+                                                  CALL_TIMEOUT)
+        return pb.ReserveResponse(num_cached_tokens=reservation.num_cached_tokens, transfer_plan=plan)
 
     def _lease(self, seconds: float) -> float:
         """The reservation's lifetime: the router's, at most --reservation-timeout (0:
@@ -75,12 +78,12 @@ class DecodeService:
         try:
             yield from self.write_guard.guarded(decode.messages(self.loop, context, deadline), context, f"request {rid}")
         finally:
-            # Cancelled, deadline passed, failed: free it (the loop cancels it on the KV
-            # receiver first). A finished request is freed already.
+            # Cancelled, deadline passed, failed: free it (the request table stops the
+            # KV receiver first). A finished request is freed already.
             if not decode.finished:
                 self.loop.abort(rid)
 
-    def _attach(self, rid: str, context: grpc.ServicerContext):
+    def _attach(self, rid: str, context: grpc.ServicerContext) -> RequestStream:
         try:
             return self.loop.attach(rid, CALL_TIMEOUT)
         except KeyError as e:

@@ -19,22 +19,8 @@ from pdserve.services.common.convert import delta_logprob, prompt_logprobs
 from pdserve.services.common.deadline import Deadline
 from pdserve.services.common.errors import FAILURE_METADATA
 from pdserve.services.worker.engine_loop import EngineLoop
-from pdserve.services.worker.events import FailedEvent, Failure, FinishedEvent, RequestStream, TokenEvent
-
-POLL = 0.5  # seconds between checks that the caller is still there
-
-_FAILURE_STATUS = {
-    Failure.ABORTED: grpc.StatusCode.ABORTED,
-    Failure.SHUTDOWN: grpc.StatusCode.UNAVAILABLE,
-    Failure.EXPIRED: grpc.StatusCode.DEADLINE_EXCEEDED,
-    Failure.TRANSFER: grpc.StatusCode.UNAVAILABLE,
-    Failure.INTERNAL: grpc.StatusCode.INTERNAL,
-    Failure.NO_ROOM: grpc.StatusCode.RESOURCE_EXHAUSTED,
-}
-
-
-def failure_status(failure: Failure) -> grpc.StatusCode:
-    return _FAILURE_STATUS[failure]
+from pdserve.services.worker.events import FailedEvent, FinishedEvent, RequestStream, TokenEvent
+from pdserve.services.worker.rpc import POLL, failure_status
 
 
 class DecodeStream:

@@ -318,7 +318,7 @@ class Dispatcher:
     ) -> pb.PrefillResponse | None:
         """Prefill on `prefill` into D's reservation; None when it failed as a worker may
         (another one may do better)."""
-        request = prefill_request(job, rid, decode, reservation)
+        request = prefill_request(job, rid, reservation)
         try:
             future = prefill.stub.Prefill.future(request, timeout=deadline.remaining())
             cancel.add_callback(future.cancel)
@@ -389,17 +389,12 @@ class Dispatcher:
         return ServeError(status_of_rpc(code), error.details() or code.name)
 
 
-def prefill_request(job: Job, rid: str, decode: WorkerHandle, reservation: pb.ReserveResponse) -> pb.PrefillRequest:
-    """What the prefill worker is asked: the prompt, and where its KV goes (D's
-    reservation, as D described it)."""
+def prefill_request(job: Job, rid: str, reservation: pb.ReserveResponse) -> pb.PrefillRequest:
+    """What the prefill worker is asked: the prompt, and where and how its KV goes
+    (the decode worker's transfer plan, carried unread)."""
     return pb.PrefillRequest(
-        request_id=rid, token_ids=job.prompt, sampling=job.options,
-        target=pb.KVTarget(
-            worker_id=decode.worker_id, kv_endpoint=reservation.kv_endpoint,
-            block_ids=reservation.block_ids, num_cached_tokens=reservation.num_cached_tokens,
-            transfer_target=reservation.transfer_target,
-        ),
-        sample_first_token=job.params.n == 1 and not job.params.use_beam_search, cache_salt=job.cache_salt,
+        request_id=rid, token_ids=job.prompt, sampling=job.options, cache_salt=job.cache_salt,
+        transfer_plan=reservation.transfer_plan,
     )
 
 

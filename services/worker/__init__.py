@@ -1,2 +1,3 @@
-"""The worker core shared by every role: the engine thread, the gRPC servicer, the
-process main. Role-specific RPCs live in services/prefill/ and services/decode/."""
+"""What every worker role shares: the request table and the engine thread that runs
+it, the gRPC servicer, registration. Role-specific RPCs live in services/prefill/
+and services/decode/ (above this package); services/node.py puts them together."""

@@ -12,9 +12,9 @@ from pdserve.services.common.credentials import ClusterCredentials
 from pdserve.services.common.flags import check, flag
 
 ROLES = ("prefill", "decode", "mixed")
-# KV pages over ZeroMQ tcp (services/worker/kv_connectors.py): what `pdserve up` gives
-# prefill and decode workers unless --kv-connector says otherwise.
-DEFAULT_KV_CONNECTOR = "pdserve.services.worker.kv_connectors:zmq_connector"
+# KV pages over ZeroMQ tcp (kvtransfer/registry.py): what `pdserve up` gives prefill
+# and decode workers unless --kv-connector says otherwise.
+DEFAULT_KV_CONNECTOR = "zmq"
 
 
 def parse_cpus(text: str) -> set[int]:
@@ -60,8 +60,9 @@ class WorkerConfig:
     cpu_affinity: str | None = flag(None, "pin every thread of this process to these CPUs, e.g. '0' or '0,2-3' "
                                           "(os.sched_setaffinity; unset: not pinned)")
     # serving
-    kv_connector: str | None = flag(None, "KV transfer connector 'module:factory', '' for none (unset: `pdserve up` "
-                                          f"gives prefill and decode workers {DEFAULT_KV_CONNECTOR}, others get none)")
+    kv_connector: str | None = flag(None, "KV transport: zmq | zmq_ipc | gloo | nccl | none ('' too) | a plug-in's "
+                                          "'module:factory' (unset: `pdserve up` gives prefill and decode workers "
+                                          f"{DEFAULT_KV_CONNECTOR}, others none)")
     reservation_timeout: float = flag(30.0, "decode: longest wait for a reservation's KV")
     held_lease: float = flag(30.0, "prefill: longest time exported blocks wait to be shipped")
     request_timeout: float = flag(600.0, "longest a request may run when its caller set no deadline")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Protocol
 
 import grpc
 
@@ -24,8 +25,6 @@ from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from pdserve.services.common.errors import abort_unimplemented
 from pdserve.services.common.stats import stats_response
-from pdserve.services.decode.service import DecodeService
-from pdserve.services.prefill.service import PrefillService
 from pdserve.services.worker.config import WorkerConfig
 from pdserve.services.worker.engine_loop import EngineLoop
 from pdserve.services.worker.kv_events import kv_event_stream
@@ -34,20 +33,33 @@ STATS_TIMEOUT = 5.0
 MAX_DRAIN_GRACE = 3600.0
 
 
+class PrefillRole(Protocol):
+    """The prefill role's RPC (services/prefill/service.py)."""
+
+    def prefill(self, request: pb.PrefillRequest, context: grpc.ServicerContext) -> pb.PrefillResponse: ...
+
+
+class DecodeRole(Protocol):
+    """The decode role's RPCs (services/decode/service.py)."""
+
+    def reserve(self, request: pb.ReserveRequest, context: grpc.ServicerContext) -> pb.ReserveResponse: ...
+    def decode(self, request: pb.DecodeRequest, context: grpc.ServicerContext) -> Iterator[pb.DecodeResponse]: ...
+
+
 class WorkerServicer(pb_grpc.WorkerServicer):
     def __init__(
-        self, config: WorkerConfig, loop: EngineLoop, prefill: PrefillService | None, decode: DecodeService | None,
+        self, config: WorkerConfig, loop: EngineLoop, prefill: PrefillRole | None, decode: DecodeRole | None,
         kv_stats: Callable[[], KVTransferStats] = KVTransferStats, drain: Callable[[float], tuple[bool, int]] | None = None,
         max_calls: int | None = None,
     ) -> None:
         """`max_calls`: Reserve, Prefill and Decode calls served at once; one more is
         refused with RESOURCE_EXHAUSTED, so that streams can never take the threads
-        that Abort, Stats, Drain and KvEvents need (services/worker/main.py)."""
+        that Abort, Stats, Drain and KvEvents need (services/node.py)."""
         self.config = config
         self.loop = loop
         self.prefill_service = prefill
         self.decode_service = decode
-        self.kv_stats = kv_stats  # the KV connector's counters (kv_seam.Connector.stats)
+        self.kv_stats = kv_stats  # the KV connector's counters (KVConnector.stats)
         self.drain = drain  # (grace seconds) -> (drained, remaining): the Worker's
         self.max_calls = max_calls
         self._calls = 0

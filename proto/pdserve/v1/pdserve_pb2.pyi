@@ -191,48 +191,26 @@ class ReserveRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., timeout_seconds: _Optional[float] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("kv_endpoint", "num_cached_tokens", "block_ids", "block_size", "transfer_target")
-    KV_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("num_cached_tokens", "transfer_plan")
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
-    TRANSFER_TARGET_FIELD_NUMBER: _ClassVar[int]
-    kv_endpoint: str
+    TRANSFER_PLAN_FIELD_NUMBER: _ClassVar[int]
     num_cached_tokens: int
-    block_ids: _containers.RepeatedScalarFieldContainer[int]
-    block_size: int
-    transfer_target: bytes
-    def __init__(self, kv_endpoint: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., transfer_target: _Optional[bytes] = ...) -> None: ...
-
-class KVTarget(_message.Message):
-    __slots__ = ("worker_id", "kv_endpoint", "block_ids", "num_cached_tokens", "transfer_target")
-    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
-    KV_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
-    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    TRANSFER_TARGET_FIELD_NUMBER: _ClassVar[int]
-    worker_id: str
-    kv_endpoint: str
-    block_ids: _containers.RepeatedScalarFieldContainer[int]
-    num_cached_tokens: int
-    transfer_target: bytes
-    def __init__(self, worker_id: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., transfer_target: _Optional[bytes] = ...) -> None: ...
+    transfer_plan: bytes
+    def __init__(self, num_cached_tokens: _Optional[int] = ..., transfer_plan: _Optional[bytes] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "target", "sample_first_token", "cache_salt")
+    __slots__ = ("request_id", "token_ids", "sampling", "cache_salt", "transfer_plan")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
-    TARGET_FIELD_NUMBER: _ClassVar[int]
-    SAMPLE_FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_PLAN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingOptions
-    target: KVTarget
-    sample_first_token: bool
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., target: _Optional[_Union[KVTarget, _Mapping]] = ..., sample_first_token: _Optional[bool] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    transfer_plan: bytes
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., cache_salt: _Optional[str] = ..., transfer_plan: _Optional[bytes] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token", "num_cached_tokens")

@@ -1,5 +1,7 @@
-"""A worker process: engine thread + Worker gRPC service (+ health, reflection),
-registered with the router when one is given.
+"""A worker process of any role: the shared worker core (services/worker) put
+together with the role services (services/prefill, services/decode), the KV
+connector named by --kv-connector (kvtransfer/registry.py), the Worker gRPC service
+(+ health, reflection), registered with the router when one is given.
 
     Worker(config).start()  ->  address;   .drain(grace);   .stop()   (in-process, for tests too)
     run(config)             ->  serve until SIGINT/SIGTERM (the `pdserve decode` CLI)
@@ -18,6 +20,8 @@ import time
 import torch
 
 from pdserve.engine.engine import LLMEngine
+from pdserve.kvtransfer.connector import KVConnector
+from pdserve.kvtransfer.registry import KVCredentials, TransportContext, open_connector
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from pdserve.services.common import log as service_log
@@ -30,7 +34,6 @@ from pdserve.services.decode.service import DecodeService
 from pdserve.services.prefill.service import PrefillService
 from pdserve.services.worker.config import WorkerConfig
 from pdserve.services.worker.engine_loop import EngineLoop
-from pdserve.services.worker.kv_seam import Connector, KVCredentials, load_connector
 from pdserve.services.worker.registration import Registrar
 from pdserve.services.worker.servicer import WorkerServicer
 
@@ -43,19 +46,20 @@ class Worker:
     """Its Worker service is internal: with cluster credentials configured, every call
     but health checks must present them (services/common/credentials.py)."""
 
-    def __init__(self, config: WorkerConfig, connector: Connector | None = None) -> None:
+    def __init__(self, config: WorkerConfig) -> None:
         self.config = config
         self.auth = ClusterAuth(config.credentials)
         self.engine = LLMEngine(config.engine_config())
         self.metrics = worker_metrics(config.metrics, config.model_name, config.role, config.id)
-        self.loop = EngineLoop(self.engine, held_lease=config.held_lease, metrics=self.metrics)
-        if connector is None:
-            kv = KVCredentials(self.auth.kv_curve(), self.auth.rendezvous_token)
-            connector = load_connector(config.kv_connector or "", config.role, config.id, kv)
-        self.connector = connector
+        kv = KVCredentials(self.auth.kv_curve(), self.auth.rendezvous_token)
+        context = TransportContext.from_env(config.role, config.id, self.engine.runner.kv_cache, kv)
+        self.connector: KVConnector = open_connector(config.kv_connector or "", context,
+                                                     self.engine.model_config.vocab_size)
+        self.loop = EngineLoop(self.engine, connector=self.connector, held_lease=config.held_lease,
+                               metrics=self.metrics)
         self.metrics.watch(self.loop.snapshot, self.connector.stats)
-        prefill = PrefillService(self.loop, self.connector.sender, config) if config.role != "decode" else None
-        decode = DecodeService(self.loop, self.connector.receiver, config) if config.role != "prefill" else None
+        prefill = PrefillService(self.loop, config) if config.role != "decode" else None
+        decode = DecodeService(self.loop, config) if config.role != "prefill" else None
         self.decode = decode
         calls = config.grpc_threads or 2 * config.max_num_seqs + 16  # each stream holds a thread
         # Control RPCs (Abort, Stats, Drain, KvEvents) get threads no stream can take:
@@ -72,8 +76,7 @@ class Worker:
     def start(self) -> str:
         """Start the engine thread and the server; register; returns host:port."""
         self.auth.warn_if_open(f"{self.config.role} worker {self.config.id}")
-        self.connector.bind(self.loop)
-        self.loop.start()
+        self.loop.start()  # and the KV connector: its endpoint is known from here on
         self.metrics_port = self.metrics.serve(metrics_host(self.config), self.config.metrics_port)
         port = self.server.start(self.config.host, self.config.port, ["pdserve.v1.Worker"],
                                  self.auth.server_credentials())
@@ -131,11 +134,10 @@ class Worker:
         if self.registrar is not None:
             self.registrar.stop()
         self.engine.kv_events.close()  # ends KvEvents streams, which would hold server.stop for its grace
-        self.loop.close()
+        self.loop.close()  # and the KV connector
         self.server.stop(grace)
         if self.decode is not None:
             self.decode.write_guard.close()
-        self.connector.close()
         self.metrics.close()
 
     def _load(self) -> pb.Load | None:

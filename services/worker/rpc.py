@@ -1,0 +1,24 @@
+"""What the roles' RPC handlers (services/prefill, services/decode) share."""
+
+from __future__ import annotations
+
+import grpc
+
+from pdserve.services.worker.events import Failure
+
+CALL_TIMEOUT = 10.0  # longest wait for the engine thread to take a command
+POLL = 0.5  # seconds between checks that the caller is still there
+
+_FAILURE_STATUS = {
+    Failure.ABORTED: grpc.StatusCode.ABORTED,
+    Failure.SHUTDOWN: grpc.StatusCode.UNAVAILABLE,
+    Failure.EXPIRED: grpc.StatusCode.DEADLINE_EXCEEDED,
+    Failure.TRANSFER: grpc.StatusCode.UNAVAILABLE,
+    Failure.INTERNAL: grpc.StatusCode.INTERNAL,
+    Failure.NO_ROOM: grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+
+
+def failure_status(failure: Failure) -> grpc.StatusCode:
+    """The status a request that failed this way ends its RPC with."""
+    return _FAILURE_STATUS[failure]
