@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from cluster_helpers import all_blocks_free, wait_for
-from test_services_engine_loop import one_thread  # noqa: F401 (an autouse fixture: one torch thread)
+from engine_helpers import one_thread  # noqa: F401 (an autouse fixture: one torch thread)
 from pdserve.engine import SamplingParams
 from pdserve.engine.config import CacheConfig
 from pdserve.engine.engine import EngineConfig, LLMEngine

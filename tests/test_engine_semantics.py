@@ -13,6 +13,7 @@ from pdserve.engine.config import CacheConfig, SchedulerConfig
 from pdserve.engine.engine import EngineConfig, LLMEngine
 from pdserve.engine.llm import DEFAULT_MODEL
 from pdserve.engine.sampler import Sampler, apply_top_k_top_p
+from engine_helpers import POISON, Poisoned
 from hf_models import build_beam_model, build_model
 
 VOCAB = 64
@@ -315,24 +316,6 @@ def test_bad_request_in_generate_leaves_no_blocks_behind(model_dir):
     assert not llm.engine.has_unfinished()
     llm.check_integrity()
     assert llm.stats().num_free_blocks == 32
-
-
-class Poisoned(torch.nn.Module):
-    """The model, failing whenever the batch holds `poison` (a kernel fault that only
-    some inputs trigger)."""
-
-    def __init__(self, model: torch.nn.Module, poison: int) -> None:
-        super().__init__()
-        self.model = model
-        self.poison = poison
-
-    def forward(self, input_ids: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        if bool((input_ids == self.poison).any()):
-            raise RuntimeError("device fault on a poisoned input")
-        return self.model(input_ids, *args, **kwargs)
-
-
-POISON = 13
 
 
 def _clean_prompts() -> list[list[int]]:

@@ -14,8 +14,7 @@ from pdserve.engine.engine import EngineConfig, LLMEngine
 from pdserve.engine.llm import DEFAULT_MODEL
 from pdserve.services.worker.engine_loop import EngineLoop
 from pdserve.services.worker.events import FailedEvent, Failure, FinishedEvent
-from test_engine_semantics import POISON, Poisoned
-from test_services_engine_loop import drain, one_thread  # noqa: F401 (one_thread: an autouse fixture)
+from engine_helpers import POISON, Poisoned, drain, one_thread  # noqa: F401 (one_thread: an autouse fixture)
 
 NUM_BLOCKS = 64
 PROMPTS = {"greedy": [5, 6, 7, 8, 9, 10, 11, 12], "sampled": list(range(20, 60)), "pair": [40, 41, 42]}

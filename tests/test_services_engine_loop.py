@@ -8,9 +8,9 @@ import threading
 import time
 
 import pytest
-import torch
 
 from cluster_helpers import wait_for
+from engine_helpers import drain, one_thread  # noqa: F401 (one_thread: an autouse fixture)
 from manual_clock import ManualClock
 from pdserve.engine import SamplingParams
 from pdserve.engine.config import CacheConfig
@@ -30,14 +30,6 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
 LONG = SamplingParams(max_tokens=600, temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 LEASE = 30.0  # held blocks' lease and unclaimed streams' ttl: passed by moving the clock
 
 
@@ -55,16 +47,6 @@ def loop(clock):
     loop = EngineLoop(new_engine(), clock=clock, idle_wait=0.05, held_lease=LEASE, unclaimed_ttl=LEASE).start()
     yield loop
     loop.close()
-
-
-def drain(stream: RequestStream, timeout: float = 30.0) -> list:
-    """Events until the request ends."""
-    events: list = []
-    give_up = time.monotonic() + timeout
-    while not events or isinstance(events[-1], TokenEvent):
-        assert time.monotonic() < give_up, f"no end of {stream.request_id} within {timeout}s"
-        events += stream.get(0.5)
-    return events
 
 
 def first_token(stream: RequestStream) -> TokenEvent:

@@ -26,7 +26,7 @@ from pdserve.kvtransfer.wire import PagesHeader, sign
 from pdserve.kvtransfer.zmq import ZmqReceiver, ZmqSender
 from pdserve.services.worker.events import FailedEvent, Failure, FinishedEvent, RequestStream, TokenEvent
 from pdserve.services.worker.requests import IllegalTransition, RequestTable, State
-from test_services_engine_loop import one_thread  # noqa: F401 (an autouse fixture: one torch thread)
+from engine_helpers import one_thread  # noqa: F401 (an autouse fixture: one torch thread)
 
 NUM_BLOCKS = 48
 PROMPT = list(range(3, 40))  # 37 tokens: 3 blocks of 16
