@@ -6,7 +6,7 @@
 #
 # The variants differ only in their base stage (OS image, Python) and in the PyTorch
 # index torch comes from; every other package is pinned by deploy/docker/requirements.lock
-# (scripts/lock_image_requirements.py). tests/test_dockerfile.py checks both.
+# (scripts/lock_image_requirements.py). tests/deploy/test_dockerfile.py checks both.
 
 ARG VARIANT=cpu
 ARG TORCH_VERSION=2.13.0

@@ -6,7 +6,7 @@
 The Grafana dashboard and the Prometheus rules have one source each, under deploy/;
 the chart's templates read the copies under deploy/helm/pdserve/files/ through
 `.Files.Get` (a chart cannot reach outside its directory, and `helm package` would
-not follow a symlink out of it). tests/test_helm_chart.py runs the check.
+not follow a symlink out of it). tests/deploy/test_helm_chart.py runs the check.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The Helm chart, rendered offline and validated (for tests/test_helm_chart.py).
+"""The Helm chart, rendered offline and validated (for tests/deploy/test_helm_chart.py).
 
 Rendering goes through the Helm SDK itself (PyPI's helm-python-sdk bundles it as a
 shared library: no helm binary, no cluster). Built-in kinds are validated with

@@ -1,4 +1,4 @@
-"""Helpers for tests that start real pdserve processes (tests/test_cluster*.py)."""
+"""Helpers for tests that start real pdserve processes (tests/cluster/, tests/services/, ...)."""
 
 from __future__ import annotations
 

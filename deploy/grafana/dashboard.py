@@ -6,7 +6,7 @@
 Import pdserve.json in Grafana (Dashboards > New > Import) and pick a Prometheus data
 source that scrapes the cluster (`pdserve up --prometheus` starts one). Every query
 filters on the `model_name` variable; rates use Grafana's `$__rate_interval`. The
-metrics are defined in services/common/metrics.py; tests/test_observability.py runs
+metrics are defined in services/common/metrics.py; tests/cluster/test_observability.py runs
 every query here against a live Prometheus scraping a live cluster.
 """
 

@@ -1,6 +1,6 @@
 """Metrics without processes: what each recording call counts, the engine's phase
 times, /metrics over HTTP, the dashboard and rules against the metric definitions.
-(tests/test_observability.py checks all of it end to end through Prometheus.)"""
+(tests/cluster/test_observability.py checks all of it end to end through Prometheus.)"""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ from pdserve.services.router.responses import ResponseBuilder
 from pdserve.services.router.validate import Limits, Validator
 from pdserve.services.worker.config import WorkerConfig
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 RULES = REPO / "deploy" / "prometheus" / "pdserve-rules.yaml"
 BASE = {"model_name": "m", "role": "router", "worker": "router"}
 # What Prometheus 2.x sends: it prefers OpenMetrics.

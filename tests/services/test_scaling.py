@@ -1,6 +1,6 @@
 """Pool targets (Registry.Scale) and draining (Worker.Drain, Registry.Leave) with an
 in-process router and decode worker; the launchers acting on them are exercised by
-tests/test_ray_launcher.py."""
+tests/launch/test_ray_launcher.py."""
 
 from __future__ import annotations
 

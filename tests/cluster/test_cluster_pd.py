@@ -176,7 +176,7 @@ def pd2(tmp_path_factory):
     up = UpProcess(
         ["--prefill", "2", "--decode", "2", "--local-prefill-threshold", "0", "--num-blocks", "512",
          "--max-n", str(MAX_N), "--held-lease", "10", "--stats-interval", "0.5", "--worker-timeout", "10",
-         "--no-supervise"],  # killed workers stay dead here (tests/test_chaos.py has the restarts)
+         "--no-supervise"],  # killed workers stay dead here (tests/cluster/test_chaos.py has the restarts)
         tmp_path_factory.mktemp("pd2") / "up.log",
     )
     yield up

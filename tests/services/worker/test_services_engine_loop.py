@@ -145,7 +145,7 @@ def test_abandoning_a_reservation_fails_it_only_while_its_kv_is_awaited(loop):
 def test_a_reservation_that_ends_before_its_stream_is_attached_still_streams(loop):
     """Under load the router's Decode call can reach the worker after the KV was
     committed and the request finished (or failed): the stream, every event in it,
-    waits for that one attach (found by tests/test_load.py as NOT_FOUND)."""
+    waits for that one attach (found by tests/cluster/test_load.py as NOT_FOUND)."""
     loop.reserve("quick", PROMPT, SamplingParams(max_tokens=2, temperature=0.0), lease=5.0, timeout=5)
     loop.commit_remote("quick", first_token=7)
     wait_for(lambda: loop.stats(5).num_free_blocks == NUM_BLOCKS, 10, "the finished request's blocks",

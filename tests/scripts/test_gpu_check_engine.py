@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "gpu_check_engine.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_check_engine.py"
 
 
 @pytest.fixture(scope="module")

@@ -102,7 +102,7 @@ def ray_cluster(tmp_path_factory, request):
             capture = request.config.pluginmanager.get_plugin("capturemanager")
             if reporter is not None and capture is not None:
                 with capture.global_and_fixture_disabled():  # to the terminal, not into the captured output
-                    reporter.write_line(f"\n[ray] tests/test_ray_launcher.py: Ray cluster up in {started:.0f}s, "
+                    reporter.write_line(f"\n[ray] tests/launch/test_ray_launcher.py: Ray cluster up in {started:.0f}s, "
                                         f"module wall time {time.monotonic() - began:.0f}s")
 
 

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 LAST_LINE = re.compile(
     r"^ratio_vs_hf_generate=(?P<x>\S+) ratio_vs_hf_generate_batch=(?P<y>\S+) roofline_fraction=(?P<z>\S+)$"
 )

@@ -2,7 +2,7 @@
 embedded default model, checked against the engine run in this process.
 
 Two clusters, each started once, without prefill workers (every request prefills on
-its decode worker; the prefill/decode path is tests/test_cluster_pd.py): `single`
+its decode worker; the prefill/decode path is tests/cluster/test_cluster_pd.py): `single`
 (router + 1 decode worker) for results, validation, cancellation and reflection;
 `pair` (router + 2 decode workers that run one sequence at a time) for killing a
 worker mid-stream and joining a new one.
@@ -291,7 +291,7 @@ def test_up_prints_one_line_and_leaves_no_process_behind(single):
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     up = UpProcess(
-        # --no-supervise: a killed worker stays dead here (tests/test_chaos.py has the restarts)
+        # --no-supervise: a killed worker stays dead here (tests/cluster/test_chaos.py has the restarts)
         ["--prefill", "0", "--decode", "2", "--num-blocks", "256", "--max-num-seqs", "1", "--worker-timeout", "3",
          "--no-supervise"],
         tmp_path_factory.mktemp("pair") / "up.log",

@@ -17,7 +17,7 @@ import yaml
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DOCKERFILE = REPO / "Dockerfile"
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 CHART_VALUES = yaml.safe_load((REPO / "deploy" / "helm" / "pdserve" / "values.yaml").read_text())
@@ -137,7 +137,7 @@ def test_copied_files_exist_and_get_through_the_dockerignore() -> None:
 
 
 def test_dockerignore_keeps_the_context_small() -> None:
-    for path in (".venv/bin/python", ".git/HEAD", "tests/test_dockerfile.py", "engine/__pycache__/engine.cpython-311.pyc",
+    for path in (".venv/bin/python", ".git/HEAD", "tests/deploy/test_dockerfile.py", "engine/__pycache__/engine.cpython-311.pyc",
                  "scripts/train_default_model.py", "models/other/model.safetensors", "bench/x.pyc"):
         assert not in_context(path), path
     for path in ("engine/engine.py", "services/router/main.py", "models/pdserve-tiny-code/config.json"):

@@ -173,7 +173,7 @@ def test_a_reservation_without_room_prefills_on_the_decode_worker(llm):
     """The decode worker's cache is busy with one request: a second one's Reserve finds
     no room (RESOURCE_EXHAUSTED, a transient state). The router prefills it on the
     decode worker instead, whose scheduler queues it until room frees, rather than
-    failing it with UNAVAILABLE (found by tests/test_load.py with a small cache)."""
+    failing it with UNAVAILABLE (found by tests/cluster/test_load.py with a small cache)."""
     router = Router(RouterConfig(port=0, local_prefill_threshold=0))
     address = router.start()
     decode, prefill = loopback_pair(router, "r", decode_blocks=16)

@@ -17,7 +17,7 @@ import pytest
 
 from pdserve.bench.metrics import inconsistencies
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 LAST_LINE = re.compile(r"^ttft_p50_ms=(?P<ttft>\d+\.\d{2}) tpot_p50_ms=(?P<tpot>\d+\.\d{2})$")
 
 
