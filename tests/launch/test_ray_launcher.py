@@ -302,13 +302,15 @@ def test_sigterm_stops_what_the_launcher_started_and_nothing_else(up, ray_cluste
 
 def test_startup_fails_clearly_when_no_node_offers_a_pool_resource(ray_cluster, tmp_path):
     """An explicit HOST:PORT, with only the token in the environment: the launcher
-    turns token mode on itself. No node offers the prefill resource asked for."""
+    turns token mode on itself. No node offers the prefill resource asked for: the
+    launcher waits out its --startup-timeout (10 s: the router is up well within it,
+    and the prefill worker's placement group stays PENDING however long it waits)."""
     cluster, _ = ray_cluster
     env = child_env()
     env.pop("RAY_AUTH_MODE")
     done = subprocess.run(
         [sys.executable, "-m", "pdserve", "up", "--launcher", "ray", "--address", cluster.address, "--port", "0",
-         "--ray-prefill-resource", "pdserve_h100", "--startup-timeout", "20", "--num-blocks", "64"],
+         "--ray-prefill-resource", "pdserve_h100", "--startup-timeout", "10", "--num-blocks", "64"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=180,
     )
     assert done.returncode == 1 and done.stdout == ""
