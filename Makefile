@@ -32,10 +32,15 @@ ifeq ($(and $(PROMETHEUS),$(PROMTOOL)),)
 	apt-get install -y prometheus
 endif
 
+# The suite on TEST_WORKERS pytest-xdist workers, each test file one unit of work (its
+# module's cluster started once); tests/conftest.py orders them (the timed load and
+# chaos files first, one after the other, beside single-threaded files only).
+TEST_WORKERS ?= 2
+
 test: $(STAMP) prometheus
 	promtool check rules deploy/prometheus/pdserve-rules.yaml
 	promtool test rules deploy/prometheus/pdserve-rules.test.yaml
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 bench: $(STAMP)
 	$(PY) -m pdserve.bench.offline
