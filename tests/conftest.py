@@ -16,8 +16,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # Under pytest-xdist (`make test`: `-n 2 --dist loadfile`), each file is one unit of
 # work, so that a module's cluster starts once, and the units go out in this order:
-#   1. the timed files (load, chaos: times asserted under load), one unit, so one
-#      after the other on one worker;
+#   1. the timed files (load, chaos: times asserted under load; the Ray launcher's,
+#      whose drains and restarts race the clock on a loaded machine), one unit, so
+#      one after the other on one worker;
 #   2. meanwhile, on the other, the files that compute in this one process (and at
 #      most one child at a time), so that the timed tests keep a core to themselves
 #      and share the other only with single-threaded work;
@@ -25,7 +26,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 #      so that the workers finish together. Two of those side by side slow each
 #      other past their share of the cores (Ray's most), hence this order.
 # Plain `pytest` runs keep the files in their order.
-TIMED = ("test_load.py", "test_chaos.py")
+TIMED = ("test_load.py", "test_chaos.py", "test_ray_launcher.py")
 ONE_CHILD_AT_A_TIME = (  # after the in-process files: single-threaded, but a process beside it
     "test_kv_transfer.py",
     "test_backpressure.py",
@@ -35,7 +36,6 @@ ONE_CHILD_AT_A_TIME = (  # after the in-process files: single-threaded, but a pr
 )
 CLUSTERS_LONGEST_FIRST = (
     "test_bench_comparisons.py",
-    "test_ray_launcher.py",
     "test_faults.py",
     "test_cluster_pd.py",
     "test_cluster.py",
