@@ -32,15 +32,21 @@ ifeq ($(and $(PROMETHEUS),$(PROMTOOL)),)
 	apt-get install -y prometheus
 endif
 
-# The suite on TEST_WORKERS pytest-xdist workers, each test file one unit of work (its
-# module's cluster started once); tests/conftest.py orders them (the timed load and
-# chaos files first, one after the other, beside single-threaded files only).
-TEST_WORKERS ?= 2
+# `make test TEST_WORKERS=2`: the suite on two pytest-xdist workers, each test file one
+# unit of work (its module's cluster started once), in the order tests/conftest.py
+# gives. The default stays one process: on a loaded 2-core machine the parallel run
+# lost races in the Ray and cluster tests (docs/benchmarks.md, "make test wall time").
+TEST_WORKERS ?= 1
+ifeq ($(TEST_WORKERS),1)
+PYTEST_WORKERS :=
+else
+PYTEST_WORKERS := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+endif
 
 test: $(STAMP) prometheus
 	promtool check rules deploy/prometheus/pdserve-rules.yaml
 	promtool test rules deploy/prometheus/pdserve-rules.test.yaml
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
+	$(PY) -m pytest -q $(PYTEST_WORKERS) tests
 
 bench: $(STAMP)
 	$(PY) -m pdserve.bench.offline
