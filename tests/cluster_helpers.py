@@ -73,7 +73,10 @@ class UpProcess:
     def children(self) -> list[int]:
         pids: list[int] = []
         for task in Path(f"/proc/{self.proc.pid}/task").glob("*"):
-            text = (task / "children").read_text().split()
+            try:
+                text = (task / "children").read_text().split()
+            except FileNotFoundError:  # the thread ended between the listing and the read
+                continue
             pids += [int(p) for p in text]
         return pids
 
