@@ -170,6 +170,7 @@ class Cluster(ABC):
         self.processes: dict[str, subprocess.Popen] = {}  # "router" (and a LocalCluster's workers)
         self.address = ""  # the router's public address, as it bound it (what `ready` prints)
         self.internal_address = ""  # its Registry, as it bound it
+        self.http_address = ""  # its OpenAI-compatible HTTP API, as it bound it ("" without --http-port)
         self.router_for_workers = ""  # its Registry, as workers dial it
         self.manager_id = f"{self.name}-{os.getpid()}"
         self.pools: dict[str, list[str]] = {role: [] for role in POOLS}  # held worker ids, oldest first
@@ -273,6 +274,11 @@ class Cluster(ABC):
         endpoints += [(w.address, w.metrics_port) for w in reply.workers]
         return [f"{address.rsplit(':', 1)[0]}:{port}" for address, port in endpoints if port]
 
+    def openai_url(self) -> str:
+        """The OpenAI base URL of the router's HTTP API (https with the public TLS)."""
+        scheme = "https" if self.spec.router.tls_cert else "http"
+        return f"{scheme}://{self.http_address}/v1"
+
     def _list_workers(self, timeout: float) -> pb.ListWorkersResponse:
         with self._router_channel() as channel:
             return pb_grpc.RegistryStub(channel).ListWorkers(pb.ListWorkersRequest(), timeout=timeout)
@@ -373,8 +379,11 @@ class Cluster(ABC):
         while not address_file.is_file():
             self._check_startup(deadline, stop, {"router"})
             time.sleep(POLL)
-        public, internal = address_file.read_text().split()
+        public, internal, *http = address_file.read_text().split()
+        self.http_address = http[0] if http else ""
         ports = dict(port=int(public.rpartition(":")[2]), internal_port=int(internal.rpartition(":")[2]))
+        if http:
+            ports["http_port"] = int(http[0].rpartition(":")[2])
         restart = replace(render_router(self.spec, address_file, self.credentials), **ports)
         self._argv["router"] = ["router", *to_argv(restart)]  # a restart keeps the ports workers know
         return public, internal
@@ -457,6 +466,30 @@ class Cluster(ABC):
                 self._retell_sizes = True
 
 
+def wait_http(base_url: str, timeout: float, stop: threading.Event | None = None) -> None:
+    """Until the HTTP API at `base_url` (…/v1) answers GET /version (any TLS certificate:
+    this only asks whether it is up). Raises StartupError after `timeout` seconds."""
+    import ssl
+    import urllib.error
+    import urllib.request
+
+    root = base_url.removesuffix("/v1")
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    give_up = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(f"{root}/version", timeout=2.0, context=context) as reply:
+                reply.read()
+                return
+        except (urllib.error.URLError, OSError):
+            pass
+        if time.monotonic() > give_up or (stop is not None and stop.is_set()):
+            raise StartupError(f"the HTTP API at {root} did not answer within {timeout:.0f}s")
+        time.sleep(POLL)
+
+
 def stop_processes(processes: dict[str, subprocess.Popen], grace: float) -> None:
     """SIGTERM every process, SIGKILL those still there after `grace` seconds."""
     for proc in processes.values():
@@ -473,7 +506,8 @@ def stop_processes(processes: dict[str, subprocess.Popen], grace: float) -> None
 
 
 def up(cluster: Cluster) -> int:
-    """`pdserve up`: start, print `ready <address> internal <registry address>` (and
+    """`pdserve up`: start, print `ready <address> internal <registry address>` (then
+    `openai http://HOST:PORT/v1` with --http-port, once the HTTP API answers, and
     `prometheus <url>` with --prometheus), serve until SIGINT/SIGTERM, then SIGTERM
     every child (each drains within --drain-timeout); SIGHUP reloads the router's API
     keys."""
@@ -489,6 +523,10 @@ def up(cluster: Cluster) -> int:
         signal.signal(signal.SIGHUP, lambda _signum, _frame: cluster.reload_api_keys())
         address = cluster.start(stop)
         print(f"ready {address} internal {cluster.internal_address}", file=result, flush=True)
+        if cluster.http_address:
+            url = cluster.openai_url()
+            wait_http(url, cluster.spec.launch.startup_timeout, stop)
+            print(f"openai {url}", file=result, flush=True)
         if cluster.spec.launch.prometheus:
             prometheus = _start_prometheus(cluster, result)
         return cluster.serve(stop, prometheus, result)

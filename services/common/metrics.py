@@ -91,6 +91,7 @@ METRICS: Mapping[str, Spec] = types.MappingProxyType({
     "request_success": Spec("counter", "Sequences returned, by finish reason", ("finished_reason",)),
     "request_failure": Spec("counter", "Generate calls that ended with an error, by gRPC status", ("code",)),
     "num_requests_inflight": Spec("gauge", "Generate calls in flight at the router"),
+    "http_requests": Spec("counter", "HTTP API requests answered, by route and HTTP status", ("route", "status")),
     "router_prefill_path": Spec(
         "counter", "Where a request attempt's prompt was prefilled: remote (a prefill worker), local (its decode "
                    "worker), fallback (meant for a prefill worker, none could: its decode worker)", ("path",)),
@@ -139,7 +140,7 @@ METRICS: Mapping[str, Spec] = types.MappingProxyType({
 ROUTER_METRICS = (
     "time_to_first_token_seconds", "inter_token_latency_seconds", "request_time_per_output_token_seconds",
     "e2e_request_latency_seconds", "prompt_tokens", "generation_tokens", "request_success", "request_failure",
-    "num_requests_inflight", "router_prefill_path", "router_local_prefill_fallbacks", "router_retries",
+    "num_requests_inflight", "http_requests", "router_prefill_path", "router_local_prefill_fallbacks", "router_retries",
     "router_worker_selected", "router_kv_events", "stream_write_cutoffs",
 )
 WORKER_METRICS = (
@@ -292,6 +293,9 @@ class RouterMetrics(_Recorder):
         self._inflight.dec()
         if failure is not None:
             self.child("request_failure", failure).inc()
+
+    def http_request(self, route: str, status: int) -> None:
+        self.child("http_requests", route, str(status)).inc()
 
     def first_token(self, ttft: float, prompt_tokens: int) -> None:
         self._ttft.observe(ttft)

@@ -106,16 +106,18 @@ def _watch_parent(launcher: int, stop: threading.Event) -> None:
             stop.set()
 
 
-def announce(role: str, address: str, address_file: str | None, internal: str | None = None) -> None:
+def announce(role: str, address: str, address_file: str | None, internal: str | None = None,
+             http: str | None = None) -> None:
     """Tell whoever started this process where it listens: one stdout line, and the
-    address (then the internal one, if any, on a line of its own) written atomically
-    to `address_file` when given (the launcher's way)."""
+    address (then the internal one, then the HTTP API's, if any, each on a line of its
+    own) written atomically to `address_file` when given (the launcher's way)."""
     import tempfile
 
-    print(f"serving {role} {address}" + (f" internal {internal}" if internal else ""), flush=True)
+    print(f"serving {role} {address}" + (f" internal {internal}" if internal else "")
+          + (f" http {http}" if http else ""), flush=True)
     if address_file:
         directory = os.path.dirname(os.path.abspath(address_file))
         fd, tmp = tempfile.mkstemp(dir=directory, prefix=".address-")
         with os.fdopen(fd, "w") as f:
-            f.write("\n".join(a for a in (address, internal) if a))
+            f.write("\n".join(a for a in (address, internal, http) if a))
         os.replace(tmp, address_file)

@@ -24,6 +24,12 @@ class RouterConfig:
                                            "--port + 1; any free port when --port is 0)")
     address_file: str | None = flag(None, "write the bound addresses to this file when serving (public, then "
                                           "internal, one a line)")
+    # the OpenAI-compatible HTTP API (services/router/http/), beside gRPC
+    http_port: int | None = flag(None, "port of the OpenAI-compatible HTTP API (0: any free port; default: none)")
+    http_host: str | None = flag(None, "address the HTTP API listens on (default: --host)")
+    chat_template: str | None = flag(None, "Jinja chat template file for /v1/chat/completions (default: the "
+                                           "tokenizer's own)")
+    http_max_body_bytes: int = flag(8 << 20, "largest HTTP request body, refused (413) before it is parsed")
     # the public surface
     api_keys_file: str | None = flag(None, "file of API keys, one a line (reloaded on SIGHUP): every public call "
                                            "must carry `authorization: Bearer <key>`")
@@ -82,6 +88,13 @@ class RouterConfig:
             check(path is None or Path(path).is_file(), name, "must be a readable file", path)
         check(not self.salt_cache_by_key or self.api_keys_file is not None, "salt_cache_by_key",
               "needs --api-keys-file", self.salt_cache_by_key)
+        check(self.http_port is None or 0 <= self.http_port < 65536, "http_port", "must be in [0, 65535]",
+              self.http_port)
+        check(self.http_port is None or self.http_port == 0 or self.http_port != self.port, "http_port",
+              "must differ from port", self.http_port)
+        check(self.chat_template is None or Path(self.chat_template).is_file(), "chat_template",
+              "must be a readable file", self.chat_template)
+        check(self.http_max_body_bytes >= 1024, "http_max_body_bytes", "must be >= 1024", self.http_max_body_bytes)
         check(0 <= self.metrics_port < 65536, "metrics_port", "must be in [0, 65535]", self.metrics_port)
         check(self.metrics_port == 0 or self.metrics_port != self.port, "metrics_port", "must differ from port",
               self.metrics_port)
@@ -108,6 +121,10 @@ class RouterConfig:
     @property
     def model_name(self) -> str:
         return self.served_model_name or Path(self.model).resolve().name
+
+    @property
+    def public_http_host(self) -> str:
+        return self.http_host or self.host
 
     @property
     def registry_host(self) -> str:

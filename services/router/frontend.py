@@ -121,6 +121,11 @@ class FrontEnd:
         return drained
 
     @property
+    def draining(self) -> bool:
+        """Admitting nothing new (drain was called)."""
+        return self._closing.is_set()
+
+    @property
     def cut(self) -> bool:
         """The drain's grace ran out: requests still running fail."""
         return self._cut.is_set()

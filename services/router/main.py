@@ -1,13 +1,17 @@
-"""The router process: two gRPC servers, never one port for both surfaces.
+"""The router process: two gRPC servers, never one port for both surfaces, and the
+OpenAI-compatible HTTP API beside the public one when asked.
 
     public   --host:--port                  Generation (+ health, reflection), the gRPC
                                             adapter over the front end; API keys
                                             (--api-keys-file, reloaded on SIGHUP) and
                                             TLS (--tls-cert/--tls-key) when configured
+    http     --http-host:--http-port        the HTTP adapter over the same front end
+                                            (services/router/http/), same keys and TLS
     internal --internal-host:--internal-port Registry (+ health, reflection); the
                                             cluster's credentials (mTLS and/or token)
 
-    Router(config).start() -> public address (.internal_address: the Registry's); .stop()
+    Router(config).start() -> public address (.internal_address: the Registry's,
+                              .http_address: the HTTP API's, "" without --http-port); .stop()
     run(config)  -> serve until SIGINT/SIGTERM        (the `pdserve router` CLI)
 """
 
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import signal
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -64,11 +69,24 @@ class Router:
         self.front_end = FrontEnd(config, self.limits, tokenizer, dispatcher, self.metrics, self.api_keys)
         self.generation = GenerationServicer(self.front_end, config.stream_write_timeout, self.metrics)
         pb_grpc.add_GenerationServicer_to_server(self.generation, self.server.grpc)
+        self.http_pool: ThreadPoolExecutor | None = None
+        self.http_server = None
+        if config.http_port is not None:
+            from pdserve.services.router.http.app import HttpApi  # FastAPI loads only when the API is on
+            from pdserve.services.router.http.server import HttpServer
+
+            # As for gRPC: a thread for each request in flight or queued, and spares (tokenize, shutdown).
+            self.http_pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="http")
+            template = Path(config.chat_template).read_text() if config.chat_template else None
+            api = HttpApi(self.front_end, tokenizer, self.http_pool, self._healthy, template, self.api_keys,
+                          config.http_max_body_bytes, self.metrics.http_request)
+            self.http_server = HttpServer(api, log_level="warning")
         self.internal_server = GrpcServer(threads=INTERNAL_THREADS, interceptors=self.auth.interceptors())
         self.registry_service = RegistryServicer(self.registry, config)
         pb_grpc.add_RegistryServicer_to_server(self.registry_service, self.internal_server.grpc)
         self.address = ""
         self.internal_address = ""
+        self.http_address = ""
         self.metrics_port = 0
 
     def start(self) -> str:
@@ -82,11 +100,21 @@ class Router:
         internal = self.internal_server.start(self.config.registry_host, self.config.registry_port,
                                               ["pdserve.v1.Registry"], self.auth.server_credentials())
         self.internal_address = f"{self.config.registry_host}:{internal}"
+        if self.http_server is not None:
+            cfg = self.config
+            tls = (cfg.tls_cert, cfg.tls_key) if cfg.tls_cert else None
+            http_port = self.http_server.start(cfg.public_http_host, cfg.http_port, tls)
+            self.http_address = f"{_bracketed(cfg.public_http_host)}:{http_port}"
         self.server.set_serving()
         self.internal_server.set_serving()
         log.info("router serving %s on %s (registry on %s)", self.limits.model_name, self.address,
                  self.internal_address)
         return self.address
+
+    def _healthy(self) -> bool:
+        """The HTTP /health rule: not draining, and a worker that can decode registered
+        (every decode worker also prefills: what no prefill worker takes, it does)."""
+        return not self.front_end.draining and any(h.can_decode and not h.draining for h in self.registry.live())
 
     def reload_api_keys(self) -> bool:
         return self.api_keys.reload() if self.api_keys is not None else False
@@ -98,6 +126,10 @@ class Router:
         return self.front_end.drain(grace)
 
     def stop(self, grace: float = 2.0) -> None:
+        if self.http_server is not None:
+            self.http_server.stop(grace)
+        if self.http_pool is not None:
+            self.http_pool.shutdown(wait=False, cancel_futures=True)
         self.server.stop(grace)
         self.internal_server.stop(grace)
         self.registry.stop()
@@ -118,10 +150,15 @@ def run(config: RouterConfig) -> int:
     signal.signal(signal.SIGHUP, lambda _signum, _frame: router.reload_api_keys())
     try:
         address = router.start()
-        announce("router", address, config.address_file, internal=router.internal_address)
+        announce("router", address, config.address_file, internal=router.internal_address,
+                 http=router.http_address or None)
         while not stop.wait(1.0):
             pass
         router.drain(config.drain_timeout)
     finally:
         router.stop()
     return 0
+
+
+def _bracketed(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host

@@ -62,6 +62,8 @@ class Request:
     cache_salt: str = ""  # empty: none
     authorization: str = ""
     deadline: Deadline | None = None
+    add_special_tokens: bool = True  # when `text` is tokenized (a chat template already wrote them)
+    fill_context: bool = False  # max_tokens unset: as many as max_model_len leaves after the prompt
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ into another tenant's.
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pdserve.engine.config import DEFAULT_MAX_LOGPROBS
 from pdserve.engine.hashing import hash_blocks
@@ -83,7 +83,13 @@ class Validator:
         if len(request.cache_salt) > MAX_CLIENT_SALT:
             raise ValueError(f"cache_salt: longer than {MAX_CLIENT_SALT} characters")
         salt = request.cache_salt if tenant is None else f"{tenant}/{request.cache_salt}"
-        options = options_of(request.sampling)
+        sampling = request.sampling
+        if request.fill_context and sampling.max_tokens is None:
+            room = lim.max_model_len - len(prompt)
+            check_field(room >= 1, "prompt", f"leaves no room for output within max_model_len {lim.max_model_len}",
+                        len(prompt))
+            sampling = replace(sampling, max_tokens=room)
+        options = options_of(sampling)
         params = params_from_options(options, salt)
         validate_sampling_params(params, SamplingLimits(
             lim.vocab_size, max_n=lim.max_n, max_logprobs=lim.max_logprobs, has_tokenizer=self.tokenizer is not None,
@@ -108,7 +114,7 @@ class Validator:
                         f"must be at most {self.limits.max_prompt_bytes} bytes of UTF-8 (--max-prompt-bytes)", size)
             if self.tokenizer is None:
                 raise ValueError("prompt: text given but the model has no tokenizer; send token_ids")
-            ids = self.tokenizer.encode(request.text)
+            ids = self.tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
             if not ids:
                 raise ValueError("prompt: text encodes to no tokens")
             return self._capped(ids)

@@ -1,0 +1,63 @@
+"""Chat messages -> prompt token ids: the chat template (the tokenizer's, or the
+router's --chat-template), rendered by transformers' `apply_chat_template`, then
+tokenized without adding special tokens a second time (the template wrote them).
+
+    system, developer (as system), user, assistant; content a string or a list of
+    {"type": "text", "text": ...} parts (joined); anything else is a 400 naming the
+    message's field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.services.router.http.errors import bad_request
+from pdserve.services.router.http.protocol import Message
+
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+# apply_chat_template's own parameters: not the template's variables a client may set.
+RESERVED_KWARGS = frozenset({
+    "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+    "tokenizer_kwargs",
+})
+
+
+def conversation(messages: Sequence[Message]) -> list[dict[str, str]]:
+    """The messages as the template takes them. Raises ApiError naming the field."""
+    out = []
+    for i, message in enumerate(messages):
+        role = ROLES.get(message.role)
+        if role is None:
+            raise bad_request(f"messages.{i}.role", f"must be one of {sorted(ROLES)}, got {message.role!r}")
+        content = message.content
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if part.type != "text" or part.text is None:
+                    raise bad_request(f"messages.{i}.content.{j}", f"only text parts are supported, got {part.type!r}")
+                texts.append(part.text)
+            content = "".join(texts)
+        out.append({"role": role, "content": content or ""})
+    return out
+
+
+def chat_prompt(
+    tokenizer: Tokenizer | None, template: str | None, messages: Sequence[Message], add_generation_prompt: bool,
+    continue_final_message: bool, kwargs: Mapping[str, Any] | None, add_special_tokens: bool,
+) -> list[int]:
+    """The prompt of a chat request. Raises ApiError (400) or ValueError naming the field."""
+    if tokenizer is None:
+        raise bad_request("messages", "this model has no tokenizer: use /v1/completions with token ids")
+    if continue_final_message and add_generation_prompt:
+        raise bad_request("continue_final_message", "cannot go with add_generation_prompt: true")
+    if continue_final_message and messages[-1].role != "assistant":
+        raise bad_request("continue_final_message", "needs an assistant message last")
+    for key in kwargs or {}:
+        if key in RESERVED_KWARGS:
+            raise bad_request("chat_template_kwargs", f"{key!r} is set by the request itself")
+    text = tokenizer.render_chat(conversation(messages), template, add_generation_prompt, continue_final_message,
+                                 kwargs)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
