@@ -86,6 +86,9 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
         PanelSpec("Requests", "Sequences returned per second by finish reason, and failed calls by gRPC status.",
                   "reqps", (rate_by("request_success_total", "finished_reason"),
                             rate_by("request_failure_total", "code", "failed {{code}}"))),
+        PanelSpec("HTTP API requests", "OpenAI-compatible HTTP API requests answered per second, by route and HTTP "
+                  "status (their TTFT, TPOT and tokens count in the panels above, with gRPC's).",
+                  "reqps", (rate_by("http_requests_total", "route, status", "{{route}} {{status}}"),), has_data=False),
         PanelSpec("Token throughput", "Prompt tokens processed and tokens generated per second.",
                   "short", (Query(f"sum(rate(pdserve:prompt_tokens_total{{{SEL}}}[{RATE}]))", "prompt tokens/s"),
                             Query(f"sum(rate(pdserve:generation_tokens_total{{{SEL}}}[{RATE}]))", "generated tokens/s"))),
