@@ -1,31 +1,66 @@
-"""The model's own tokenizer (Hugging Face files next to the weights)."""
+"""The model's own tokenizer (Hugging Face files next to the weights).
+
+    Tokenizer(model_dir)
+      .decode(ids)          text, special tokens skipped      (every process that streams text)
+      .token_text(id)       one token, special ones included  (logprobs)
+      .encode(text)         ids                               (text prompts: the router, LLM)
+      .render_chat(msgs)    a chat template's text            (the HTTP API)
+
+Encoding and chat templates are transformers' own (`AutoTokenizer`), loaded on first
+use: its import costs ~2 s of CPU, and a worker, which only decodes, never needs it.
+Decoding uses the `tokenizers` library directly when the directory's tokenizer is
+transformers' generic one (`tokenizer_class` TokenizersBackend or
+PreTrainedTokenizerFast, with a tokenizer.json), where transformers' decode is
+exactly the backend's: `tokenizer.json` as it is, plus the named special tokens of
+tokenizer_config.json added as special ones (what transformers adds on load, so
+`skip_special_tokens` skips the same ids), and its clean-up of spaces, which it
+skips for BPE models, only when asked. Any other tokenizer decodes through
+transformers too. tests/engine/test_tokenizer.py holds the two to agreement.
+"""
 
 from __future__ import annotations
 
+import json
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+NAMED_SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+LIST_SPECIAL = ("extra_special_tokens", "additional_special_tokens")
+
 
 class Tokenizer:
     def __init__(self, model_dir: str | Path) -> None:
-        from transformers import AutoTokenizer  # heavy import, only when text is used
-
-        self._tok = AutoTokenizer.from_pretrained(str(model_dir))
+        self.model_dir = str(model_dir)
+        self._lock = threading.Lock()
+        self._hf: Any = None
+        self._decoder = _direct_decoder(Path(model_dir))
+        if self._decoder is None:
+            self._transformers()  # decoding needs it: load now, not on the first request
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
+        return list(self._transformers().encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, token_ids: list[int]) -> str:
-        return self._tok.decode(token_ids, skip_special_tokens=True)
+        if self._decoder is not None:
+            return self._decoder.decode(list(token_ids), skip_special_tokens=True)
+        return self._transformers().decode(token_ids, skip_special_tokens=True)
 
     def token_text(self, token_id: int) -> str:
         """One token as text, special tokens included (what logprobs name it by)."""
-        return self._tok.decode([token_id], skip_special_tokens=False)
+        if self._decoder is not None:
+            return self._decoder.decode([token_id], skip_special_tokens=False)
+        return self._transformers().decode([token_id], skip_special_tokens=False)
+
+    def load(self) -> None:
+        """Load transformers' tokenizer now (a server that encodes: before its first request)."""
+        self._transformers()
 
     @property
     def chat_template(self) -> str | None:
-        return getattr(self._tok, "chat_template", None) or None
+        return getattr(self._transformers(), "chat_template", None) or None
 
     def render_chat(
         self, messages: Sequence[Mapping[str, Any]], template: str | None = None, add_generation_prompt: bool = True,
@@ -38,7 +73,7 @@ class Tokenizer:
             raise ValueError("messages: this model has no chat template (pass --chat-template FILE to the router); "
                              "use /v1/completions")
         try:
-            return self._tok.apply_chat_template(
+            return self._transformers().apply_chat_template(
                 list(messages), chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, **dict(kwargs or {}),
             )
@@ -46,6 +81,51 @@ class Tokenizer:
             raise
         except Exception as e:  # a template's own error (jinja2 raising, a bad kwarg): the caller's input
             raise ValueError(f"messages: the chat template failed: {type(e).__name__}: {e}") from None
+
+    def _transformers(self) -> Any:
+        with self._lock:
+            if self._hf is None:
+                from transformers import AutoTokenizer  # heavy import: only where encoding is needed
+
+                self._hf = AutoTokenizer.from_pretrained(self.model_dir)
+            return self._hf
+
+
+def _direct_decoder(model_dir: Path) -> Any:
+    """The `tokenizers` backend that decodes as transformers would, or None when this
+    directory's tokenizer is not transformers' generic one (see the module docstring)."""
+    path, config_path = model_dir / "tokenizer.json", model_dir / "tokenizer_config.json"
+    if not path.is_file() or not config_path.is_file() or (model_dir / "special_tokens_map.json").exists():
+        return None
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError):
+        return None
+    if config.get("tokenizer_class") not in GENERIC_CLASSES or "added_tokens_decoder" in config:
+        return None
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as Backend
+
+    backend = Backend.from_file(str(path))
+    if config.get("clean_up_tokenization_spaces") and type(backend.model).__name__ != "BPE":
+        return None  # transformers' clean-up applies: leave it to transformers
+    special: list[str] = []
+    for name in NAMED_SPECIAL:
+        special += _token_contents(config.get(name))
+    for name in LIST_SPECIAL:
+        values = config.get(name) or ()
+        for value in values.values() if isinstance(values, dict) else values:
+            special += _token_contents(value)
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+    return backend
+
+
+def _token_contents(value: Any) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return [value["content"]]
+    return []
 
 
 def has_tokenizer(model_dir: str | Path) -> bool:

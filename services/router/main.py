@@ -55,6 +55,8 @@ class Router:
         self.limits = Limits(config.model_name, model.vocab_size, max_model_len, config.max_n, config.block_size,
                              config.max_logprobs, config.max_prompt_bytes, config.max_prompt_tokens)
         tokenizer = Tokenizer(config.model) if has_tokenizer(config.model) else None
+        if tokenizer is not None:
+            tokenizer.load()  # the router encodes text prompts: not on the first request's time
         self.auth = ClusterAuth(config.credentials)
         self.api_keys = ApiKeys(config.api_keys_file) if config.api_keys_file else None
         self.metrics = router_metrics(config.metrics, config.model_name)
