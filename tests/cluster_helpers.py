@@ -32,7 +32,8 @@ def child_env() -> dict[str, str]:
 
 class UpProcess:
     """`pdserve up ...` as a child process; `address` (public) and `internal` (the
-    Registry) once it printed `ready <address> internal <registry>`. It keeps the
+    Registry) once it printed `ready <address> internal <registry>`; with --http-port,
+    `openai_url` (`http://HOST:PORT/v1`) once it printed `openai <url>`. It keeps the
     launch's credentials in `secrets` (beside the log): `auth` presents them, as an
     operator's tool would, to the cluster's internal services."""
 
@@ -46,16 +47,22 @@ class UpProcess:
             text=True,
         )
         self.lines: queue.Queue[str] = queue.Queue()
+        self.stdout_lines: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
+        _, self.address, _, self.internal = self._expect("ready", timeout).split()
+        self.openai_url: str | None = self._expect("openai", timeout).split()[1] if "--http-port" in args else None
+        self.auth = ClusterAuth(ClusterCredentials(cluster_token_file=str(self.secrets / "cluster-token")))
+
+    def _expect(self, word: str, timeout: float) -> str:
+        """The next line printed, which must start with `word` (else the launch is stopped)."""
         try:
             line = self.lines.get(timeout=timeout)
         except queue.Empty:
             self.stop()
-            raise TimeoutError(f"pdserve up: not ready within {timeout}s; see {log_path}") from None
-        assert line.startswith("ready "), f"pdserve up printed {line!r}; see {log_path}"
-        _, self.address, _, self.internal = line.split()
-        self.stdout_lines = [line]
-        self.auth = ClusterAuth(ClusterCredentials(cluster_token_file=str(self.secrets / "cluster-token")))
+            raise TimeoutError(f"pdserve up: no {word!r} line within {timeout}s; see {self.log_path}") from None
+        assert line.startswith(f"{word} "), f"pdserve up printed {line!r}; see {self.log_path}"
+        self.stdout_lines.append(line)
+        return line
 
     def list_workers(self) -> list[pb.WorkerInfo]:
         return list_workers(self.internal, self.auth)

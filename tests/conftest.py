@@ -43,6 +43,8 @@ CLUSTERS_LONGEST_FIRST = (
     "test_observability.py",
     "test_bench_serving.py",
     "test_poison_pill.py",
+    "test_openai_clients.py",
+    "test_openai_without_chat_template.py",
 )
 
 
