@@ -226,7 +226,8 @@ class HttpApi:
         try:
             prompt = await self._off_loop(lambda: chat_prompt(
                 self.tokenizer, self.chat_template, body.messages, body.add_generation_prompt,
-                body.continue_final_message, body.chat_template_kwargs, body.add_special_tokens))
+                body.continue_final_message, body.chat_template_kwargs, body.add_special_tokens,
+                self.limits.max_prompt_bytes))
         except ValueError as e:
             raise ApiError(400, str(e), param="messages") from None
         chat_request = Request(token_ids=tuple(prompt), sampling=sampling, request_id=body.request_id or "",
@@ -272,7 +273,7 @@ class HttpApi:
             try:
                 ids = await self._off_loop(lambda: chat_prompt(
                     tokenizer, self.chat_template, body.messages, body.add_generation_prompt,
-                    body.continue_final_message, body.chat_template_kwargs, special))
+                    body.continue_final_message, body.chat_template_kwargs, special, self.limits.max_prompt_bytes))
             except ValueError as e:
                 raise ApiError(400, str(e), param="messages") from None
         else:
