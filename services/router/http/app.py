@@ -128,6 +128,8 @@ class HttpApi:
         app.add_exception_handler(ApiError, _api_error_response)
         app.add_exception_handler(ServeError, lambda _r, e: _api_error_response(_r, api_error_of(e)))
         app.add_exception_handler(HTTPException, _http_exception_response)
+        # Its own handler: one for Exception re-raises to uvicorn, which logs an error per hang-up.
+        app.add_exception_handler(ClientGone, lambda _r, _e: Response(status_code=499))
         app.add_exception_handler(Exception, _internal_error_response)
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/version", self.version, methods=["GET"])
@@ -359,6 +361,7 @@ class HttpApi:
             return task.result()
         runs.cancel()
         task.cancel()
+        await asyncio.wait({task})  # over before the caller closes what it ran (an async generator's aclose)
         raise ClientGone()
 
     async def _stream(self, request: HttpRequest, runs: Runs, events: Events) -> Response:
@@ -568,7 +571,5 @@ def _http_exception_response(_request: HttpRequest, error: HTTPException) -> JSO
 
 
 def _internal_error_response(request: HttpRequest, error: Exception) -> Response:
-    if isinstance(error, ClientGone):
-        return Response(status_code=499)
     log.error("HTTP %s %s: internal error", request.method, request.url.path, exc_info=error)
     return _api_error_response(request, ApiError(500, f"internal error ({type(error).__name__})"))
