@@ -28,7 +28,6 @@ import asyncio
 import json
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
@@ -128,6 +127,7 @@ class HttpApi:
         app.add_exception_handler(ApiError, _api_error_response)
         app.add_exception_handler(ServeError, lambda _r, e: _api_error_response(_r, api_error_of(e)))
         app.add_exception_handler(HTTPException, _http_exception_response)
+        # Its own handler: one for Exception re-raises to uvicorn, which logs an error per hang-up.
         app.add_exception_handler(ClientGone, lambda _r, _e: Response(status_code=499))
         app.add_exception_handler(Exception, _internal_error_response)
         app.add_api_route("/health", self.health, methods=["GET"])
@@ -227,7 +227,8 @@ class HttpApi:
         try:
             prompt = await self._off_loop(lambda: chat_prompt(
                 self.tokenizer, self.chat_template, body.messages, body.add_generation_prompt,
-                body.continue_final_message, body.chat_template_kwargs, body.add_special_tokens))
+                body.continue_final_message, body.chat_template_kwargs, body.add_special_tokens,
+                self.limits.max_prompt_bytes))
         except ValueError as e:
             raise ApiError(400, str(e), param="messages") from None
         chat_request = Request(token_ids=tuple(prompt), sampling=sampling, request_id=body.request_id or "",
@@ -273,7 +274,7 @@ class HttpApi:
             try:
                 ids = await self._off_loop(lambda: chat_prompt(
                     tokenizer, self.chat_template, body.messages, body.add_generation_prompt,
-                    body.continue_final_message, body.chat_template_kwargs, special))
+                    body.continue_final_message, body.chat_template_kwargs, special, self.limits.max_prompt_bytes))
             except ValueError as e:
                 raise ApiError(400, str(e), param="messages") from None
         else:
@@ -359,6 +360,7 @@ class HttpApi:
             return task.result()
         runs.cancel()
         task.cancel()
+        await asyncio.wait({task})  # over before the caller closes what it ran (an async generator's aclose)
         raise ClientGone()
 
     async def _stream(self, request: HttpRequest, runs: Runs, events: Events) -> Response:

@@ -47,8 +47,11 @@ def conversation(messages: Sequence[Message]) -> list[dict[str, str]]:
 def chat_prompt(
     tokenizer: Tokenizer | None, template: str | None, messages: Sequence[Message], add_generation_prompt: bool,
     continue_final_message: bool, kwargs: Mapping[str, Any] | None, add_special_tokens: bool,
+    max_prompt_bytes: int | None = None,
 ) -> list[int]:
-    """The prompt of a chat request. Raises ApiError (400) or ValueError naming the field."""
+    """The prompt of a chat request. Raises ApiError (400) or ValueError naming the field.
+    The rendered text is refused past `max_prompt_bytes` before it is tokenized (as a
+    text prompt is: tokenizing megabytes costs the router seconds)."""
     if tokenizer is None:
         raise bad_request("messages", "this model has no tokenizer: use /v1/completions with token ids")
     if continue_final_message and add_generation_prompt:
@@ -60,4 +63,8 @@ def chat_prompt(
             raise bad_request("chat_template_kwargs", f"{key!r} is set by the request itself")
     text = tokenizer.render_chat(conversation(messages), template, add_generation_prompt, continue_final_message,
                                  kwargs)
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if max_prompt_bytes is not None and size > max_prompt_bytes:
+        raise bad_request("messages", f"the rendered prompt must be at most {max_prompt_bytes} bytes of UTF-8 "
+                                      f"(--max-prompt-bytes), got {size}")
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
