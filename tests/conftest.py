@@ -39,11 +39,14 @@ CLUSTERS_LONGEST_FIRST = (
     "test_faults.py",
     "test_cluster_pd.py",
     "test_cluster.py",
+    "test_http_errors.py",
     "test_security.py",
     "test_observability.py",
     "test_bench_serving.py",
     "test_poison_pill.py",
     "test_openai_clients.py",
+    "test_http_disconnect.py",
+    "test_http_hostile.py",
     "test_openai_without_chat_template.py",
 )
 
