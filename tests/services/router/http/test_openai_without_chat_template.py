@@ -1,6 +1,7 @@
-"""The OpenAI HTTP API on a model with no chat template (the embedded default,
-models/pdserve-tiny-code): chat is a clear 400 naming `messages`, from every client,
-before anything is admitted; completions work and equal the gRPC API's.
+"""The OpenAI HTTP API on a model with no chat template (the embedded default's
+weights and tokenizer, without its chat_template.jinja): chat is a clear 400 naming
+`messages`, from every client, before anything is admitted; completions work and
+equal the gRPC API's.
 
 One decode worker (it prefills itself): the KV path over HTTP is
 test_openai_clients.py's; this module needs only the model.
@@ -9,6 +10,7 @@ test_openai_clients.py's; this module needs only the model.
 from __future__ import annotations
 
 import asyncio
+import shutil
 
 import httpx
 import openai
@@ -16,6 +18,7 @@ import pytest
 from langchain_openai import ChatOpenAI
 
 from cluster_helpers import UpProcess
+from pdserve.engine.config import DEFAULT_MODEL
 from pdserve.services.router.client import Client, collect
 
 MODEL = "pdserve-tiny-code"
@@ -26,8 +29,10 @@ MAX_TOKENS = 8
 
 @pytest.fixture(scope="module")
 def up(tmp_path_factory):
-    up = UpProcess(["--prefill", "0", "--decode", "1", "--http-port", "0", "--num-blocks", "64"],
-                   tmp_path_factory.mktemp("up") / "up.log")
+    model = tmp_path_factory.mktemp("model") / MODEL
+    shutil.copytree(DEFAULT_MODEL, model, ignore=shutil.ignore_patterns("chat_template.jinja"))
+    up = UpProcess(["--model", str(model), "--prefill", "0", "--decode", "1", "--http-port", "0",
+                    "--num-blocks", "64"], tmp_path_factory.mktemp("up") / "up.log")
     yield up
     up.stop()
 
