@@ -522,10 +522,10 @@ def _prompts(prompt: str | list) -> list[tuple[str | None, tuple[int, ...] | Non
         return [(prompt, None)]
     if not prompt:
         raise bad_request("prompt", "must not be empty")
+    if isinstance(prompt[0], int):  # one prompt of token ids, as long as it likes (the front end checks it)
+        return [(None, tuple(prompt))]
     if len(prompt) > MAX_PROMPTS:
         raise bad_request("prompt", f"at most {MAX_PROMPTS} prompts in one request, got {len(prompt)}")
-    if isinstance(prompt[0], int):
-        return [(None, tuple(prompt))]
     return [(p, None) if isinstance(p, str) else (None, tuple(p)) for p in prompt]
 
 
