@@ -254,7 +254,7 @@ def _problems(runs: dict[str, list[Measured]], prompts: dict[int, Prompts]) -> l
             where = f"{name} repetition {i + 1}"
             problems += [f"{where}: {p}" for p in r.problems()]
             if r.summary.failed:
-                problems.append(f"{where}: {r.summary.failed} failed: {r.summary.errors}")
+                problems.append(f"{where}: {r.summary.failed} failed: {r.summary.errors[:3]}")
             if r.summary.cached_tokens:
                 problems.append(f"{where}: {r.summary.cached_tokens} prompt tokens from a prefix cache (the comparison "
                                 "needs workers without one: --no-enable-prefix-caching)")

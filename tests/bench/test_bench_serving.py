@@ -90,8 +90,9 @@ def test_quick_openai_backends_report_is_consistent(backend: str, http_cluster: 
                                                     tmp_path: Path) -> None:
     up, base_url = http_cluster
     report = tmp_path / "run.json"
+    # prompts past 256 tokens too: a token-id prompt is one prompt, however long (not a list of 256 at most)
     proc = run_bench(["-m", "pdserve", "bench", "--quick", "--backend", backend, "--base-url", base_url,
-                      "--json", str(report)])
+                      "--prompt-tokens", "8", "320", "--json", str(report)])
     match = LAST_LINE.match(proc.stdout.strip().splitlines()[-1])
     assert match, proc.stdout[-500:]
     assert float(match["ttft"]) > 0 and float(match["tpot"]) > 0
@@ -109,6 +110,7 @@ def test_quick_openai_backends_report_is_consistent(backend: str, http_cluster: 
     assert summary["output_tokens"] == 16 * 16
     if backend == "openai":  # token ids sent as token ids: the server counted exactly them
         assert all(r["prompt_tokens"] == r["requested_prompt_tokens"] for r in requests)
+        assert max(r["prompt_tokens"] for r in requests) > 256
     else:  # one user message: the chat template's tokens come on top of the text's
         assert all(r["requested_prompt_tokens"] is None and r["prompt_tokens"] > 0 for r in requests)
     for name in ("ttft", "tpot", "itl", "e2e"):
