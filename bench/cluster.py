@@ -73,6 +73,7 @@ class Started:
     address: str  # the router's
     pids: dict[str, int]  # "router" and worker ids
     openai_url: str = ""  # its HTTP API's base URL (…/v1), answering; "" without ClusterConfig.http
+    router_metrics: str = ""  # host:port of the router's /metrics; "" with metrics off
 
     def cpu_seconds(self) -> dict[str, float]:
         """CPU time (user + system, all threads) each process has used so far."""
@@ -127,7 +128,8 @@ def local_cluster(cfg: ClusterConfig) -> Iterator[Started]:
             openai_url = cluster.openai_url() if cfg.http else ""
             if openai_url:
                 wait_http(openai_url, cfg.startup_timeout)
-            yield Started(address, {name: p.pid for name, p in cluster.processes.items()}, openai_url)
+            metrics = cluster.metrics_targets()[0] if cfg.metrics else ""  # the router's comes first
+            yield Started(address, {name: p.pid for name, p in cluster.processes.items()}, openai_url, metrics)
         finally:
             cluster.stop()
 

@@ -1,7 +1,8 @@
 """What does the HTTP layer cost? The same requests through pdserve's gRPC API and its
 OpenAI-compatible HTTP API (completions and chat), on one cluster, interleaved.
 
-    python -m pdserve.bench.http              # about 5 minutes on 2 CPU cores
+    python -m pdserve.bench.http              # about 4 minutes on 2 CPU cores
+    python -m pdserve.bench.http --concurrency 8   # the router's cost under load
     python -m pdserve.bench.http --quick      # the smoke test
     python -m pdserve.bench.http --addr ROUTER --base-url http://HOST:PORT/v1
                                               # a running pdserve (without prefix caching)
@@ -25,14 +26,24 @@ with the messages: the router's template and tokenizer) are the prompt the grpc 
 openai systems send, so all three prefill the same tokens (checked: each chat
 request's usage.prompt_tokens). Greedy, ignore_eos, `--output-tokens` each;
 `--concurrency` requests in flight, sent back to back. A repetition runs grpc,
-openai, openai-chat in turn (A B C A B C ...; bench/repeat.py).
+openai, openai-chat in turn (A B C A B C ...; bench/repeat.py). By default a
+repetition is one request: the three systems send the same prompt within a second
+of each other, each alone on the cluster (TTFT is the front end's latency, not a
+wait behind other requests), and the figures are medians over 150 such triples. On
+a shared machine, load that drifts over seconds moved 16-request repetitions taken
+10 s apart by +-10-20 ms; request by request it hits the three systems alike.
+`--num-requests 32 --concurrency 8 --repeats 10` measures under load.
 
 TTFT: sending -> the first token (gRPC) or the first chunk carrying text (HTTP: the
 chat role chunk does not count). Reported per HTTP system against grpc, per
 repetition, then as the median with min-max: the TTFT p50 difference in ms and the
 TPOT p50 ratio. Issue 18's target: at most +2 ms TTFT p50 and +5 % TPOT p50. The CPU
 seconds the router and this load generator spent on each system are printed beside
-them (own cluster), as that is where an HTTP layer's cost shows first.
+them (own cluster), as that is where an HTTP layer's cost shows first, and so is
+the router's own TTFT (its time_to_first_token_seconds histogram, read around every
+run: arrival at the front end -> the first token leaving it, the same code for both
+APIs), which splits a TTFT difference into the front end's share and the rest (HTTP
+parsing, the hops into and out of the front end, SSE, the client).
 
 The last line is `ttft_p50_delta_ms=X tpot_p50_ratio=Y`: openai-chat against grpc,
 medians over repetitions.
@@ -42,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import random
 import sys
@@ -67,11 +79,11 @@ TARGET_TPOT_RATIO = 1.05  # ... and to TPOT p50
 
 @dataclass(frozen=True)
 class HttpBenchConfig:
-    num_requests: int = 48  # per repetition and system
-    concurrency: int = 4
+    num_requests: int = 1  # per repetition and system: 1 pairs the systems request by request
+    concurrency: int = 1  # one at a time: the layer's own latency, not queueing behind other requests
     prompt_tokens: tuple[int, int] = (128, 384)  # random ids before the chat template
-    output_tokens: int = 64
-    repeats: int = 5
+    output_tokens: int = 32
+    repeats: int = 150
     seed: int = 0
     addr: str | None = None  # a running router (with base_url); None: start a cluster
     base_url: str | None = None
@@ -188,19 +200,24 @@ def _measure_all(cfg: HttpBenchConfig, where: Target, backends: dict[str, Backen
         warm_up(backend, 2, cfg.timeout, vocab)
     prompts: dict[int, Prompts] = {}
     cpu: dict[str, dict[str, float]] = {name: {"router": 0.0, "bench": 0.0} for name in SYSTEMS}
+    router_ttft: dict[str, list[float]] = {name: [] for name in SYSTEMS}  # ms, each run's mean
 
     def system(name: str) -> Callable[[int], Measured]:
         def once(rep: int) -> Measured:
             if rep not in prompts:
                 prompts[rep] = make_prompts(cfg, tokenizer, chat_tokens, vocab, rep)
+            ttft_before = _router_ttft(where)
             router_before, me_before = _router_cpu(where), time.process_time()
             result = measure(backends[name], prompts[rep].requests(name, cfg.output_tokens),
                              concurrency=cfg.concurrency, timeout=cfg.timeout, slo=Slo(), label=name)
             router, me = _router_cpu(where) - router_before, time.process_time() - me_before
+            (s0, c0), (s1, c1) = ttft_before, _router_ttft(where)
+            router_ttft[name].append((s1 - s0) / (c1 - c0) * 1e3 if c1 > c0 else math.nan)
             cpu[name]["router"] += router
             cpu[name]["bench"] += me
             used = f"CPU router {router:5.2f} s bench {me:5.2f} s  " if where.started else ""
-            log(f"[{rep + 1}/{cfg.repeats}] {line(result, used)}")
+            if rep < 2 or (rep + 1) % max(1, cfg.repeats // 10) == 0:  # ~10 lines per system, not 150
+                log(f"[{rep + 1}/{cfg.repeats}] {line(result, used)}")
             return result
 
         return once
@@ -212,11 +229,22 @@ def _measure_all(cfg: HttpBenchConfig, where: Target, backends: dict[str, Backen
     deltas = {name: Ratio.of([h - g for h, g in zip(ttft[name], ttft["grpc"])]) for name in HTTP_SYSTEMS}
     ratios = {name: Ratio.paired(tpot[name], tpot["grpc"]) for name in HTTP_SYSTEMS}
     last = cfg.repeats - 1
+    if cfg.num_requests > 1:
+        for name in SYSTEMS:
+            log(table(runs[name][last].summary, f"{name}, repetition {cfg.repeats}"))
     for name in SYSTEMS:
-        log(table(runs[name][last].summary, f"{name}, repetition {cfg.repeats}"))
+        log(f"{name:<12} median over repetitions: TTFT p50 {Ratio.of(ttft[name]).median:7.2f} ms, "
+            f"TPOT p50 {Ratio.of(tpot[name]).median:6.3f} ms")
     for name in HTTP_SYSTEMS:
         log(f"TTFT p50 {name} - grpc (ms): {deltas[name]}")
         log(f"TPOT p50 {name} / grpc: {ratios[name]}")
+    inside = {name: Ratio.of([h - g for h, g in zip(router_ttft[name], router_ttft["grpc"])]) for name in HTTP_SYSTEMS}
+    if not math.isnan(inside["openai"].median):
+        for name in HTTP_SYSTEMS:
+            outside = Ratio.of([(h - g) - (rh - rg) for h, g, rh, rg in
+                                zip(ttft[name], ttft["grpc"], router_ttft[name], router_ttft["grpc"])])
+            log(f"  of which in the router's own TTFT (mean per run, {name} - grpc, ms): {inside[name]}; "
+                f"outside it (HTTP, hops, SSE, client): {outside}")
     if where.started:
         tokens = cfg.repeats * cfg.num_requests * cfg.output_tokens
         log("CPU per output token over all repetitions: " + "; ".join(
@@ -229,6 +257,7 @@ def _measure_all(cfg: HttpBenchConfig, where: Target, backends: dict[str, Backen
     problems = _problems(runs, prompts)
     if json_path:
         write_json(json_path, {"config": asdict(cfg), "ttft_p50_delta_ms": {n: asdict(d) for n, d in deltas.items()},
+                               "router_ttft_mean_ms": router_ttft,
                                "tpot_p50_ratio": {n: asdict(r) for n, r in ratios.items()}, "cpu_seconds": cpu,
                                "runs": {name: [r.to_dict() for r in rs] for name, rs in runs.items()}})
     if plot_path:
@@ -242,6 +271,27 @@ def _measure_all(cfg: HttpBenchConfig, where: Target, backends: dict[str, Backen
 
 def _router_cpu(where: Target) -> float:
     return where.started.cpu_seconds()["router"] if where.started else 0.0
+
+
+def _router_ttft(where: Target) -> tuple[float, float]:
+    """(sum of seconds, count) of the router's TTFT histogram so far; (0, 0) without
+    its /metrics (a running cluster, or --no-metrics)."""
+    if not (where.started and where.started.router_metrics):
+        return 0.0, 0.0
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://{where.started.router_metrics}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    total = {"sum": 0.0, "count": 0.0}
+    for family in text_string_to_metric_families(text):
+        if family.name == "pdserve:time_to_first_token_seconds":
+            for sample in family.samples:
+                kind = sample.name.rpartition("_")[2]
+                if kind in total:
+                    total[kind] += sample.value
+    return total["sum"], total["count"]
 
 
 def _problems(runs: dict[str, list[Measured]], prompts: dict[int, Prompts]) -> list[str]:
