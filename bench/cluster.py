@@ -65,12 +65,15 @@ class ClusterConfig:
     dtype: str = "float32"
     startup_timeout: float = 180.0
     metrics: bool = True  # Prometheus metrics in every service (--no-metrics: off, to measure their cost)
+    http: bool = False  # the router's OpenAI-compatible HTTP API too, on a free port
 
 
 @dataclass(frozen=True)
 class Started:
     address: str  # the router's
     pids: dict[str, int]  # "router" and worker ids
+    openai_url: str = ""  # its HTTP API's base URL (…/v1), answering; "" without ClusterConfig.http
+    router_metrics: str = ""  # host:port of the router's /metrics; "" with metrics off
 
     def cpu_seconds(self) -> dict[str, float]:
         """CPU time (user + system, all threads) each process has used so far."""
@@ -97,6 +100,7 @@ def pin_process(pid: int, cpus: set[int]) -> None:
 @contextlib.contextmanager
 def local_cluster(cfg: ClusterConfig) -> Iterator[Started]:
     """A LocalCluster for the duration of the block."""
+    from pdserve.launch.cluster import wait_http
     from pdserve.launch.local import ClusterSpec, LaunchConfig, LocalCluster, StartupError  # torch: only here
     from pdserve.services.router.config import RouterConfig
     from pdserve.services.worker.config import WorkerConfig
@@ -104,7 +108,8 @@ def local_cluster(cfg: ClusterConfig) -> Iterator[Started]:
     model = {"model": cfg.model} if cfg.model else {}
     spec = ClusterSpec(
         RouterConfig(port=0, log_level="WARNING", prefill_policy=cfg.prefill_policy,
-                     local_prefill_threshold=cfg.local_prefill_threshold, metrics=cfg.metrics, **model),
+                     local_prefill_threshold=cfg.local_prefill_threshold, metrics=cfg.metrics,
+                     http_port=0 if cfg.http else None, **model),
         WorkerConfig(num_blocks=cfg.num_blocks, torch_threads=cfg.torch_threads, kv_connector=cfg.kv_connector,
                      enable_prefix_caching=cfg.enable_prefix_caching, max_num_batched_tokens=cfg.max_num_batched_tokens,
                      max_num_seqs=cfg.max_num_seqs, device=cfg.device, dtype=cfg.dtype, log_level="WARNING",
@@ -120,7 +125,11 @@ def local_cluster(cfg: ClusterConfig) -> Iterator[Started]:
             print_log_tails(Path(logs))
             raise
         try:
-            yield Started(address, {name: p.pid for name, p in cluster.processes.items()})
+            openai_url = cluster.openai_url() if cfg.http else ""
+            if openai_url:
+                wait_http(openai_url, cfg.startup_timeout)
+            metrics = cluster.metrics_targets()[0] if cfg.metrics else ""  # the router's comes first
+            yield Started(address, {name: p.pid for name, p in cluster.processes.items()}, openai_url, metrics)
         finally:
             cluster.stop()
 

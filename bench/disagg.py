@@ -75,13 +75,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 
+from pdserve.bench.backend import Backend, GrpcBackend
 from pdserve.bench.cluster import GPU_MODEL, ClusterConfig, ModelShape, Started, clusters_up, pin_process, say
 from pdserve.bench.metrics import Slo, summarize
 from pdserve.bench.repeat import Ratio, interleaved
 from pdserve.bench.entry import compare_main, overridden
-from pdserve.bench.serving import Measured, measure, served_model, table, warm_up, write_json
+from pdserve.bench.serving import Measured, measure, table, warm_up, write_json
 from pdserve.bench.workloads import ArrivalConfig, BenchRequest, random_ids, send_times
-from pdserve.services.router.client import Client
 
 SYSTEMS = ("colocated", "disaggregated")
 
@@ -164,12 +164,12 @@ def make_requests(cfg: DisaggConfig, load: Load, vocab_size: int, rep: int) -> l
     return requests
 
 
-def calibrate(cfg: DisaggConfig, clients: dict[str, Client], vocab: int, log: Callable[[str], None]) -> tuple[Load, Slo]:
+def calibrate(cfg: DisaggConfig, clients: dict[str, Backend], vocab: int, log: Callable[[str], None]) -> tuple[Load, Slo]:
     """Measure T_long and TPOT_N (module docstring), after warming both clusters up;
     derive the rates not given and the default SLO."""
     rng = random.Random(f"disagg-calibration-{cfg.seed}")  # fresh prompts: no prefix cache hit
 
-    def alone(client: Client, prompt_len: int, output: int, count: int = 1) -> Measured:
+    def alone(client: Backend, prompt_len: int, output: int, count: int = 1) -> Measured:
         requests = [BenchRequest(i, random_ids(prompt_len, vocab, rng), output, 0.0) for i in range(count)]
         return measure(client, requests, concurrency=0, timeout=cfg.timeout, slo=Slo(), progress=False)
 
@@ -259,13 +259,13 @@ def run(cfg: DisaggConfig, log: Callable[[str], None] = say, json_path: str | No
                 pin_process(u.started.pids["router"], cpus)
             pin_process(os.getpid(), cpus)
         started = {name: u.started for name, u in up.items()}
-        clients = {name: u.client for name, u in up.items()}
+        clients = {name: GrpcBackend(u.client) for name, u in up.items()}
         return _measure_all(cfg, started, clients, log, json_path, plot_path)
 
 
-def _measure_all(cfg: DisaggConfig, started: dict[str, Started], clients: dict[str, Client], log: Callable[[str], None],
+def _measure_all(cfg: DisaggConfig, started: dict[str, Started], clients: dict[str, Backend], log: Callable[[str], None],
                  json_path: str | None, plot_path: str | None) -> tuple[str, list[str]]:
-    info = served_model(clients["colocated"])
+    info = clients["colocated"].served()
     load_at_start = os.getloadavg()
     load, slo = calibrate(cfg, clients, info.vocab_size, log)
     for line in describe(cfg, f"{info.name} (vocab {info.vocab_size}, max_model_len {info.max_model_len})", load, slo):

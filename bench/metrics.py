@@ -3,9 +3,10 @@ an SLO, the report's internal consistency, and its JSON form.
 
 Per request, on the client (`time.perf_counter`):
 
-    TTFT  sending the request -> the first message carrying a token
+    TTFT  sending the request -> the first message carrying a token (the OpenAI
+          backends: the first SSE chunk carrying text, never a chat role chunk)
     ITL   gaps between consecutive token-carrying messages (pdserve sends one per
-          engine step, i.e. one token for n=1)
+          engine step, i.e. one token for n=1; over HTTP, one chunk per step)
     TPOT  (e2e - TTFT) / (tokens - 1)        (undefined for a 1-token request)
     e2e   sending the request -> the end of the stream
 

@@ -39,13 +39,13 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 
+from pdserve.bench.backend import Backend, GrpcBackend
 from pdserve.bench.cluster import GPU_MODEL, ClusterConfig, ModelShape, clusters_up, say
 from pdserve.bench.metrics import Slo
 from pdserve.bench.repeat import Ratio, interleaved
 from pdserve.bench.entry import compare_main, overridden
-from pdserve.bench.serving import Measured, measure, served_model, warm_up, write_json
+from pdserve.bench.serving import Measured, measure, warm_up, write_json
 from pdserve.bench.workloads import BenchRequest, random_ids
-from pdserve.services.router.client import Client
 
 
 @dataclass(frozen=True)
@@ -129,12 +129,12 @@ def line(run: Measured) -> str:
 def run(cfg: PrefixConfig, log: Callable[[str], None] = say, json_path: str | None = None,
         plot_path: str | None = None) -> tuple[str, list[str]]:
     with clusters_up(clusters(cfg), cfg.model, cfg.seed, cfg.timeout) as up:
-        return _measure_all(cfg, {name: u.client for name, u in up.items()}, log, json_path, plot_path)
+        return _measure_all(cfg, {name: GrpcBackend(u.client) for name, u in up.items()}, log, json_path, plot_path)
 
 
-def _measure_all(cfg: PrefixConfig, clients: dict[str, Client], log: Callable[[str], None],
+def _measure_all(cfg: PrefixConfig, clients: dict[str, Backend], log: Callable[[str], None],
                  json_path: str | None, plot_path: str | None) -> tuple[str, list[str]]:
-    info = served_model(clients["cache on"])
+    info = clients["cache on"].served()
     log(f"model: {info.name} (vocab {info.vocab_size}); device {cfg.device} {cfg.dtype}; 1 torch thread per worker")
     log(f"prompts: {cfg.prompt_tokens} tokens = {cfg.shared_tokens} shared ({cfg.shared_fraction:.0%}) + "
         f"{cfg.prompt_tokens - cfg.shared_tokens} unique, {cfg.output_tokens} output tokens, one request at a time")

@@ -4,24 +4,31 @@
     pdserve bench --addr 127.0.0.1:50051 --request-rate 4 --burstiness 0.5 --slo ttft:500,tpot:50
     pdserve bench --workload prefix --prefix-count 4 --prefix-tokens 512 --json run.json --plot run.png
     pdserve bench --workload trace --dataset mooncake_trace.jsonl --trace-block-tokens 16
+    pdserve bench --backend openai-chat --base-url http://127.0.0.1:8000/v1   # any OpenAI-compatible server
     (python -m pdserve.bench.serving is the same command)
 
-Without `--addr` a local cluster (router + workers as processes, `pdserve up`'s
-topology by default) is started first and stopped at the end, also on Ctrl-C,
-SIGTERM or an error; with `--addr` the benchmark targets a running cluster and
-imports neither torch nor the engine.
+Backends (bench/backend.py): `grpc` (the default) speaks pdserve's own API to
+`--addr`; `openai` (/v1/completions) and `openai-chat` (/v1/chat/completions) speak
+the OpenAI HTTP API to `--base-url` (pdserve's `--http-port`, vLLM, SGLang, ...;
+bench/openai_backend.py), streamed, with the same report.
+
+Without `--addr` / `--base-url` a local cluster (router + workers as processes,
+`pdserve up`'s topology by default; its HTTP API on a free port for the openai
+backends) is started first and stopped at the end, also on Ctrl-C, SIGTERM or an
+error; against a running server the benchmark imports neither torch nor the engine.
 
 Requests are open loop: each is sent at its arrival time whatever happened to the
 earlier ones (Poisson by default, gamma-distributed gaps with `--burstiness`, all
 at once with `--request-rate inf`, a trace's own times), at most `--concurrency` in
 flight (0: no limit; with an infinite rate that is a fixed-concurrency run). Each
-request runs on its own thread (gRPC channels are thread-safe) with a deadline
-(`--timeout`), so the run always ends. Workloads: see bench/workloads.py (random,
+request runs on its own thread (gRPC channels are thread-safe; the openai backends'
+I/O runs on one event loop the threads wait on) with a deadline (`--timeout`), so
+the run always ends. Workloads: see bench/workloads.py (random,
 prefix, text, sharegpt, trace); every request is greedy with `ignore_eos`, so it
 produces exactly its `max_tokens`; one that ends otherwise is a failure.
 `--num-warmup` short requests go first and are not measured. Metrics: see
 bench/metrics.py (TTFT, TPOT, ITL, e2e on the client; the router's own TTFT/TPOT
-beside them; goodput under `--slo`).
+beside them over gRPC; goodput under `--slo`).
 
 Output: a progress bar on stderr (tqdm, when stderr is a terminal), the table, and
 `--json FILE` (config, summary, one record per request with its token times),
@@ -36,9 +43,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import signal
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -46,16 +53,17 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-import grpc
-
+from pdserve.bench.backend import Backend, GrpcBackend, InFlight
 from pdserve.bench.cluster import ClusterConfig, local_cluster
 from pdserve.bench.metrics import RequestResult, Slo, Summary, inconsistencies, request_record, summarize
 from pdserve.bench.workloads import KINDS, ArrivalConfig, BenchRequest, WorkloadConfig, make_workload
-from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.services.router.client import Client
 
 WARMUP_TOKENS = 4
-CONNECT_TIMEOUT = 30.0  # seconds for the router to answer ListModels
+BACKENDS = ("grpc", "openai", "openai-chat")
+# Where --api-key is read from when not given (it stays out of the process list): `pdserve generate`'s for gRPC,
+# the openai client's (and vLLM's benchmark's) for the HTTP API.
+API_KEY_ENV = {"grpc": "PDSERVE_API_KEY", "openai": "OPENAI_API_KEY", "openai-chat": "OPENAI_API_KEY"}
 
 
 @dataclass(frozen=True)
@@ -64,7 +72,11 @@ class BenchConfig:
     arrivals: ArrivalConfig = ArrivalConfig()
     slo: Slo = Slo()
     cluster: ClusterConfig = ClusterConfig()
-    addr: str | None = None  # None: start a local cluster
+    backend: str = "grpc"  # BACKENDS
+    addr: str | None = None  # grpc: the router; None: start a local cluster
+    base_url: str | None = None  # openai backends: the server's …/v1; None: start a local cluster
+    api_key: str | None = None
+    served_model_name: str | None = None  # openai backends: the model id sent (None: the first /v1/models lists)
     timeout: float = 120.0  # deadline of every request, in seconds
     num_warmup: int = 1
     progress: bool | None = None  # None: when stderr is a terminal
@@ -72,6 +84,12 @@ class BenchConfig:
     plot_path: str | None = None
 
     def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"--backend: one of {BACKENDS}, got {self.backend!r}")
+        if self.addr is not None and self.backend != "grpc":
+            raise ValueError(f"--addr: a gRPC router; --backend {self.backend} takes --base-url")
+        if self.base_url is not None and self.backend == "grpc":
+            raise ValueError("--base-url: for --backend openai or openai-chat (the gRPC backend takes --addr)")
         if not self.timeout > 0:
             raise ValueError(f"--timeout: must be > 0, got {self.timeout}")
         if self.num_warmup < 0:
@@ -85,83 +103,12 @@ QUICK_WORKLOAD = WorkloadConfig(num_requests=16, output_tokens=(16, 16), prompt_
 # -- running requests ----------------------------------------------------------------
 
 
-class InFlight:
-    """The calls running now, so that an interrupted benchmark can cancel them all;
-    once closed, new calls are cancelled as they start."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._calls: set[grpc.Call] = set()
-        self._closed = False
-
-    def add(self, call: grpc.Call) -> bool:
-        with self._lock:
-            if not self._closed:
-                self._calls.add(call)
-                return True
-        call.cancel()
-        return False
-
-    def discard(self, call: grpc.Call) -> None:
-        with self._lock:
-            self._calls.discard(call)
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            calls, self._calls = list(self._calls), set()
-        for call in calls:
-            call.cancel()
-
-
-def run_request(client: Client, request: BenchRequest, timeout: float, inflight: InFlight) -> RequestResult:
-    """One streamed Generate call, timed message by message; never raises for an RPC failure."""
-    started = time.perf_counter()
-    base = dict(index=request.index, requested_tokens=request.max_tokens, requested_prompt_tokens=request.prompt_len)
-    call = client.generate(request.prompt, max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True,
-                           timeout=timeout)
-    if not inflight.add(call):
-        return RequestResult(error="CANCELLED: benchmark interrupted", started=started, finished=time.perf_counter(), **base)
-    times: list[float] = []
-    tokens = 0
-    final: pb.GenerateResponse | None = None
-    try:
-        for message in call:
-            if message.token_ids:
-                times.append(time.perf_counter())
-                tokens += len(message.token_ids)
-            if message.finish_reason:
-                final = message
-    except grpc.RpcError as e:
-        return RequestResult(error=f"{e.code().name}: {e.details()}", started=started, finished=time.perf_counter(),
-                             output_tokens=tokens, **base)
-    finally:
-        inflight.discard(call)
-    finished = time.perf_counter()
-    problem = _incomplete(final, tokens, request.max_tokens)
-    if problem or final is None:
-        return RequestResult(error=problem, started=started, finished=finished, output_tokens=tokens, **base)
-    return RequestResult(
-        error="", started=started, finished=finished, prompt_tokens=final.usage.prompt_tokens,
-        cached_tokens=final.usage.cached_tokens, output_tokens=tokens, token_times=tuple(times),
-        server_ttft=final.timing.ttft_seconds, server_tpot=final.timing.tpot_seconds, **base,
-    )
-
-
-def _incomplete(final: pb.GenerateResponse | None, tokens: int, expected: int) -> str:
-    if final is None:
-        return f"stream ended without a finish_reason after {tokens} tokens"
-    if final.finish_reason != "length" or tokens != expected:
-        return f"finish_reason={final.finish_reason!r} after {tokens}/{expected} tokens"
-    return ""
-
-
-def warm_up(client: Client, count: int, timeout: float, vocab_size: int) -> None:
+def warm_up(backend: Backend, count: int, timeout: float, vocab_size: int) -> None:
     """A few short requests, not measured (first forward passes, connections)."""
     inflight = InFlight()
     for i in range(count):
         prompt = tuple(3 + (7 * j + i) % max(1, vocab_size - 3) for j in range(24))
-        result = run_request(client, BenchRequest(-1 - i, prompt, WARMUP_TOKENS, 0.0), timeout, inflight)
+        result = backend.send(BenchRequest(-1 - i, prompt, WARMUP_TOKENS, 0.0), timeout, inflight)
         if not result.ok:
             print(f"warning: warm-up request failed: {result.error}", file=sys.stderr)
 
@@ -176,7 +123,7 @@ def _progress(total: int, enabled: bool | None, desc: str) -> Iterator[Callable[
 
 
 def run_load(
-    client: Client, requests: Sequence[BenchRequest], concurrency: int, timeout: float,
+    backend: Backend, requests: Sequence[BenchRequest], concurrency: int, timeout: float,
     progress: bool | None = None, desc: str = "requests",
 ) -> tuple[float, list[RequestResult]]:
     """Send every request at its time, at most `concurrency` in flight (0: no limit);
@@ -193,7 +140,7 @@ def run_load(
                 delay = start + request.send_at - time.perf_counter()
                 if delay > 0:
                     time.sleep(delay)
-                futures.append(pool.submit(run_request, client, request, timeout, inflight))
+                futures.append(pool.submit(backend.send, request, timeout, inflight))
                 futures[-1].add_done_callback(tick)
             results = sorted((f.result() for f in futures), key=lambda r: r.index)
             return start, results
@@ -201,16 +148,6 @@ def run_load(
             inflight.close()
             pool.shutdown(wait=False, cancel_futures=True)
             raise
-
-
-def served_model(client: Client) -> pb.ModelInfo:
-    try:
-        (model, *_) = client.list_models(timeout=CONNECT_TIMEOUT)
-    except grpc.RpcError as e:
-        raise ConnectionError(f"router at {client.address}: {e.code().name}: {e.details()}") from e
-    except ValueError:
-        raise ConnectionError(f"router at {client.address} serves no model") from None
-    return model
 
 
 # -- a measured run --------------------------------------------------------------------
@@ -240,17 +177,15 @@ class Measured:
 
 
 def measure(
-    client: Client, requests: Sequence[BenchRequest], *, concurrency: int, timeout: float, slo: Slo,
+    backend: Backend, requests: Sequence[BenchRequest], *, concurrency: int, timeout: float, slo: Slo,
     label: str = "", progress: bool | None = None,
 ) -> Measured:
     load = _loadavg()
-    start, results = run_load(client, requests, concurrency, timeout, progress, desc=label or "requests")
-    return Measured(label, client.address, start, tuple(requests), tuple(results), summarize(start, results, slo), load)
+    start, results = run_load(backend, requests, concurrency, timeout, progress, desc=label or "requests")
+    return Measured(label, backend.address, start, tuple(requests), tuple(results), summarize(start, results, slo), load)
 
 
 def _loadavg() -> tuple[float, float, float]:
-    import os
-
     try:
         return os.getloadavg()
     except OSError:
@@ -259,23 +194,41 @@ def _loadavg() -> tuple[float, float, float]:
 
 @contextmanager
 def target(cfg: BenchConfig) -> Iterator[str]:
-    if cfg.addr:
-        yield cfg.addr
-    else:
-        with local_cluster(cfg.cluster) as started:
-            yield started.address
+    """The address the backend dials: the one given, or a local cluster's (its router,
+    or its HTTP API's base URL for the openai backends)."""
+    given = cfg.addr if cfg.backend == "grpc" else cfg.base_url
+    if given:
+        yield given
+        return
+    with local_cluster(replace(cfg.cluster, http=cfg.backend != "grpc")) as started:
+        yield started.address if cfg.backend == "grpc" else started.openai_url
+
+
+@contextmanager
+def open_backend(cfg: BenchConfig, address: str) -> Iterator[Backend]:
+    if cfg.backend == "grpc":
+        with Client(address, timeout=cfg.timeout, api_key=cfg.api_key) as client:
+            yield GrpcBackend(client)
+        return
+    from pdserve.bench.openai_backend import OpenAiBackend
+
+    tokenizer = cfg.workload.tokenizer or (cfg.cluster.model if cfg.base_url is None else None)
+    with OpenAiBackend(address, chat=cfg.backend == "openai-chat", tokenizer=tokenizer, api_key=cfg.api_key,
+                       model=cfg.served_model_name) as backend:
+        yield backend
 
 
 def benchmark(cfg: BenchConfig) -> tuple[Measured, str]:
     """Run the whole benchmark (cluster included); the run and a description of the target."""
-    with target(cfg) as address, Client(address, timeout=cfg.timeout) as client:
-        model = served_model(client)
+    with target(cfg) as address, open_backend(cfg, address) as backend:
+        model = backend.served()
         requests = make_workload(cfg.workload, cfg.arrivals, model.vocab_size, model.max_model_len)
-        warm_up(client, cfg.num_warmup, cfg.timeout, model.vocab_size)
-        run = measure(client, requests, concurrency=cfg.arrivals.concurrency, timeout=cfg.timeout, slo=cfg.slo,
+        warm_up(backend, cfg.num_warmup, cfg.timeout, model.vocab_size)
+        run = measure(backend, requests, concurrency=cfg.arrivals.concurrency, timeout=cfg.timeout, slo=cfg.slo,
                       label="serving", progress=cfg.progress)
-        where = "own local cluster" if cfg.addr is None else "running cluster"
-        description = f"{address} ({where}), model {model.name}, max_model_len={model.max_model_len}"
+        where = "own local cluster" if (cfg.addr or cfg.base_url) is None else "running server"
+        description = (f"{address} ({where}), backend {cfg.backend}, model {model.name}, "
+                       f"max_model_len={model.max_model_len}")
     return run, description
 
 
@@ -355,7 +308,17 @@ def build_parser() -> argparse.ArgumentParser:
     w, a, c, b = WorkloadConfig(), ArrivalConfig(), ClusterConfig(), BenchConfig()
     p = argparse.ArgumentParser(prog="pdserve bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--addr", help="router of a running cluster (default: start a local one)")
+    p.add_argument("--backend", choices=BACKENDS, default=b.backend,
+                   help="grpc: pdserve's own API; openai / openai-chat: the OpenAI HTTP API's /v1/completions / "
+                        "/v1/chat/completions (default grpc)")
+    p.add_argument("--addr", help="grpc: router of a running cluster (default: start a local one)")
+    p.add_argument("--base-url", help="openai backends: base URL of a running OpenAI-compatible server, e.g. "
+                                      "http://127.0.0.1:8000/v1 (default: start a local cluster with its HTTP API)")
+    p.add_argument("--served-model-name", help="openai backends: the model id to send (default: the first one "
+                                               "/v1/models lists)")
+    p.add_argument("--api-key", default=None,
+                   help="sent as `Authorization: Bearer KEY` (default: $PDSERVE_API_KEY for grpc, $OPENAI_API_KEY "
+                        "for the openai backends, which keep it out of the process list)")
     p.add_argument("--quick", action="store_true",
                    help=f"{QUICK_WORKLOAD.num_requests} requests of {QUICK_WORKLOAD.output_tokens[0]} tokens, shorter "
                         "prompts (explicit flags still win)")
@@ -372,7 +335,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prefix-count", type=int, default=w.prefix_count, help="prefix: shared prefixes")
     g.add_argument("--prefix-tokens", type=int, help=f"prefix: tokens per shared prefix (default {w.prefix_tokens})")
     g.add_argument("--dataset", help="sharegpt / trace: a JSONL file")
-    g.add_argument("--tokenizer", help="sharegpt conversations: directory with tokenizer.json (default: embedded model)")
+    g.add_argument("--tokenizer", help="sharegpt conversations, openai backends (vocabulary, chat prompts' text): "
+                                       "directory with tokenizer.json (default: --model, else the embedded model)")
     g.add_argument("--trace-block-tokens", type=int, default=w.trace_block_tokens,
                    help="trace: tokens per hash id (512 as recorded; smaller scales prompts down)")
     g.add_argument("--trace-speedup", type=float, default=w.trace_speedup, help="trace: replay this many times faster")
@@ -429,8 +393,9 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
                             worker_cpus=args.worker_cpus, enable_prefix_caching=not args.no_prefix_caching,
                             prefill_policy=args.prefill_policy, device=args.device, dtype=args.dtype,
                             startup_timeout=args.startup_timeout, metrics=args.metrics)
-    return BenchConfig(workload, arrivals, Slo.parse(args.slo), cluster, args.addr, args.timeout, args.num_warmup,
-                       args.progress, args.json_path, args.plot_path)
+    return BenchConfig(workload, arrivals, Slo.parse(args.slo), cluster, args.backend, args.addr, args.base_url,
+                       args.api_key or os.environ.get(API_KEY_ENV[args.backend]) or None, args.served_model_name, args.timeout,
+                       args.num_warmup, args.progress, args.json_path, args.plot_path)
 
 
 def interrupt_on_sigterm(signum: int, _frame: object) -> None:

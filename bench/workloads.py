@@ -212,13 +212,19 @@ def sharegpt_lengths(record: dict, where: str, count_tokens) -> tuple[int, int] 
     return (prompt, reply) if prompt >= 1 and reply >= 1 else None
 
 
-def _token_counter(tokenizer_dir: str | None):
-    from tokenizers import Tokenizer  # no torch: the benchmark client stays light
+def load_tokenizer(tokenizer_dir: str | None):
+    """The `tokenizers` Tokenizer of a model directory (default: the embedded model);
+    no torch, no transformers: the benchmark client stays light."""
+    from tokenizers import Tokenizer
 
     directory = Path(tokenizer_dir) if tokenizer_dir else Path(__file__).resolve().parent.parent / "models" / "pdserve-tiny-code"
     file = directory / "tokenizer.json"
     _require(file.is_file(), f"--tokenizer: no tokenizer.json in {directory}")
-    tokenizer = Tokenizer.from_file(str(file))
+    return Tokenizer.from_file(str(file))
+
+
+def _token_counter(tokenizer_dir: str | None):
+    tokenizer = load_tokenizer(tokenizer_dir)
     return lambda text: len(tokenizer.encode(text, add_special_tokens=False).ids)
 
 

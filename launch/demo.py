@@ -1,8 +1,10 @@
 """`make demo`: a local cluster (router + a prefill and a decode worker, separate
 processes), a few prompts through the gRPC API (one with n=3, one with beam
 search), each prefilled on the prefill worker, whose KV pages travel over ZeroMQ
-into the decode worker's blocks; completions printed with their TTFT and TPOT, the
-KV bytes each worker moved, then a clean shutdown."""
+into the decode worker's blocks; completions printed with their TTFT and TPOT; one
+chat request through the router's OpenAI-compatible HTTP API with the `openai`
+client (the bench extra, which `make` installs), its reply printed; the KV bytes
+each worker moved, then a clean shutdown."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pdserve.engine.llm import DEFAULT_MODEL
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from pdserve.launch.cluster import wait_http
 from pdserve.launch.local import ClusterSpec, LaunchConfig, LocalCluster
 from pdserve.services.router.client import Client, collect
 from pdserve.services.router.config import RouterConfig
@@ -26,6 +29,30 @@ REQUESTS = [
     ("    def __init__(self, ", {"n": 3, "temperature": 0.8, "top_p": 0.95, "seed": 1}),
     ("for i in range(", {"beam_width": 3, "n": 2}),
 ]
+# The embedded model knows Python source, not dialogue: its chat template
+# (models/pdserve-tiny-code/chat_template.jinja) writes the turns as docstrings, and
+# the reply is the code that follows them.
+CHAT = [{"role": "system", "content": "Python, standard library only."},
+        {"role": "user", "content": "A stack of items."}]
+
+
+def chat_over_http(base_url: str, max_tokens: int) -> None:
+    """One chat completion through the OpenAI API, as any `openai` client sends it."""
+    try:
+        from openai import OpenAI
+    except ImportError:
+        raise SystemExit("the demo's chat request needs the openai package: pip install 'pdserve[bench]'") from None
+    client = OpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+    started = time.perf_counter()
+    reply = client.chat.completions.create(model=model, messages=CHAT, max_tokens=max_tokens, temperature=0.0)
+    print("=" * 60)
+    print(f"[chat over HTTP, {base_url}] {reply.usage.prompt_tokens} prompt tokens, "
+          f"{reply.usage.completion_tokens} tokens in {time.perf_counter() - started:.2f}s, "
+          f"{reply.choices[0].finish_reason}")
+    for message in CHAT:
+        print(f"{message['role']}: {message['content']}")
+    print(f"assistant: {reply.choices[0].message.content}")
 
 
 def main() -> None:
@@ -36,7 +63,7 @@ def main() -> None:
     spec = ClusterSpec(
         # Threshold 0: even these short prompts prefill remotely (the default, 64
         # tokens, would keep them on the decode worker).
-        RouterConfig(model=args.model, port=0, local_prefill_threshold=0, log_level="ERROR"),
+        RouterConfig(model=args.model, port=0, http_port=0, local_prefill_threshold=0, log_level="ERROR"),
         WorkerConfig(model=args.model, num_blocks=1024, log_level="ERROR"),  # KV connector: launcher's default
         LaunchConfig(prefill=1, decode=1),
     )
@@ -58,6 +85,8 @@ def main() -> None:
                       f"tpot {seq.timing.tpot_seconds * 1e3:.1f} ms, {seq.usage.completion_tokens} tokens, "
                       f"{seq.finish_reason}")
                 print(prompt + seq.text)
+        wait_http(cluster.openai_url(), timeout=60)
+        chat_over_http(cluster.openai_url(), args.max_tokens)
         print("=" * 60)
         for worker in cluster.live_workers():
             with cluster.channel(worker.address) as channel:  # internal: the launch's credentials

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from pdserve.bench.serving import InFlight
+from pdserve.bench.backend import InFlight
 from pdserve.bench.workloads import random_ids
 from pdserve.services.router.client import Client
 

@@ -116,12 +116,16 @@ def test_every_rendered_object_validates(case: str, version: str, default, examp
             pytest.fail(f"{obj['kind']}/{obj['metadata']['name']} (Kubernetes {version}) at {where}: {e.message}", pytrace=False)
 
 
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+
+
 def every_option_values() -> dict:
     """Values that turn on every optional object and path of the chart at once."""
     values = load_values(EXAMPLE)
     values["credentials"] = {"cluster": {"mtls": True}, "kvCurve": {"existingSecret": "curve"},
                              "apiKeys": {"generate": True}, "tls": {"existingSecret": "public-tls"}}
-    values["router"]["config"] = {"saltCacheByKey": True, "prefillPolicy": "round_robin"}
+    values["router"]["config"] = {"saltCacheByKey": True, "prefillPolicy": "round_robin", "httpMaxBodyBytes": 1 << 20}
+    values["router"]["chatTemplate"] = CHAT_TEMPLATE
     values["prefill"]["config"] = {"cpuAffinity": "0-7"}
     values["prefill"]["autoscaling"] = {"enabled": True, "minReplicas": 2, "maxReplicas": 6,
                                         "behavior": {"scaleDown": {"stabilizationWindowSeconds": 300}}}
@@ -156,6 +160,9 @@ BAD_VALUES = {
     "unknown log level": ({"decode": {"config": {"logLevel": "LOUD"}}}, "/decode/config/logLevel"),
     "bad kv connector": ({"prefill": {"config": {"kvConnector": "no colon"}}}, "/prefill/config/kvConnector"),
     "port out of range": ({"router": {"ports": {"grpc": 70000}}}, "/router/ports/grpc"),
+    "HTTP port out of range": ({"router": {"ports": {"http": 0}}}, "/router/ports/http"),
+    "chat template not text": ({"router": {"chatTemplate": ["{{ messages }}"]}}, "/router/chatTemplate"),
+    "tiny HTTP body cap": ({"router": {"config": {"httpMaxBodyBytes": 10}}}, "/router/config/httpMaxBodyBytes"),
     "unknown image variant": ({"image": {"variant": "rocm"}}, "/image/variant"),
     "misspelt top-level block": ({"prefil": {"replicas": 2}}, "'prefil'"),
     "probe period zero": ({"decode": {"probes": {"startup": {"periodSeconds": 0}}}}, "/decode/probes/startup/periodSeconds"),
@@ -320,12 +327,21 @@ STAND_INS = {"token": "t" * 32, "cluster.key": base64.b64encode(bytes(range(32))
 
 def mount_secrets(objects: list[dict], component: str, argv: list[str], root: Path, release: str = "demo") -> list[str]:
     """Write the files the pod's Secret volumes would hold under `root` (a Secret the
-    chart generated: its data; an existing one: stand-ins) and point `argv` at them."""
+    chart generated: its data; an existing one: stand-ins), and its ConfigMap volumes'
+    (the chart's own: their data), and point `argv` at them."""
     spec = pod_spec(workload(objects, component, release))
     volumes = {v["name"]: v["secret"] for v in spec["volumes"] if "secret" in v}
     secrets = {o["metadata"]["name"]: o for o in of_kind(objects, "Secret")}
     mounts = {}
+    config_maps = {v["name"]: one(objects, "ConfigMap", v["configMap"]["name"]) for v in spec["volumes"] if "configMap" in v}
     for mount in container(objects, component, release)["volumeMounts"]:
+        if mount["name"] in config_maps:
+            assert mount["readOnly"] and mount["mountPath"].startswith("/etc/pdserve/"), mount
+            folder = root / component / mount["name"]
+            folder.mkdir(parents=True)
+            for key, text in config_maps[mount["name"]]["data"].items():
+                (folder / key).write_text(text)
+            mounts[mount["mountPath"]] = folder
         if mount["name"] not in volumes:
             continue
         assert mount["readOnly"] and mount["mountPath"].startswith("/etc/pdserve/"), mount
@@ -369,6 +385,9 @@ def test_pod_args_parse_with_the_real_cli(component: str, case: str, default, ex
     c = container(objects, component, release)
     grpc_port = next(p["containerPort"] for p in c["ports"] if p["name"] == "grpc")
     assert (config.host, config.port) == ("0.0.0.0", grpc_port)
+    if component == "router":  # the OpenAI API, on by default, on the container's http port
+        http_port = next(p["containerPort"] for p in c["ports"] if p["name"] == "http")
+        assert (config.http_host, config.http_port) == ("0.0.0.0", http_port)
     assert ns.model == model_path(values)
     engine = {**(values.get("engine") or {}), **((values.get(component) or {}).get("engine") or {})}
     for key, value in engine.items():
@@ -684,12 +703,58 @@ def test_embedded_model_needs_no_volume(default) -> None:
 # -- services, credentials, network policy ---------------------------------------------------
 
 
-def test_public_service_exposes_only_the_public_port(default) -> None:
+def test_public_service_exposes_only_the_public_ports(default) -> None:
     public = one(default, "Service", name("router"))
-    assert [p["name"] for p in public["spec"]["ports"]] == ["grpc"]
+    assert [p["name"] for p in public["spec"]["ports"]] == ["grpc", "http"]
     internal = one(default, "Service", name("router-internal"))
     assert internal["spec"]["type"] == "ClusterIP"
     assert {p["name"] for p in internal["spec"]["ports"]} == {"internal", "metrics"}
+    grpc_only = one(render({"router": {"ports": {"http": None}}}), "Service", name("router"))
+    assert [p["name"] for p in grpc_only["spec"]["ports"]] == ["grpc"]
+
+
+def test_router_serves_the_openai_api_on_its_http_port(default, monkeypatch, capsys, tmp_path) -> None:
+    """router.ports.http (8000, vLLM's port, by default): --http-port and --http-host,
+    a container port and a port of the public Service; null turns all three off; it
+    must differ from the router's other ports. router.chatTemplate: a ConfigMap the
+    router reads as --chat-template (a new template rolls the pod)."""
+    args = container(default, "router")["args"]
+    assert args[args.index("--http-port") + 1] == "8000" and args[args.index("--http-host") + 1] == "0.0.0.0"
+    declared = {p["name"]: p["containerPort"] for p in container(default, "router")["ports"]}
+    assert declared["http"] == 8000
+    (service,) = [p for p in one(default, "Service", name("router"))["spec"]["ports"] if p["name"] == "http"]
+    assert service == {"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP", "appProtocol": "http"}
+    assert "--chat-template" not in args and not of_kind(default, "ConfigMap")
+
+    moved = render({"router": {"ports": {"http": 8080}}})
+    args = container(moved, "router")["args"]
+    assert args[args.index("--http-port") + 1] == "8080"
+    assert {p["name"]: p["containerPort"] for p in container(moved, "router")["ports"]}["http"] == 8080
+    assert [p["port"] for p in one(moved, "Service", name("router"))["spec"]["ports"]] == [50051, 8080]
+
+    off = render({"router": {"ports": {"http": None}}})
+    args = container(off, "router")["args"]
+    assert "--http-port" not in args and "--http-host" not in args
+    assert "http" not in {p["name"] for p in container(off, "router")["ports"]}
+    argv, env = pod_argv(off, "router")
+    ns = parse(mount_secrets(off, "router", argv, tmp_path / "off"), env, monkeypatch, capsys)
+    assert from_namespace(RouterConfig, ns, model=DEFAULT_MODEL).http_port is None
+    with pytest.raises(helm.HelmError, match=r"router\.ports: grpc \(50051\), internal \(50052\), metrics \(9090\) "
+                                             r"and http \(50052\) must differ"):
+        render({"router": {"ports": {"http": 50052}}})
+
+    objects = render({"router": {"chatTemplate": CHAT_TEMPLATE}})
+    (config_map,) = of_kind(objects, "ConfigMap")
+    assert config_map["data"] == {"chat_template.jinja": CHAT_TEMPLATE}
+    argv, env = pod_argv(objects, "router")
+    config = from_namespace(RouterConfig, parse(mount_secrets(objects, "router", argv, tmp_path), env, monkeypatch,
+                                                capsys), model=DEFAULT_MODEL)
+    assert Path(config.chat_template).read_text() == CHAT_TEMPLATE
+    annotations = workload(objects, "router")["spec"]["template"]["metadata"]["annotations"]
+    other = render({"router": {"chatTemplate": CHAT_TEMPLATE + " "}})
+    assert annotations != workload(other, "router")["spec"]["template"]["metadata"]["annotations"]
+    for obj in objects:
+        validate(obj, K8S_LATEST)
 
 
 def test_credentials_generated_on_install(default) -> None:
@@ -739,10 +804,13 @@ def test_network_policy_on_by_default(default) -> None:
     assert everything == {"from": [{"podSelector": {"matchLabels": release}}]}  # gRPC, KV and metrics ports
     router = one(default, "NetworkPolicy", name("router"))
     public, internal = router["spec"]["ingress"]
-    assert public == {"ports": [{"port": "grpc", "protocol": "TCP"}]}  # publicFrom empty: every source
+    # publicFrom empty: every source, on both public ports (gRPC, the OpenAI API)
+    assert public == {"ports": [{"port": "grpc", "protocol": "TCP"}, {"port": "http", "protocol": "TCP"}]}
+    grpc_only = one(render({"router": {"ports": {"http": None}}}), "NetworkPolicy", name("router"))
+    assert grpc_only["spec"]["ingress"][0] == {"ports": [{"port": "grpc", "protocol": "TCP"}]}
     assert internal == {"ports": [{"port": "internal", "protocol": "TCP"}, {"port": "metrics", "protocol": "TCP"}],
                         "from": [{"podSelector": {"matchLabels": release}}]}
-    for port in ("grpc", "internal", "metrics"):  # the policy's named ports are the container's
+    for port in ("grpc", "http", "internal", "metrics"):  # the policy's named ports are the container's
         assert port in {p["name"] for p in container(default, "router")["ports"]}
     assert not of_kind(render({"networkPolicy": {"enabled": False}}), "NetworkPolicy")
 

@@ -204,6 +204,52 @@ def test_ray_settings_name_the_field(kwargs, field):
         RayConfig(**kwargs)
 
 
+ROUTER_ARGV = """
+import json, sys, tempfile
+from pathlib import Path
+from pdserve import cli
+from pdserve.launch.cluster import Cluster, ClusterSpec, LaunchConfig, render_router
+from pdserve.launch.ray import RayCluster
+from pdserve.launch.ray_config import RayConfig
+from pdserve.services.common.flags import from_namespace, to_argv
+from pdserve.services.router.config import RouterConfig
+from pdserve.services.worker.config import WorkerConfig
+
+args = cli.build_parser().parse_args(["up", *sys.argv[1:]])
+spec = ClusterSpec(from_namespace(RouterConfig, args), from_namespace(WorkerConfig, args, role="decode"),
+                   from_namespace(LaunchConfig, args))
+cluster = RayCluster(spec, from_namespace(RayConfig, args))  # not connected: no Ray started
+argv = to_argv(render_router(cluster.spec, Path(tempfile.mkdtemp()) / "router.address", cluster.credentials))
+router = from_namespace(RouterConfig, cli.build_parser().parse_args(["router", *argv]))
+print(json.dumps({"launcher": spec.launch.launcher, "argv": argv, "http_port": router.http_port,
+                  "http_host": router.public_http_host, "child_process": RayCluster._start_router is Cluster._start_router}))
+"""
+
+
+def test_the_router_of_a_ray_launch_gets_the_http_api_flags():
+    """`pdserve up --launcher ray --http-port 0`: the router is the launcher's child
+    process as with --launcher local (RayCluster keeps Cluster's _start_router, which
+    reads the HTTP address the router writes, so `up` prints the `openai` line), and
+    its command line carries the HTTP flags, which `pdserve router` parses back. In a
+    child process: importing ray here would fix its cluster mode before the Ray
+    fixture sets it."""
+    import json
+
+    template = str(REPO / "models" / "pdserve-tiny-code" / "chat_template.jinja")
+    for http, port, host in ((["--http-port", "0"], 0, "127.0.0.1"),
+                             (["--http-port", "8000", "--http-host", "0.0.0.0"], 8000, "0.0.0.0")):
+        flags = ["--launcher", "ray", *http, "--chat-template", template]
+        proc = subprocess.run([sys.executable, "-c", ROUTER_ARGV, *flags], cwd=REPO, env=child_env(),
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        got = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert got["launcher"] == "ray" and got["child_process"]
+        assert (got["http_port"], got["http_host"]) == (port, host)
+        argv = got["argv"]
+        assert argv[argv.index("--http-port") + 1] == str(port)
+        assert argv[argv.index("--chat-template") + 1].endswith("chat_template.jinja")
+
+
 # -- on the cluster -----------------------------------------------------------------------------------------
 
 

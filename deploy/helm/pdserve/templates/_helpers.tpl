@@ -111,8 +111,10 @@ the cluster shares, and the credentials mounted from Secrets.
 {{- end }}
 {{- end }}
 {{- $p := .Values.router.ports }}
-{{- if or (eq (int $p.grpc) (int $p.internal)) (eq (int $p.grpc) (int $p.metrics)) (eq (int $p.internal) (int $p.metrics)) }}
-{{- fail (printf "router.ports: grpc (%v), internal (%v) and metrics (%v) must differ" $p.grpc $p.internal $p.metrics) }}
+{{- $ports := list (int $p.grpc) (int $p.internal) (int $p.metrics) }}
+{{- if $p.http }}{{ $ports = append $ports (int $p.http) }}{{ end }}
+{{- if ne (len $ports) (len (uniq $ports)) }}
+{{- fail (printf "router.ports: grpc (%v), internal (%v), metrics (%v) and http (%v) must differ" $p.grpc $p.internal $p.metrics $p.http) }}
 {{- end }}
 {{- $set := dict
   "model" (include "pdserve.modelPath" .)
@@ -127,6 +129,13 @@ the cluster shares, and the credentials mounted from Secrets.
   "maxModelLen" .Values.engine.maxModelLen
   "maxN" .Values.engine.maxN
   "maxLogprobs" .Values.engine.maxLogprobs }}
+{{- if $p.http }}
+{{- $_ := set $set "httpHost" "0.0.0.0" }}
+{{- $_ := set $set "httpPort" $p.http }}
+{{- end }}
+{{- if .Values.router.chatTemplate }}
+{{- $_ := set $set "chatTemplate" (include "pdserve.router.chatTemplatePath" .) }}
+{{- end }}
 {{- $set = include "pdserve.overlay" (dict "dst" $set "src" (include "pdserve.credentials.flags" (dict "root" . "component" "router") | fromJson)) | fromJson }}
 {{- $flags := include "pdserve.overlay" (dict "dst" .Values.router.config "src" $set) | fromJson }}
 - router
@@ -135,6 +144,10 @@ the cluster shares, and the credentials mounted from Secrets.
 {{ toYaml . }}
 {{- end }}
 {{- end }}
+
+{{/* Where the router's chat template (router.chatTemplate, a ConfigMap) is mounted. */}}
+{{- define "pdserve.router.chatTemplateDir" -}}/etc/pdserve/chat-template{{- end }}
+{{- define "pdserve.router.chatTemplatePath" -}}{{ include "pdserve.router.chatTemplateDir" . }}/chat_template.jinja{{- end }}
 
 {{/*
 A worker's arguments: `pdserve prefill|decode` and its flags; dict "root" $ "pool"
@@ -383,7 +396,12 @@ metadata:
     {{- with $v.podLabels }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
-  {{- with $v.podAnnotations }}
+  {{- $annotations := deepCopy ($v.podAnnotations | default dict) }}
+  {{- if and (not $worker) $v.chatTemplate }}
+  {{- /* the router reads its template at start: a new one rolls the pod */}}
+  {{- $_ := set $annotations "pdserve.io/chat-template-sha256" ($v.chatTemplate | sha256sum) }}
+  {{- end }}
+  {{- with $annotations }}
   annotations:
     {{- toYaml . | nindent 4 }}
   {{- end }}
@@ -451,6 +469,11 @@ spec:
           containerPort: {{ $v.ports.grpc }}
           protocol: TCP
         {{- if not $worker }}
+        {{- with $v.ports.http }}
+        - name: http
+          containerPort: {{ . }}
+          protocol: TCP
+        {{- end }}
         - name: internal
           containerPort: {{ include "pdserve.router.registryPort" $root }}
           protocol: TCP
@@ -496,6 +519,11 @@ spec:
         {{- with include "pdserve.credentials.volumeMounts" . | trim }}
         {{- . | nindent 8 }}
         {{- end }}
+        {{- if and (not $worker) $v.chatTemplate }}
+        - name: chat-template
+          mountPath: {{ include "pdserve.router.chatTemplateDir" $root }}
+          readOnly: true
+        {{- end }}
   volumes:
     - name: tmp
       emptyDir: {}
@@ -510,5 +538,10 @@ spec:
     {{- end }}
     {{- with include "pdserve.credentials.volumes" . | trim }}
     {{- . | nindent 4 }}
+    {{- end }}
+    {{- if and (not $worker) $v.chatTemplate }}
+    - name: chat-template
+      configMap:
+        name: {{ include "pdserve.componentName" (dict "root" $root "component" "router-chat-template") }}
     {{- end }}
 {{- end }}
