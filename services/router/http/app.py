@@ -237,7 +237,9 @@ class HttpApi:
         try:
             runs = await Runs.admit(self.front_end, self.pool, [chat_request])
         except ServeError as e:
-            raise api_error_of(e, CHAT_NAMES) from None
+            names = {**CHAT_NAMES, "max_tokens": "max_completion_tokens"} if body.max_completion_tokens is not None \
+                else CHAT_NAMES
+            raise api_error_of(e, names) from None
         n = sampling.n or 1
         chat_id = f"chatcmpl-{runs.generations[0].request_id}"
         last = body.messages[-1]

@@ -180,10 +180,11 @@ def bad_requests(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, stream=True, extra_body={"min_p": 7})
     error_shape(info.value.body, "min_p")
-    # The embedded model has no chat template: chat is a clear 400, never a 5xx.
+    # A message the template cannot take is a clear 400, never a 5xx (a model without a
+    # template: test_openai_without_chat_template.py).
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
-    assert "chat template" in error_shape(info.value.body, "messages")["message"]
+        client.chat.completions.create(model=MODEL, messages=[{"role": "tool", "content": "hi"}])
+    assert "role" in error_shape(info.value.body, "messages.0.role")["message"]
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                        tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
