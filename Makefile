@@ -10,12 +10,12 @@ MODEL ?= models/pdserve-tiny-code
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --no-compile --upgrade pip
-	# torch first and pinned exactly: the CPU wheel on disk, not a CUDA build.
-	# --no-compile: bytecode is written on first import, for the modules imported (a
-	# fresh install compiled all of torch, Ray and the rest: 94 s against 66 s here).
-	$(PIP) install -q --no-compile torch==2.13.0
-	$(PIP) install -q --no-compile -e '.[test,bench,ray]'
+	$(PIP) install -q --upgrade pip
+	# torch first and pinned exactly: the CPU wheel on disk, not a CUDA build. pip
+	# compiles the bytecode: with PYTHONDONTWRITEBYTECODE set (as on these machines)
+	# nothing else would, and every process would compile torch again on import.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test,bench,ray]'
 	touch $(STAMP)
 
 install: $(STAMP)

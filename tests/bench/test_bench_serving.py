@@ -78,9 +78,9 @@ def http_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[UpP
     logs = tmp_path_factory.mktemp("http-cluster")
     up = UpProcess(["--http-port", "0", "--num-blocks", "512", "--no-enable-prefix-caching"], logs / "up.log")
     try:
-        line = up.lines.get(timeout=120)
-        assert line.startswith("openai http://") and line.endswith("/v1"), line
-        yield up, line.split()[1]
+        url = up.openai_url  # UpProcess read the `openai URL` line after `ready`
+        assert url.startswith("http://") and url.endswith("/v1"), url
+        yield up, url
     finally:
         up.stop()
 
