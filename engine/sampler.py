@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.request import Request
+from pdserve.engine.sampling_params import SamplingParams
 
 _MASK = float("-inf")
 _MASK64 = (1 << 64) - 1
@@ -91,12 +92,7 @@ class Sampler:
         return SampledTensors(tokens, chosen, *_top_logprobs(logprobs, requests))
 
     def _sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
-        params = [r.sampling_params for r in requests]
-        temps = torch.tensor([p.temperature for p in params], device=logits.device)
-        logits = logits / temps[:, None]
-        logits = apply_top_k_top_p(logits, [p.top_k for p in params], [p.top_p for p in params])
-        logits = apply_min_p(logits, [p.min_p for p in params])
-        probs = torch.softmax(logits, dim=-1)
+        probs = sampling_probs(logits, [r.sampling_params for r in requests])
         u = torch.tensor(self._uniforms(requests), dtype=torch.float64, device=logits.device)
         return sample_inverse_cdf(probs, u)
 
@@ -108,6 +104,16 @@ class Sampler:
                 for r in requests]
 
 
+def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """The distribution a sampled row draws from, given its logits after penalties and
+    min_tokens: / temperature -> top-k -> top-p -> min-p -> softmax."""
+    temps = torch.tensor([p.temperature for p in params], device=logits.device)
+    logits = logits / temps[:, None]
+    logits = apply_top_k_top_p(logits, [p.top_k for p in params], [p.top_p for p in params])
+    logits = apply_min_p(logits, [p.min_p for p in params])
+    return torch.softmax(logits, dim=-1)
+
+
 def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Row b's token: the first whose cumulative probability exceeds u[b] (an exact sample
     for u uniform; the sum runs in float64, so no token's mass is lost to rounding)."""
@@ -117,7 +123,18 @@ def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def _key(seed: int, request: Request) -> int:
-    return (seed * 1_000_003 + request.sample_index * 7_919 + request.num_tokens) % (1 << 64)
+    return position_key(seed, request.sample_index, request.num_tokens)
+
+
+def position_key(seed: int, sample_index: int, num_tokens: int) -> int:
+    """The hash key of the token a seeded sequence samples when it holds `num_tokens`
+    tokens (speculative verification draws the same uniform at each verified position)."""
+    return (seed * 1_000_003 + sample_index * 7_919 + num_tokens) % (1 << 64)
+
+
+def seeded_uniform(seed: int, sample_index: int, num_tokens: int) -> float:
+    """The uniform a seeded sequence's sample uses when it holds `num_tokens` tokens."""
+    return _uniform(position_key(seed, sample_index, num_tokens))
 
 
 def _uniform(key: int) -> float:
