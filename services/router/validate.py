@@ -65,6 +65,13 @@ class Limits:
         return longest if self.max_prompt_tokens is None else min(self.max_prompt_tokens, longest)
 
 
+def check_prompt_bytes(text: str, limit: int, field: str) -> None:
+    """Refuse `text` past `limit` bytes of UTF-8 (--max-prompt-bytes) before anyone
+    tokenizes it (tokenizing megabytes costs the router seconds). ValueError naming `field`."""
+    size = len(text.encode("utf-8", "surrogatepass"))
+    check_field(size <= limit, field, f"must be at most {limit} bytes of UTF-8 (--max-prompt-bytes)", size)
+
+
 class Validator:
     def __init__(self, limits: Limits, tokenizer: Tokenizer | None) -> None:
         self.limits = limits
@@ -109,9 +116,7 @@ class Validator:
         if request.text is not None:
             if not request.text:
                 raise ValueError("prompt: text must not be empty")
-            size = len(request.text.encode("utf-8", "surrogatepass"))
-            check_field(size <= self.limits.max_prompt_bytes, "text",
-                        f"must be at most {self.limits.max_prompt_bytes} bytes of UTF-8 (--max-prompt-bytes)", size)
+            check_prompt_bytes(request.text, self.limits.max_prompt_bytes, "text")
             if self.tokenizer is None:
                 raise ValueError("prompt: text given but the model has no tokenizer; send token_ids")
             ids = self.tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)

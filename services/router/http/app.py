@@ -45,11 +45,12 @@ from pdserve.services.router.frontend import FrontEnd
 from pdserve.services.router.http import render
 from pdserve.services.router.http.bridge import Runs
 from pdserve.services.router.http.chat import chat_prompt
-from pdserve.services.router.http.errors import ApiError, api_error_of, bad_request
+from pdserve.services.router.http.errors import ApiError, api_error_of, bad_request, invalid
 from pdserve.services.router.http.protocol import (
     MAX_PROMPTS, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, parse, sampling_of,
 )
 from pdserve.services.router.records import Request, SequenceOutput
+from pdserve.services.router.validate import check_prompt_bytes
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -224,13 +225,7 @@ class HttpApi:
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         sampling = sampling_of(body, max_tokens, logprobs)
-        try:
-            prompt = await self._off_loop(lambda: chat_prompt(
-                self.tokenizer, self.chat_template, body.messages, body.add_generation_prompt,
-                body.continue_final_message, body.chat_template_kwargs, body.add_special_tokens,
-                self.limits.max_prompt_bytes))
-        except ValueError as e:
-            raise ApiError(400, str(e), param="messages") from None
+        prompt = await self._chat_prompt(body, body.add_special_tokens)
         chat_request = Request(token_ids=tuple(prompt), sampling=sampling, request_id=body.request_id or "",
                                cache_salt=body.cache_salt or "", authorization=authorization,
                                fill_context=max_tokens is None)
@@ -272,15 +267,12 @@ class HttpApi:
         if body.messages is not None:
             if not body.messages:
                 raise bad_request("messages", "must not be empty")
-            special = bool(body.add_special_tokens)
-            try:
-                ids = await self._off_loop(lambda: chat_prompt(
-                    tokenizer, self.chat_template, body.messages, body.add_generation_prompt,
-                    body.continue_final_message, body.chat_template_kwargs, special, self.limits.max_prompt_bytes))
-            except ValueError as e:
-                raise ApiError(400, str(e), param="messages") from None
+            ids = await self._chat_prompt(body, bool(body.add_special_tokens))
         else:
-            self._check_prompt_bytes(body.prompt)
+            try:
+                check_prompt_bytes(body.prompt, self.limits.max_prompt_bytes, "prompt")
+            except ValueError as e:
+                raise invalid(e) from None
             special = True if body.add_special_tokens is None else body.add_special_tokens
             ids = await self._off_loop(lambda: tokenizer.encode(body.prompt, add_special_tokens=special))
         strs = [self.name(t) for t in ids] if body.return_token_strs else None
@@ -301,10 +293,15 @@ class HttpApi:
             raise bad_request("model", "this model has no tokenizer")
         return self.tokenizer
 
-    def _check_prompt_bytes(self, text: str) -> None:
-        size = len(text.encode("utf-8", "surrogatepass"))
-        if size > self.limits.max_prompt_bytes:
-            raise bad_request("prompt", f"must be at most {self.limits.max_prompt_bytes} bytes of UTF-8, got {size}")
+    async def _chat_prompt(self, body: ChatCompletionRequest | TokenizeRequest, add_special_tokens: bool) -> list[int]:
+        """A body's messages through the chat template, tokenized off the loop (400 naming the field)."""
+        try:
+            return await self._off_loop(lambda: chat_prompt(
+                self.tokenizer, self.chat_template, body.messages, body.add_generation_prompt,
+                body.continue_final_message, body.chat_template_kwargs, add_special_tokens,
+                self.limits.max_prompt_bytes))
+        except ValueError as e:
+            raise ApiError(400, str(e), param="messages") from None
 
     # -- shared -------------------------------------------------------------------------
 

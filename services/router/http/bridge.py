@@ -39,7 +39,6 @@ class Runs:
         self._queue: asyncio.Queue = asyncio.Queue()
         self._loop = loop
         self._left = count
-        self._cancelled = False
 
     @classmethod
     async def admit(cls, front_end: FrontEnd, pool: Executor, requests: Sequence[Request]) -> Runs:
@@ -63,7 +62,6 @@ class Runs:
 
     def cancel(self) -> None:
         """The client is gone: every Generation ends (thread-safe, idempotent)."""
-        self._cancelled = True
         for generation in self.generations:
             generation.cancel()
 

@@ -13,8 +13,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.services.router.http.errors import bad_request
+from pdserve.services.router.http.errors import bad_request, invalid
 from pdserve.services.router.http.protocol import Message
+from pdserve.services.router.validate import check_prompt_bytes
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 # apply_chat_template's own parameters: not the template's variables a client may set.
@@ -63,8 +64,9 @@ def chat_prompt(
             raise bad_request("chat_template_kwargs", f"{key!r} is set by the request itself")
     text = tokenizer.render_chat(conversation(messages), template, add_generation_prompt, continue_final_message,
                                  kwargs)
-    size = len(text.encode("utf-8", "surrogatepass"))
-    if max_prompt_bytes is not None and size > max_prompt_bytes:
-        raise bad_request("messages", f"the rendered prompt must be at most {max_prompt_bytes} bytes of UTF-8 "
-                                      f"(--max-prompt-bytes), got {size}")
+    if max_prompt_bytes is not None:
+        try:
+            check_prompt_bytes(text, max_prompt_bytes, "messages")
+        except ValueError as e:
+            raise invalid(e) from None
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)

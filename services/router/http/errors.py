@@ -89,5 +89,10 @@ def api_error_of(error: ServeError, names: dict[str, str] | None = None) -> ApiE
     return ApiError(status, error.message, param=param, retry_after_s=error.retry_after_s)
 
 
+def invalid(error: ValueError) -> ApiError:
+    """A validation ValueError (`field: rule`) as a 400 naming its field."""
+    return ApiError(400, str(error), param=param_of(str(error)))
+
+
 def bad_request(param: str, rule: str) -> ApiError:
     return ApiError(400, f"{param}: {rule}", param=param)
