@@ -56,6 +56,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 DONE = b"data: [DONE]\n\n"
+BODY_TIMEOUT_S = 30.0  # to read a request's whole body
 CHAT_NAMES = {"token_ids": "messages", "prompt": "messages", "text": "messages", "logprobs": "top_logprobs"}
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/health", "/version")
 
@@ -98,6 +99,7 @@ class HttpApi:
         self.chat_template = chat_template
         self.api_keys = api_keys
         self.max_body_bytes = max_body_bytes
+        self.body_timeout = BODY_TIMEOUT_S
         self.on_request = on_request or (lambda route, status: None)
         self.name = render.token_namer(tokenizer)
         self.created = int(time.time())
@@ -322,17 +324,22 @@ class HttpApi:
                            param="model", code="model_not_found")
 
     async def _body(self, request: HttpRequest) -> bytes:
-        """The body, read up to --http-max-body-bytes (413 beyond, before parsing)."""
+        """The body, read up to --http-max-body-bytes (413 beyond, before parsing) within
+        `body_timeout` seconds (408 after: a client trickling its body holds no buffer forever)."""
         cap = self.max_body_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > cap:
             raise ApiError(413, f"body: larger than {cap} bytes (--http-max-body-bytes)", param="body")
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > cap:
-                raise ApiError(413, f"body: larger than {cap} bytes (--http-max-body-bytes)", param="body")
-            chunks.append(chunk)
+        try:
+            async with asyncio.timeout(self.body_timeout):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > cap:
+                        raise ApiError(413, f"body: larger than {cap} bytes (--http-max-body-bytes)", param="body")
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise ApiError(408, f"body: not received within {self.body_timeout:g}s", param="body") from None
         return b"".join(chunks)
 
     def _echo(self, text: str | None, prompt_ids: tuple[int, ...]) -> str:

@@ -41,6 +41,7 @@ ERROR_TYPES = {
     403: ("permission_error", "permission_denied"),
     404: ("not_found_error", "not_found"),
     405: ("invalid_request_error", "method_not_allowed"),
+    408: ("invalid_request_error", "request_timeout"),
     409: ("conflict_error", "conflict"),
     413: ("invalid_request_error", "request_too_large"),
     429: ("rate_limit_error", "rate_limit_exceeded"),

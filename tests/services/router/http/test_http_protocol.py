@@ -282,3 +282,31 @@ def test_a_rendered_chat_prompt_over_max_prompt_bytes_is_refused_before_it_is_to
         chat_prompt(tokenizer, template, messages, False, False, None, False, max_prompt_bytes=rendered - 1)
     assert (info.value.status, info.value.param) == (400, "messages")
     assert f"got {rendered}" in info.value.message
+
+
+# -- app.py: a body is read within a deadline ----------------------------------------------------
+
+
+def test_a_body_trickled_past_its_deadline_is_a_408_and_a_whole_one_is_read():
+    import asyncio
+    import types
+
+    from starlette.requests import Request as StarletteRequest
+
+    from pdserve.services.router.http.app import HttpApi
+
+    def request(parts: list[bytes], stall: bool) -> StarletteRequest:
+        async def receive() -> dict:
+            if parts:
+                return {"type": "http.request", "body": parts.pop(0), "more_body": bool(parts) or stall}
+            await asyncio.sleep(3600)  # the client sends nothing more
+            return {"type": "http.disconnect"}
+
+        return StarletteRequest({"type": "http", "method": "POST", "path": "/", "headers": []}, receive)
+
+    api = types.SimpleNamespace(max_body_bytes=1024, body_timeout=0.2)
+    assert asyncio.run(HttpApi._body(api, request([b'{"a":', b"1}"], stall=False))) == b'{"a":1}'
+    with pytest.raises(ApiError) as info:
+        asyncio.run(HttpApi._body(api, request([b'{"a":'], stall=True)))
+    assert (info.value.status, info.value.param) == (408, "body")
+    assert info.value.body()["error"]["code"] == "request_timeout"
