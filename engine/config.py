@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pdserve.engine.spec.config import SpeculativeConfig
+
 if TYPE_CHECKING:
     import torch
 
@@ -206,8 +208,12 @@ class EngineConfig:
     seed: int = 0
     max_n: int = 64  # upper bound for n and beam_width
     max_logprobs: int = DEFAULT_MAX_LOGPROBS  # upper bound for logprobs and prompt_logprobs
+    # Speculative decoding on this engine (None: off); a dict or JSON string is parsed.
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.speculative is not None:
+            object.__setattr__(self, "speculative", SpeculativeConfig.parse(self.speculative))
         if self.max_n < 1:
             raise ValueError(f"max_n: must be >= 1, got {self.max_n}")
         if self.max_logprobs < 0:

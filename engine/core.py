@@ -41,18 +41,23 @@ from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.sampling_params import SamplingParams, check_field
 from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.spec.speculator import Speculator
+from pdserve.engine.spec.verify import accept_matching, positions
 from pdserve.engine.validation import MAX_REQUEST_ID
 
 log = logging.getLogger(__name__)
 
 Scheduled = list[tuple[Request, int]]
+# What a sampler row is sampled for: a sequence's next token, or (with drafts) one of
+# the K+1 positions of its verification.
+SampleJob = tuple[Request, int]  # (sequence, number of rows: 1, or K+1)
 NO_ROOM_PREFIX = "kv cache:"  # RequestOutput.error of a request that can never fit the pool
 
 
 class EngineCore:
     def __init__(
         self, runner: ModelRunner, kv: KVCacheManager, scheduler: Scheduler, sampler: Sampler,
-        output: OutputProcessor, eos_token_ids: tuple[int, ...],
+        output: OutputProcessor, eos_token_ids: tuple[int, ...], speculator: Speculator | None = None,
     ) -> None:
         self.runner = runner
         self.kv = kv
@@ -60,6 +65,7 @@ class EngineCore:
         self.sampler = sampler
         self.output = output
         self.eos_token_ids = eos_token_ids
+        self.speculator = speculator
         self.groups: dict[str, SequenceGroup] = {}
         # Prefill role: finished requests whose blocks wait to be shipped, and the
         # hook told after each layer which exported tokens it has written.
@@ -83,6 +89,8 @@ class EngineCore:
             request_id, list(prompt_token_ids), params, self.kv.block_size, eos_token_ids=self.eos_token_ids,
         )
         beam = None
+        if params.use_beam_search and self.speculator is not None:
+            self.speculator.skip()  # beams fork every step: they decode without drafts
         if params.use_beam_search:
             # HF's beam search takes stop ids as more EOS ids
             eos = () if params.ignore_eos else self.eos_token_ids
@@ -118,6 +126,8 @@ class EngineCore:
         if hold:
             self.held[seq.request_id] = seq
         self._seq_group.pop(seq.request_id, None)
+        if self.speculator is not None:
+            self.speculator.release(seq.request_id)
         self.output.untrack(seq)
         group.pending.pop(seq.request_id, None)
         if seq in group.live:
@@ -151,17 +161,21 @@ class EngineCore:
     def apply_token(
         self, group: SequenceGroup, seq: Request, token: int, logprob: float | None, top: dict[int, float] | None,
         finished: list[RequestOutput],
-    ) -> None:
+    ) -> bool:
+        """Append one token; whether it ended the sequence."""
         status = self.output.append(group, seq, token, logprob, top)
         if status is not None:
             self.finish_seq(group, seq, status)
             self.end_if_done(group, finished)
+        return status is not None
 
     # -- the step -----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample; returns outputs of finished requests."""
         self.last_scheduled = ()
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running, [r for r in self.scheduler.running if self._may_draft(r)])
         plan = self.scheduler.schedule()
         self.last_batch = (len(plan.scheduled), plan.num_tokens)
         self.last_scheduled = tuple(dict.fromkeys(
@@ -179,11 +193,18 @@ class EngineCore:
                     self.fail(group, exc, finished)
         return finished
 
+    def _may_draft(self, request: Request) -> bool:
+        """A running sequence that is decoding (all but its newest token computed), not a beam."""
+        group = self._seq_group.get(request.request_id)
+        return (group is not None and group.beam is None and request.status == RequestStatus.RUNNING
+                and request.num_computed_tokens == request.num_tokens - 1)
+
     def _run(self, scheduled: Scheduled, finished: list[RequestOutput]) -> None:
-        samples: list[tuple[list[Request], torch.Tensor]] = []  # per sub-batch: sequences, their logits rows
+        samples: list[tuple[list[SampleJob], torch.Tensor]] = []  # per sub-batch: jobs, their logits rows
         beams: list[tuple[SequenceGroup, Request, torch.Tensor]] = []
         for batch, logits, spans in self._execute(scheduled, finished):
-            seqs, rows = [], []
+            jobs: list[SampleJob] = []
+            rows: list[int] = []
             for (request, n), (first, num_rows) in zip(batch, spans):
                 group = self._seq_group.get(request.request_id)
                 if group is None:
@@ -197,13 +218,17 @@ class EngineCore:
                 if ready and group.beam is not None:
                     beams.append((group, request, logits[row]))
                     continue
-                seqs += ready
+                if ready and request.spec_token_ids:  # a verification: its K+1 rows
+                    jobs.append((request, num_rows))
+                    rows += range(first, first + num_rows)
+                    continue
+                jobs += [(seq, 1) for seq in ready]
                 rows += [row] * len(ready)
-            if seqs:
-                samples.append((seqs, logits.index_select(0, torch.tensor(rows, device=logits.device))))
+            if jobs:
+                samples.append((jobs, logits.index_select(0, torch.tensor(rows, device=logits.device))))
         if samples:
             logits = samples[0][1] if len(samples) == 1 else torch.cat([rows for _, rows in samples])
-            self._sample([s for seqs, _ in samples for s in seqs], logits, finished)
+            self._sample([job for jobs, _ in samples for job in jobs], logits, finished)
         for group, request, row_logits in beams:
             if self._seq_group.get(request.request_id) is not group:
                 continue
@@ -216,7 +241,7 @@ class EngineCore:
         """Run the forward pass; when it raises, bisect: each half runs again on its own,
         down to the single request that fails alone (failed, and left out)."""
         try:
-            batch = [BatchItem(r, n, self.kv.block_ids(r.request_id)) for r, n in scheduled]
+            batch = [BatchItem(r, n, self.kv.block_ids(r.request_id), tuple(r.spec_token_ids)) for r, n in scheduled]
             logits, spans = self.runner.execute(batch, layer_callback(self.layer_hook, scheduled, self.kv))
             return [(scheduled, logits, spans)]
         except Exception as exc:
@@ -234,7 +259,8 @@ class EngineCore:
         request's last row now (after the prompt: its fan-out)."""
         if group.prompt_logprobs is not None and request.num_computed_tokens < request.num_prompt_tokens:
             self.output.record_prompt_logprobs(group, request, rows)
-        request.num_computed_tokens += n
+        # Drafts' KV was written too, but counts only once verification accepts them.
+        request.num_computed_tokens += n - len(request.spec_token_ids)
         self.kv.cache_full_blocks(request)
         if rows.shape[0] == 0 or request.num_computed_tokens < request.num_tokens:
             return []
@@ -242,33 +268,62 @@ class EngineCore:
             return [request]
         return self.forker.fan_out(group, request)
 
-    def _sample(self, seqs: list[Request], logits: torch.Tensor, finished: list[RequestOutput]) -> None:
+    def _sample(self, jobs: list[SampleJob], logits: torch.Tensor, finished: list[RequestOutput]) -> None:
+        """Sample every row in one call (a verification's rows at their own positions), then
+        apply each job's tokens."""
+        views = [view for seq, num_rows in jobs for view in (positions(seq) if num_rows > 1 else [seq])]
         try:
-            result = self.sampler(logits, seqs)
-            samples = list(zip(seqs, result.token_ids, result.logprobs, result.top_logprobs))
+            result = self.sampler(logits, views)
+            samples: list[tuple | None] = list(zip(result.token_ids, result.logprobs, result.top_logprobs))
         except Exception as exc:
-            log.warning("sampling %d rows failed (%s): sampling them one by one", len(seqs), exc)
-            samples = self._sample_each(seqs, logits, finished)
-        for seq, token, logprob, top in samples:
+            log.warning("sampling %d rows failed (%s): sampling them one by one", len(views), exc)
+            samples = self._sample_each(views, logits, finished)
+        at = 0
+        for seq, num_rows in jobs:
+            rows, at = samples[at : at + num_rows], at + num_rows
             group = self._seq_group.get(seq.request_id)
-            if group is None:
+            if group is None or any(row is None for row in rows):
                 continue  # its group failed meanwhile
             try:
-                self.apply_token(group, seq, token, logprob, top, finished)
+                if num_rows == 1:
+                    self.apply_token(group, seq, *rows[0], finished)
+                else:
+                    self._apply_verified(group, seq, rows, finished)
             except Exception as exc:
                 self.fail(group, exc, finished)
 
-    def _sample_each(self, seqs: list[Request], logits: torch.Tensor, finished: list[RequestOutput]) -> list[tuple]:
-        samples = []
-        for i, seq in enumerate(seqs):
+    def _apply_verified(self, group: SequenceGroup, seq: Request, rows: list, finished: list[RequestOutput]) -> None:
+        """Append what a verification keeps, one token at a time, each through the stop
+        checks: the first stop ends the run there, and nothing after it is appended,
+        streamed or counted. Each appended draft's KV (written by this pass) becomes
+        computed; the last token's KV is computed next step, as without speculation."""
+        drafts = list(seq.spec_token_ids)
+        seq.spec_token_ids.clear()
+        emitted = accept_matching(drafts, [token for token, _, _ in rows])
+        appended = 0
+        for i, token in enumerate(emitted):
+            if i:
+                seq.num_computed_tokens += 1  # the draft before this token
+            appended += 1
+            if self.apply_token(group, seq, token, rows[i][1], rows[i][2], finished):
+                break
+        else:
+            self.kv.cache_full_blocks(seq)
+        if self.speculator is not None:
+            self.speculator.record(seq, len(drafts), len(emitted) - 1, min(appended, len(emitted) - 1))
+
+    def _sample_each(self, views: list, logits: torch.Tensor, finished: list[RequestOutput]) -> list[tuple | None]:
+        samples: list[tuple | None] = []
+        for i, view in enumerate(views):
             try:
-                result = self.sampler(logits[i : i + 1], [seq])
+                result = self.sampler(logits[i : i + 1], [view])
             except Exception as exc:
-                group = self._seq_group.get(seq.request_id)
+                group = self._seq_group.get(view.request_id)
                 if group is not None:
                     self.fail(group, exc, finished)
+                samples.append(None)
                 continue
-            samples.append((seq, result.token_ids[0], result.logprobs[0], result.top_logprobs[0]))
+            samples.append((result.token_ids[0], result.logprobs[0], result.top_logprobs[0]))
         return samples
 
     def _beam_step(self, group: SequenceGroup, seq: Request, logits: torch.Tensor, finished: list[RequestOutput]) -> None:

@@ -36,6 +36,8 @@ from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.sampling_params import SamplingParams, continues_from_first_token
 from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.spec.draft_model import DraftModelProposer, check_draft_model
+from pdserve.engine.spec.speculator import NgramProposer, Proposer, SpecStats, Speculator
 from pdserve.engine.stats import EngineStats
 from pdserve.engine.tokenizer import Tokenizer, has_tokenizer
 from pdserve.engine.validation import SamplingLimits, validate_prompt, validate_sampling_params
@@ -65,9 +67,11 @@ class LLMEngine:
         self.runner = ModelRunner(
             config.model, self.model_config, dtype, device, block_size, self.max_model_len, config.attention_backend,
         )
+        self.draft_runner = self._draft_runner(dtype, device)
         # Sized after the weights are loaded, so a GPU budget counts what is left.
         num_blocks = self._num_blocks(dtype, device)
         self.runner.allocate_kv_cache(num_blocks)
+        self.speculator = self._speculator(num_blocks)
         self.pool = BlockPool(num_blocks, config.cache.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, block_size)
         self.scheduler = Scheduler(sched, self.kv)
@@ -80,6 +84,7 @@ class LLMEngine:
         self.output = OutputProcessor(self.tokenizer)
         self.core = EngineCore(
             self.runner, self.kv, self.scheduler, self.sampler, self.output, self.model_config.eos_token_ids,
+            self.speculator,
         )
         self.remote = RemoteKV(self.core)
 
@@ -88,6 +93,8 @@ class LLMEngine:
         if cache.num_blocks is not None:
             return cache.num_blocks
         per_block = kv_bytes_per_block(self.model_config, cache.block_size, dtype)
+        if self.draft_runner is not None:  # the draft's pool has as many blocks
+            per_block += kv_bytes_per_block(self.draft_runner.cfg, cache.block_size, dtype)
         budget = cache.memory_bytes
         if budget is None and device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
@@ -99,6 +106,28 @@ class LLMEngine:
         if num < 1:
             raise ValueError(f"kv_cache_memory: {budget} bytes holds no block of {per_block} bytes")
         return int(num)
+
+    def _draft_runner(self, dtype: torch.dtype, device: torch.device) -> ModelRunner | None:
+        """The draft model of `speculative_config` (method draft_model), checked against the target."""
+        spec = self.config.speculative
+        if spec is None or spec.model is None:
+            return None
+        draft_config = ModelConfig.from_dir(spec.model)
+        check_draft_model(self.config.model, self.model_config, spec.model, draft_config, self.max_model_len)
+        return ModelRunner(spec.model, draft_config, dtype, device, self.config.cache.block_size,
+                           self.max_model_len, self.config.attention_backend)
+
+    def _speculator(self, num_blocks: int) -> Speculator | None:
+        spec = self.config.speculative
+        if spec is None:
+            return None
+        proposer: Proposer
+        if self.draft_runner is not None:
+            proposer = DraftModelProposer(self.draft_runner, num_blocks)
+        else:
+            # SpeculativeConfig sets both bounds for ngram
+            proposer = NgramProposer(int(spec.prompt_lookup_min or 0), int(spec.prompt_lookup_max or 0))
+        return Speculator(spec, proposer, self.max_model_len)
 
     # -- state the services read or hook into ---------------------------------------------
 
@@ -219,6 +248,7 @@ class LLMEngine:
             num_requests_waiting=len(self.scheduler.waiting),
             num_requests_held=len(self.core.held),
             num_held_blocks=sum(len(self.kv.req_blocks.get(rid, ())) for rid in self.core.held),
+            spec_decode=self.speculator.stats() if self.speculator is not None else SpecStats(),
         )
 
     @property
@@ -251,6 +281,8 @@ class LLMEngine:
         self.kv.check_integrity()
         self.scheduler.check_integrity()
         self.core.check_integrity()
+        if self.speculator is not None and isinstance(self.speculator.proposer, DraftModelProposer):
+            self.speculator.proposer.check_integrity()
         for request in self.scheduler.running:
             have = len(self.kv.req_blocks.get(request.request_id, ()))
             need = -(-request.num_computed_tokens // self.config.cache.block_size)

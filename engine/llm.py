@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from pdserve.engine.config import DEFAULT_MAX_LOGPROBS, DEFAULT_MODEL, CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.spec.config import SpeculativeConfig
 from pdserve.engine.stats import EngineStats
 from pdserve.engine.tokenizer import Tokenizer
 
@@ -29,6 +30,8 @@ class LLM:
         attention_backend: str = "auto",
         long_prefill_token_threshold: int | None = None,
         max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+        speculative_config: SpeculativeConfig | Mapping[str, object] | str | None = None,
+        seed: int = 0,
     ) -> None:
         self.engine = LLMEngine(
             EngineConfig(
@@ -41,6 +44,8 @@ class LLM:
                 ),
                 attention_backend=attention_backend,
                 max_logprobs=max_logprobs,
+                seed=seed,
+                speculative=None if speculative_config is None else SpeculativeConfig.parse(speculative_config),
             )
         )
         self.model_dir = model

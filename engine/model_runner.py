@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -20,14 +21,33 @@ from pdserve.engine.attention import AttentionMetadata, get_backend
 from pdserve.engine.attention.base import kv_rows
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.model.loader import load_model
-from pdserve.engine.request import Request
+from pdserve.engine.sampling_params import SamplingParams
+
+
+class Sequence(Protocol):
+    """What a forward pass reads of a sequence: a `Request`, or a draft model's view of one."""
+
+    token_ids: list[int]
+    num_computed_tokens: int
+    sampling_params: SamplingParams
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
 
 
 @dataclass(frozen=True)
 class BatchItem:
-    request: Request
+    """`num_tokens` tokens of `request` computed this step, from its first uncomputed one.
+    With `drafts` (speculative decoding) those follow its known tokens: the step computes
+    up to the last draft and scores every position from its last known token on."""
+
+    request: Sequence
     num_tokens: int  # tokens computed this step
     block_ids: list[int]
+    drafts: tuple[int, ...] = ()
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -75,7 +95,8 @@ class ModelRunner:
 
         An item gets one row, for its last token, when it reaches the end of its known
         tokens (a prefill chunk in the middle of a prompt gets none); an item that asked
-        for prompt logprobs gets a row for every prompt token it computes.
+        for prompt logprobs gets a row for every prompt token it computes; an item with
+        K drafts gets K+1 rows, for its last known token and each draft.
         """
         bs = self.block_size
         input_ids: list[int] = []
@@ -89,7 +110,10 @@ class ModelRunner:
             req, start = item.request, item.request.num_computed_tokens
             end = start + item.num_tokens
             first = len(input_ids)
-            input_ids += req.token_ids[start:end]
+            tokens = req.token_ids + list(item.drafts) if item.drafts else req.token_ids
+            if item.drafts and end != len(tokens):
+                raise ValueError(f"batch: {len(item.drafts)} drafts must be scored to the last one")
+            input_ids += tokens[start:end]
             pos = range(start, end)
             positions += pos
             slots += [item.block_ids[p // bs] * bs + p % bs for p in pos]
@@ -97,6 +121,8 @@ class ModelRunner:
             seq_lens.append(end)
             if req.sampling_params.prompt_logprobs is not None and start < req.num_prompt_tokens:
                 rows = list(range(first, len(input_ids)))
+            elif item.drafts:
+                rows = list(range(len(input_ids) - len(item.drafts) - 1, len(input_ids)))
             else:
                 rows = [len(input_ids) - 1] if end == req.num_tokens else []
             spans.append((len(logits_rows), len(rows)))

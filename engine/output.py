@@ -130,6 +130,8 @@ class OutputProcessor:
             num_cached_tokens=first.num_cached_tokens if first else 0,
             prompt_logprobs=group.prompt_logprobs if group.params.prompt_logprobs is not None else None,
             error=group.error, times=request_times(group.finished),
+            num_draft_tokens=sum(s.num_draft_tokens for s in group.finished),
+            num_accepted_tokens=sum(s.num_accepted_tokens for s in group.finished),
         )
 
     def _beam_completions(self, group: SequenceGroup, beam: BeamSearch) -> list[CompletionOutput]:

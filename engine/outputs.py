@@ -44,3 +44,6 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     times: RequestTimes | None = None
     error: str | None = None  # why the engine failed this request (finish_reason "abort")
+    # Speculative decoding, over all its sequences: drafts scored, and those emitted.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0

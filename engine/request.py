@@ -62,6 +62,12 @@ class Request:
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, float]] = field(default_factory=list)
     text: str = ""
+    # Speculative decoding: this step's draft tokens, scored after `token_ids` in one
+    # pass (never part of `token_ids`, never hashed: only what verification accepts is
+    # appended), and this sequence's drafted / accepted counts so far.
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -73,6 +79,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return len(self.token_ids) + len(self.spec_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -14,6 +14,13 @@ every older one but before every younger one, so the oldest request always makes
 progress (with beams, whose sequences wait for each other, arrival order alone would
 let a young request starve an old group forever).
 
+Speculative decoding: a running request with draft tokens (`spec_token_ids`, set by
+the proposer before the step) is scheduled for its last known token plus the drafts
+(K+1 query tokens), and its blocks grow to hold them (K lookahead slots); drafts the
+budget cannot fit are dropped. Verification appends only what it accepts, and
+`num_computed_tokens` counts only those, so a rejected draft's slot is simply written
+again by the next step.
+
 Sequence slots (max_num_seqs) are held by groups, not sequences: a request that will
 run n samples or k beams is admitted only when n (or k) slots are free, and its group
 keeps them until its sequences finish, so forks never push the batch past
@@ -111,9 +118,11 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted for an older one this step
-            n = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
+            n = self._chunk(request.num_tokens_with_spec - request.num_computed_tokens, budget)
             if n == 0:  # waiting on its group (a beam whose siblings lag behind)
                 continue
+            if request.spec_token_ids:  # drafts past the budget are dropped, never half scored
+                del request.spec_token_ids[max(0, n - (request.num_tokens - request.num_computed_tokens)):]
             if self._make_room(request, n, out):
                 out.scheduled.append((request, n))
                 budget -= n
@@ -160,6 +169,7 @@ class Scheduler:
         self.running.remove(request)
         self.kv.free(request.request_id)
         request.num_computed_tokens = 0
+        request.spec_token_ids.clear()
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1

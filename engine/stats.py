@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.engine.spec.speculator import SpecStats
+
 
 @dataclass(frozen=True)
 class EngineStats:
@@ -26,3 +28,4 @@ class EngineStats:
     num_requests_waiting: int
     num_requests_held: int  # prefill: finished, blocks kept until their KV is shipped
     num_held_blocks: int  # the blocks those hold
+    spec_decode: SpecStats = SpecStats()  # all zero without speculative decoding

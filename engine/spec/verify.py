@@ -13,6 +13,15 @@ Every rule here emits the drafts it accepts, a = 0..K of them, then exactly one 
 of the target's own: its correction at the first rejected position, or the bonus token
 (row K) when all K are accepted. Cutting at stops and `max_tokens` is the caller's.
 
+In the engine every rule is one call: the sampler runs at each position's
+`SequenceAt` (greedy: argmax; seeded: the position's own uniform; unseeded: a fresh
+uniform), then `accept_matching`. For the proposers here, which draft deterministically
+(q is one-hot), accepting a draft exactly when the sampled token equals it IS the
+rejection sampler: it accepts x with probability p(x) = min(1, p(x)/q(x)), and on a
+rejection the sampled token is distributed as p without x, renormalised, which is
+normalize(max(0, p - q)). `rejection_sample` is the general rule, for a proposer that
+samples its drafts.
+
 Three rules:
 - greedy: accept while the draft equals the target's argmax.
 - seeded: the token the target would sample at position i is the inverse CDF of its
@@ -30,7 +39,60 @@ from collections.abc import Sequence
 
 import torch
 
+from pdserve.engine.request import Request
 from pdserve.engine.sampler import sample_inverse_cdf, seeded_uniform
+from pdserve.engine.sampling_params import SamplingParams
+
+
+class SequenceAt:
+    """`request` as it would stand after its first `num_drafts` drafts were accepted: what
+    the sampler reads of a sequence (history for penalties, output count for min_tokens,
+    token count for the seeded uniform). Position i of a verification samples from
+    `SequenceAt(request, i)` exactly what spec-off sampling would sample from `request`
+    once it held those i drafts."""
+
+    __slots__ = ("request", "num_drafts")
+
+    def __init__(self, request: Request, num_drafts: int) -> None:
+        self.request = request
+        self.num_drafts = num_drafts
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def sampling_params(self) -> SamplingParams:
+        return self.request.sampling_params
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.request.eos_token_ids
+
+    @property
+    def sample_index(self) -> int:
+        return self.request.sample_index
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.request.token_ids + self.request.spec_token_ids[: self.num_drafts]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.request.num_prompt_tokens :]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.request.num_tokens + self.num_drafts
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.request.num_output_tokens + self.num_drafts
+
+
+def positions(request: Request) -> list[SequenceAt]:
+    """The K+1 sampling positions of a verification of `request.spec_token_ids`."""
+    return [SequenceAt(request, i) for i in range(len(request.spec_token_ids) + 1)]
 
 
 def accept_matching(draft: Sequence[int], target_tokens: Sequence[int]) -> list[int]:

@@ -1,0 +1,142 @@
+"""Speculative decoding inside the engine: who drafts, how many, and what was kept.
+
+    step():  propose  drafts on every running sequence that is decoding
+                      (request.spec_token_ids, K <= its adaptive draft length)
+             schedule K+1 query tokens, K lookahead slots (scheduler.py)
+             forward  one pass scores its last token and every draft (K+1 rows)
+             verify   the sampler runs at each of the K+1 positions as it would
+                      without speculation (verify.positions); accept_matching keeps
+                      the drafts up to the first one it would not have sampled, then
+                      the token it did sample
+             append   one token at a time, each through the usual stop checks: the
+                      first stop, EOS, stop string or max_tokens ends the run there
+             record   counts below; the draft length follows the acceptance (adaptive.py)
+
+Who does not speculate: beam search (counted in `num_unspeculated_requests`), a sequence
+still prefilling, and every sequence while the running batch has reached
+`disable_by_batch_size` (a compute-bound batch gains nothing from drafts).
+
+Drafts are capped so that no draft position lies past `max_tokens` (the bonus token
+is the last one the request may have) or past `max_model_len`: verification never
+scores a token that could not be emitted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from pdserve.engine.request import Request
+from pdserve.engine.spec.adaptive import DraftLength
+from pdserve.engine.spec.config import SpeculativeConfig
+from pdserve.engine.spec.ngram import propose_ngram
+
+
+@dataclass(frozen=True)
+class SpecStats:
+    """Counters since start (vLLM's spec_decode_* metrics)."""
+
+    num_drafts: int = 0  # verifications that scored at least one draft
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0  # drafts emitted (a run cut at a stop counts what was emitted)
+    # [i]: verifications whose draft i was accepted and emitted (non-increasing in i)
+    num_accepted_tokens_per_pos: tuple[int, ...] = ()
+    num_unspeculated_requests: int = 0  # beam-search requests, decoded without speculation
+
+
+class Proposer(Protocol):
+    def propose(self, requests: Sequence[Request], ks: Sequence[int]) -> list[list[int]]:
+        """Up to ks[i] draft tokens to follow requests[i]'s tokens (fewer, or none, is fine)."""
+        ...
+
+    def release(self, request_id: str) -> None:
+        """The sequence is gone: drop whatever the proposer keeps for it."""
+        ...
+
+
+class NgramProposer:
+    """Prompt lookup: the drafts follow the longest earlier occurrence of the suffix."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
+
+    def propose(self, requests: Sequence[Request], ks: Sequence[int]) -> list[list[int]]:
+        return [propose_ngram(r.token_ids, k, self.min_n, self.max_n) for r, k in zip(requests, ks)]
+
+    def release(self, request_id: str) -> None:
+        pass
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer, max_model_len: int) -> None:
+        self.config = config
+        self.proposer = proposer
+        self.max_model_len = max_model_len
+        self._lengths: dict[str, DraftLength] = {}
+        self._num_drafts = self._num_draft_tokens = self._num_accepted = self._num_unspeculated = 0
+        self._per_pos = [0] * config.num_speculative_tokens
+
+    def propose(self, running: Sequence[Request], candidates: Sequence[Request]) -> None:
+        """Set this step's drafts: on `candidates` (the running sequences that may
+        speculate), none on any other running sequence."""
+        for request in running:
+            request.spec_token_ids.clear()
+        # Forget the draft lengths of sequences no longer running (finished, preempted).
+        alive = {r.request_id for r in running}
+        for request_id in [rid for rid in self._lengths if rid not in alive]:
+            del self._lengths[request_id]
+        limit = self.config.disable_by_batch_size
+        if limit is not None and len(running) >= limit:
+            return
+        chosen, ks = [], []
+        for request in candidates:
+            k = min(self._length(request).next_k(), self._room(request))
+            if k > 0:
+                chosen.append(request)
+                ks.append(k)
+        if not chosen:
+            return
+        for request, k, drafts in zip(chosen, ks, self.proposer.propose(chosen, ks)):
+            request.spec_token_ids[:] = [int(t) for t in drafts[:k]]
+
+    def _length(self, request: Request) -> DraftLength:
+        length = self._lengths.get(request.request_id)
+        if length is None:
+            length = self._lengths[request.request_id] = DraftLength(self.config.num_speculative_tokens)
+        return length
+
+    def _room(self, request: Request) -> int:
+        """Drafts that could still be emitted: the bonus token takes the last place."""
+        by_length = request.sampling_params.max_tokens - request.num_output_tokens - 1
+        return max(0, min(by_length, self.max_model_len - request.num_tokens))
+
+    def record(self, request: Request, drafted: int, accepted: int, emitted: int) -> None:
+        """A verification of `drafted` drafts accepted `accepted`, of which `emitted` were
+        emitted (fewer when a stop or max_tokens cut the run)."""
+        if drafted <= 0:
+            return
+        self._num_drafts += 1
+        self._num_draft_tokens += drafted
+        self._num_accepted += emitted
+        for i in range(emitted):
+            self._per_pos[i] += 1
+        request.num_draft_tokens += drafted
+        request.num_accepted_tokens += emitted
+        length = self._lengths.get(request.request_id)  # none once the sequence ended
+        if length is not None:
+            length.update(drafted, accepted)
+
+    def skip(self) -> None:
+        """A request that will decode without speculation (beam search)."""
+        self._num_unspeculated += 1
+
+    def release(self, request_id: str) -> None:
+        self._lengths.pop(request_id, None)
+        self.proposer.release(request_id)
+
+    def stats(self) -> SpecStats:
+        return SpecStats(
+            self._num_drafts, self._num_draft_tokens, self._num_accepted, tuple(self._per_pos),
+            self._num_unspeculated,
+        )
