@@ -300,17 +300,20 @@ class EngineCore:
         drafts = list(seq.spec_token_ids)
         seq.spec_token_ids.clear()
         emitted = accept_matching(drafts, [token for token, _, _ in rows])
+        num_accepted = len(emitted) - 1
+        seq.num_draft_tokens += len(drafts)  # counted first: the token that ends it builds the output
         appended = 0
         for i, token in enumerate(emitted):
             if i:
                 seq.num_computed_tokens += 1  # the draft before this token
             appended += 1
+            seq.num_accepted_tokens += i < num_accepted
             if self.apply_token(group, seq, token, rows[i][1], rows[i][2], finished):
                 break
         else:
             self.kv.cache_full_blocks(seq)
         if self.speculator is not None:
-            self.speculator.record(seq, len(drafts), len(emitted) - 1, min(appended, len(emitted) - 1))
+            self.speculator.record(seq.request_id, len(drafts), num_accepted, min(appended, num_accepted))
 
     def _sample_each(self, views: list, logits: torch.Tensor, finished: list[RequestOutput]) -> list[tuple | None]:
         samples: list[tuple | None] = []

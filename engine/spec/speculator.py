@@ -17,8 +17,9 @@ still prefilling, and every sequence while the running batch has reached
 `disable_by_batch_size` (a compute-bound batch gains nothing from drafts).
 
 Drafts are capped so that no draft position lies past `max_tokens` (the bonus token
-is the last one the request may have) or past `max_model_len`: verification never
-scores a token that could not be emitted.
+is the last one the request may have), past `max_model_len`, or after a drafted stop
+token or EOS: verification never scores a token that could not be emitted (a stop
+string, known only from the text, can still cut an accepted run short).
 """
 
 from __future__ import annotations
@@ -68,6 +69,17 @@ class NgramProposer:
         pass
 
 
+def _through_first_stop(request: Request, drafts: list[int]) -> list[int]:
+    """Drafts up to and including the first stop token or EOS: if it is accepted the run
+    ends there, so a draft after it could never be emitted."""
+    params = request.sampling_params
+    stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(request.eos_token_ids))
+    for i, token in enumerate(drafts):
+        if token in stops:
+            return drafts[: i + 1]
+    return drafts
+
+
 class Speculator:
     def __init__(self, config: SpeculativeConfig, proposer: Proposer, max_model_len: int) -> None:
         self.config = config
@@ -98,7 +110,7 @@ class Speculator:
         if not chosen:
             return
         for request, k, drafts in zip(chosen, ks, self.proposer.propose(chosen, ks)):
-            request.spec_token_ids[:] = [int(t) for t in drafts[:k]]
+            request.spec_token_ids[:] = _through_first_stop(request, [int(t) for t in drafts[:k]])
 
     def _length(self, request: Request) -> DraftLength:
         length = self._lengths.get(request.request_id)
@@ -111,7 +123,7 @@ class Speculator:
         by_length = request.sampling_params.max_tokens - request.num_output_tokens - 1
         return max(0, min(by_length, self.max_model_len - request.num_tokens))
 
-    def record(self, request: Request, drafted: int, accepted: int, emitted: int) -> None:
+    def record(self, request_id: str, drafted: int, accepted: int, emitted: int) -> None:
         """A verification of `drafted` drafts accepted `accepted`, of which `emitted` were
         emitted (fewer when a stop or max_tokens cut the run)."""
         if drafted <= 0:
@@ -121,9 +133,7 @@ class Speculator:
         self._num_accepted += emitted
         for i in range(emitted):
             self._per_pos[i] += 1
-        request.num_draft_tokens += drafted
-        request.num_accepted_tokens += emitted
-        length = self._lengths.get(request.request_id)  # none once the sequence ended
+        length = self._lengths.get(request_id)  # none once the sequence ended
         if length is not None:
             length.update(drafted, accepted)
 
