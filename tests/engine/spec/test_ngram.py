@@ -60,3 +60,25 @@ def test_longer_history_than_max_n_matches_only_up_to_max_n():
 def test_bad_arguments_raise(k, low, high):
     with pytest.raises(ValueError):
         propose_ngram([1, 2, 3], k=k, min_n=low, max_n=high)
+
+
+def naive(history: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """The rule spelled out: longest suffix first, earliest earlier occurrence."""
+    for n in range(min(max_n, len(history) - 1), min_n - 1, -1):
+        suffix = history[len(history) - n :]
+        for start in range(len(history) - n):
+            if history[start : start + n] == suffix:
+                return history[start + n : start + n + k]
+    return []
+
+
+def test_agrees_with_the_rule_spelled_out_on_random_histories():
+    import random
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        history = [rng.randrange(4) for _ in range(rng.randrange(1, 40))]
+        min_n = rng.randrange(1, 4)
+        max_n = rng.randrange(min_n, 6)
+        k = rng.randrange(0, 6)
+        assert propose_ngram(history, k, min_n, max_n) == naive(history, k, min_n, max_n), (history, k, min_n, max_n)
