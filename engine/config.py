@@ -24,6 +24,8 @@ DTYPES = ("float32", "float16", "bfloat16")
 DEFAULT_MAX_LOGPROBS = 20  # as vLLM's max_logprobs
 # The embedded default model (models/ at the repository root).
 DEFAULT_MODEL = str(Path(__file__).resolve().parent.parent / "models" / "pdserve-tiny-code")
+# Its draft model for speculative decoding: same tokenizer, trained on the same text.
+DEFAULT_DRAFT_MODEL = DEFAULT_MODEL + "-draft"
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:

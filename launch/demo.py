@@ -4,16 +4,23 @@ search), each prefilled on the prefill worker, whose KV pages travel over ZeroMQ
 into the decode worker's blocks; completions printed with their TTFT and TPOT; one
 chat request through the router's OpenAI-compatible HTTP API with the `openai`
 client (the bench extra, which `make` installs), its reply printed; the KV bytes
-each worker moved, then a clean shutdown."""
+each worker moved, then a clean shutdown. Last, speculative decoding on the engine:
+one input-grounded prompt (a standard-library function, to be written again with a
+name changed) without speculation, with n-gram prompt lookup and with the embedded
+draft model, the same tokens each time, with their TPOT and acceptance."""
 
 from __future__ import annotations
 
 import argparse
+import inspect
+import shlex
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from pdserve.engine.llm import DEFAULT_MODEL
+from pdserve.engine.config import DEFAULT_DRAFT_MODEL
+from pdserve.engine.llm import DEFAULT_MODEL, LLM
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from pdserve.launch.cluster import wait_http
@@ -55,10 +62,40 @@ def chat_over_http(base_url: str, max_tokens: int) -> None:
     print(f"assistant: {reply.choices[0].message.content}")
 
 
+def speculation(model: str, draft: str) -> None:
+    """The same greedy request without speculation, with ngram and with the draft model."""
+    source = inspect.getsource(shlex.quote)
+    prompt = f"{source}\n\n# The same function, with s renamed to text:\n{source.splitlines()[0].replace('(s)', '(text)')}\n"
+    params = SamplingParams(max_tokens=96, temperature=0.0)
+    methods = {
+        "off": None,
+        "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4},
+        "draft_model": {"method": "draft_model", "num_speculative_tokens": 4, "model": draft},
+    }
+    print("=" * 60)
+    print("speculative decoding (engine, one request, greedy): the same function again, renamed")
+    baseline = None
+    for name, config in methods.items():
+        llm = LLM(model=model, num_blocks=256, speculative_config=config)
+        llm.generate(prompt, SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+        out = llm.generate(prompt, params)[0]
+        times = out.times
+        tokens = out.outputs[0].token_ids
+        tpot = (times.finished - times.first_token) / max(1, len(tokens) - 1) if times and times.first_token else 0.0
+        spec = llm.stats().spec_decode
+        rate = spec.num_accepted_tokens / spec.num_draft_tokens if spec.num_draft_tokens else 0.0
+        same = "" if baseline is None else (", same tokens as off" if tokens == baseline else ", TOKENS DIFFER")
+        baseline = baseline or tokens
+        print(f"  {name:12s} tpot {tpot * 1e3:5.1f} ms, {len(tokens)} tokens, {out.num_draft_tokens} drafted, "
+              f"{out.num_accepted_tokens} accepted ({rate:.0%}){same}")
+    print(prompt.splitlines()[-1] + "\n" + out.outputs[0].text)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--max-tokens", type=int, default=40)
+    parser.add_argument("--draft-model", default=DEFAULT_DRAFT_MODEL)
     args = parser.parse_args()
     spec = ClusterSpec(
         # Threshold 0: even these short prompts prefill remotely (the default, 64
@@ -98,6 +135,7 @@ def main() -> None:
             else:
                 print(f"{worker.worker_id}: received {kv}")
     print("cluster stopped")
+    speculation(args.model, args.draft_model)
 
 
 if __name__ == "__main__":
