@@ -50,6 +50,8 @@ class Worker:
         self.config = config
         self.auth = ClusterAuth(config.credentials)
         self.engine = LLMEngine(config.engine_config())
+        if config.role == "prefill" and config.speculative_config is not None:
+            log.info("prefill worker %s: --speculative-config is not used here (only decoding speculates)", config.id)
         self.metrics = worker_metrics(config.metrics, config.model_name, config.role, config.id)
         kv = KVCredentials(self.auth.kv_curve(), self.auth.rendezvous_token)
         context = TransportContext.from_env(config.role, config.id, self.engine.runner.kv_cache, kv)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.engine.config import DEFAULT_MODEL, CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine.spec.config import SpeculativeConfig
 from pdserve.services.common.credentials import ClusterCredentials
 from pdserve.services.common.flags import check, flag
 
@@ -59,6 +60,10 @@ class WorkerConfig:
     torch_threads: int = flag(1, "torch intra-op threads (0: torch's default)")
     cpu_affinity: str | None = flag(None, "pin every thread of this process to these CPUs, e.g. '0' or '0,2-3' "
                                           "(os.sched_setaffinity; unset: not pinned)")
+    speculative_config: str | None = flag(None, "speculative decoding, vLLM's speculative_config as a JSON object, "
+                                                "e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 3}' "
+                                                "(decode and mixed workers; a prefill worker never decodes and "
+                                                "ignores it; unset: off)")
     # serving
     kv_connector: str | None = flag(None, "KV transport: zmq | zmq_ipc | gloo | nccl | none ('' too) | a plug-in's "
                                           "'module:factory' (unset: `pdserve up` gives prefill and decode workers "
@@ -97,6 +102,13 @@ class WorkerConfig:
         for name in ("reservation_timeout", "held_lease", "request_timeout", "register_timeout", "stream_write_timeout"):
             check(getattr(self, name) > 0, name, "must be > 0", getattr(self, name))
         check(self.drain_timeout >= 0, "drain_timeout", "must be >= 0", self.drain_timeout)
+        if self.speculative_config is not None:
+            SpeculativeConfig.parse(self.speculative_config)  # raises ValueError naming speculative_config.<key>
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """--speculative-config, parsed and checked (None: off)."""
+        return SpeculativeConfig.parse(self.speculative_config) if self.speculative_config is not None else None
 
     @property
     def cpus(self) -> set[int] | None:
@@ -117,4 +129,6 @@ class WorkerConfig:
             scheduler=SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len),
             attention_backend=self.attention_backend, seed=self.seed, max_n=self.max_n,
             max_logprobs=self.max_logprobs,
+            # Only decoding speculates: a prefill worker would load a draft model for nothing.
+            speculative=self.speculative if self.role != "prefill" else None,
         )
