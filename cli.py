@@ -22,6 +22,10 @@ import argparse
 import json
 import os
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pdserve.launch.cluster import ClusterSpec
 
 API_KEY_ENV = "PDSERVE_API_KEY"  # `generate`: the key, kept off the command line
 
@@ -53,18 +57,28 @@ def _worker(args: argparse.Namespace) -> int:
     return run(from_namespace(WorkerConfig, args, role=args.command))
 
 
-def _up(args: argparse.Namespace) -> int:
-    from pdserve.launch.cluster import ClusterSpec, LaunchConfig, up
-    from pdserve.launch.ray_config import RayConfig
+def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
+    """What `pdserve up ARGS` launches: the router, the worker template (every worker's
+    settings but those decided per worker, launch/cluster.py render_worker) and the
+    launch's own. Raises ValueError naming a bad field."""
+    from pdserve.launch.cluster import ClusterSpec, LaunchConfig
     from pdserve.services.common.flags import from_namespace
     from pdserve.services.router.config import RouterConfig
     from pdserve.services.worker.config import WorkerConfig
 
-    spec = ClusterSpec(
+    return ClusterSpec(
         router=from_namespace(RouterConfig, args),
         worker=from_namespace(WorkerConfig, args, role="decode"),
         launch=from_namespace(LaunchConfig, args),
     )
+
+
+def _up(args: argparse.Namespace) -> int:
+    from pdserve.launch.cluster import up
+    from pdserve.launch.ray_config import RayConfig
+    from pdserve.services.common.flags import from_namespace
+
+    spec = cluster_spec(args)
     ray_config = from_namespace(RayConfig, args)
     if spec.launch.launcher == "ray":
         from pdserve.launch.ray import RayCluster

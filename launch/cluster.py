@@ -137,6 +137,14 @@ def kv_connector(template: WorkerConfig, role: str) -> str:
     return DEFAULT_KV_CONNECTOR if role in ("prefill", "decode") else ""
 
 
+def speculative_config(template: WorkerConfig, role: str) -> str | None:
+    """The template's --speculative-config for the roles that decode; none for prefill
+    workers, which never decode (and with a draft model would load it for nothing).
+    The draft's KV is computed on the decode worker, never shipped: no pair needs the
+    same setting (kvtransfer/plan.py)."""
+    return template.speculative_config if role != "prefill" else None
+
+
 def render_router(spec: ClusterSpec, address_file: Path, credentials: LaunchCredentials) -> RouterConfig:
     """The router's settings, for every launcher."""
     return replace(spec.router, address_file=str(address_file), credentials=credentials.for_router())
@@ -151,6 +159,7 @@ def render_worker(
     cpus = spec.launch.cpu_lists
     return replace(spec.worker, role=role, port=0, metrics_port=0, router=router, worker_id=worker_id,
                    kv_connector=kv_connector(spec.worker, role), credentials=credentials.for_role(role),
+                   speculative_config=speculative_config(spec.worker, role),
                    cpu_affinity=cpus[index % len(cpus)] if cpus else spec.worker.cpu_affinity)
 
 

@@ -9,7 +9,8 @@ Each child's command line names its role (`python -m pdserve decode --router
 ... --worker-id decode-0 ...`) and carries every setting as an explicit flag. Unless
 the worker template names a KV connector (`--kv-connector`; '' for none), prefill and
 decode workers get the ZeroMQ tcp one (KV pages travel from prefill to decode
-workers) and mixed workers none (they prefill what they decode themselves). The
+workers) and mixed workers none (they prefill what they decode themselves); decode
+and mixed workers get the template's --speculative-config, prefill workers none. The
 router binds the port asked for (0: any) and writes its address to a file the
 launcher waits for; workers bind any free port and register with the router.
 Children watch their parent ($PDSERVE_LAUNCHER_PID) and shut down when the
@@ -32,11 +33,16 @@ from pdserve.services.common.flags import to_argv
 from pdserve.services.worker.config import WorkerConfig
 
 
+def worker_argv(config: WorkerConfig) -> list[str]:
+    """A worker child's command line after `python -m pdserve`: its role and every flag."""
+    return [config.role, *to_argv(config, skip=("role",))]
+
+
 class LocalCluster(Cluster):
     name = "local"
 
     def _start_worker(self, worker_id: str, config: WorkerConfig) -> None:
-        self._spawn(worker_id, [config.role, *to_argv(config, skip=("role",))])
+        self._spawn(worker_id, worker_argv(config))
 
     def _stop_worker(self, worker_id: str, grace: float) -> None:
         proc = self.processes.pop(worker_id, None)  # stopped on purpose: no "exited" report, no restart

@@ -87,6 +87,12 @@ def worker_config(argv: list[str]) -> WorkerConfig:
     return parse_argv(WorkerConfig, argv[1:], prog=f"pdserve {role}", role=role)
 
 
+def actor_argv(config: WorkerConfig) -> list[str]:
+    """What an actor is handed for `config`: `pdserve ROLE` and its flags (credentials
+    travel apart, as file contents); `worker_config` parses it back."""
+    return [config.role, *to_argv(config, skip=CREDENTIAL_FIELDS)]
+
+
 class WorkerActor:
     """One pdserve worker in a Ray actor: `pdserve ROLE ARGV` in this process."""
 
@@ -224,7 +230,7 @@ class RayCluster(Cluster):
             accelerator_type=self.ray_config.accelerator_type(config.role),
             max_restarts=self.ray_config.ray_max_restarts,
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0),
-        ).remote([config.role, *to_argv(config, skip=CREDENTIAL_FIELDS)], pack(config.credentials))
+        ).remote(actor_argv(config), pack(config.credentials))
         self.groups[worker_id], self.actors[worker_id] = group, actor
         self._ready[worker_id] = actor.address.remote()
 

@@ -250,6 +250,44 @@ def test_the_router_of_a_ray_launch_gets_the_http_api_flags():
         assert argv[argv.index("--chat-template") + 1].endswith("chat_template.jinja")
 
 
+WORKER_ARGV = """
+import json, sys
+from pdserve import cli
+from pdserve.launch.cluster import render_worker
+from pdserve.launch.ray import RayCluster, actor_argv, worker_config
+from pdserve.launch.ray_config import RayConfig
+from pdserve.services.common.flags import from_namespace
+
+args = cli.build_parser().parse_args(["up", *sys.argv[1:]])
+cluster = RayCluster(cli.cluster_spec(args), from_namespace(RayConfig, args))  # not connected: no Ray started
+got = {}
+for index, role in enumerate(("prefill", "mixed", "decode")):
+    config = render_worker(cluster.spec, role, f"{role}-0", "127.0.0.1:1", cluster.credentials, index)
+    argv = actor_argv(config)
+    got[role] = {"argv": argv, "parsed": worker_config(argv).speculative_config}
+print(json.dumps(got))
+"""
+
+
+def test_ray_actors_of_decoding_roles_get_the_speculative_config():
+    """`pdserve up --launcher ray --speculative-config JSON`: the command line each decode
+    and mixed actor is handed carries it, and the actor's own parser reads it back;
+    prefill actors get none. In a child process, as the router's test above."""
+    import json
+
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
+    proc = subprocess.run([sys.executable, "-c", WORKER_ARGV, "--launcher", "ray", "--mixed", "1",
+                           "--speculative-config", spec], cwd=REPO, env=child_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    for role in ("mixed", "decode"):
+        argv = got[role]["argv"]
+        assert argv[0] == role and argv[argv.index("--speculative-config") + 1] == spec
+        assert got[role]["parsed"] == spec
+    assert "--speculative-config" not in got["prefill"]["argv"] and got["prefill"]["parsed"] is None
+
+
 # -- on the cluster -----------------------------------------------------------------------------------------
 
 

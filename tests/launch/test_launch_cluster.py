@@ -1,0 +1,46 @@
+"""What `pdserve up` hands each worker (launch/cluster.py render_worker) and the local
+launcher's command lines (launch/local.py), without starting a process."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pdserve import cli
+from pdserve.launch.cluster import render_worker
+from pdserve.launch.credentials import generate
+from pdserve.launch.local import worker_argv
+from pdserve.services.common.flags import from_namespace
+from pdserve.services.worker.config import WorkerConfig
+
+SPEC = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
+
+
+def up_spec(*argv: str):
+    return cli.cluster_spec(cli.build_parser().parse_args(["up", *argv]))
+
+
+def test_up_gives_the_speculative_config_to_decode_and_mixed_workers_only(tmp_path):
+    """`pdserve up --speculative-config JSON`: each decode and mixed worker's command line
+    carries it, and parses back to it; prefill workers, which never decode, get none."""
+    spec = up_spec("--speculative-config", SPEC, "--mixed", "1")
+    credentials = generate(tmp_path / "secrets", spec.router.credentials)
+    for index, role in enumerate(("prefill", "mixed", "decode")):
+        argv = worker_argv(render_worker(spec, role, f"{role}-0", "127.0.0.1:1", credentials, index))
+        child = cli.build_parser().parse_args(argv)  # what `python -m pdserve ROLE ...` parses
+        config = from_namespace(WorkerConfig, child, role=child.command)
+        assert config.speculative_config == (None if role == "prefill" else SPEC), role
+        assert ("--speculative-config" in argv) == (role != "prefill"), role
+
+
+def test_up_without_the_flag_speculates_nowhere(tmp_path):
+    spec = up_spec()
+    credentials = generate(tmp_path / "secrets", spec.router.credentials)
+    argv = worker_argv(render_worker(spec, "decode", "decode-0", "127.0.0.1:1", credentials, 0))
+    assert "--speculative-config" not in argv
+
+
+def test_up_refuses_a_bad_speculative_config_naming_the_key():
+    with pytest.raises(ValueError, match=r"^speculative_config\.num_speculative_tokens: "):
+        up_spec("--speculative-config", '{"method": "ngram", "num_speculative_tokens": -1}')
