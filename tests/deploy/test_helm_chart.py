@@ -41,6 +41,7 @@ from chart_helpers import (
 )
 from pdserve import cli
 from pdserve.engine.llm import DEFAULT_MODEL
+from pdserve.engine.spec.config import SpeculativeConfig
 from pdserve.services.common.credentials import ClusterAuth
 from pdserve.services.common.flags import ENV_PREFIX, _cli_fields, from_namespace
 from pdserve.services.router.config import RouterConfig
@@ -57,6 +58,9 @@ COMPONENTS = ("router", *POOLS)
 CONFIGS = {"router": RouterConfig, "prefill": WorkerConfig, "decode": WorkerConfig}
 # What a pod's downward-API variables hold when the test expands $(VAR) in its args.
 FIELD_REFS = {"metadata.name": "{pod}", "status.podIP": "10.1.2.3"}
+# A speculative config for the decode pool (decode.config.speculativeConfig).
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+SPEC_JSON = json.dumps(SPEC)
 
 
 @pytest.fixture(scope="module")
@@ -127,6 +131,7 @@ def every_option_values() -> dict:
     values["router"]["config"] = {"saltCacheByKey": True, "prefillPolicy": "round_robin", "httpMaxBodyBytes": 1 << 20}
     values["router"]["chatTemplate"] = CHAT_TEMPLATE
     values["prefill"]["config"] = {"cpuAffinity": "0-7"}
+    values["decode"]["config"] = {"speculativeConfig": SPEC}
     values["prefill"]["autoscaling"] = {"enabled": True, "minReplicas": 2, "maxReplicas": 6,
                                         "behavior": {"scaleDown": {"stabilizationWindowSeconds": 300}}}
     values["router"]["podDisruptionBudget"] = {"minAvailable": 1}
@@ -171,6 +176,13 @@ BAD_VALUES = {
     "bad CPU list": ({"decode": {"config": {"cpuAffinity": "0-3,x"}}}, "/decode/config/cpuAffinity"),
     "zero drain time": ({"decode": {"drainTimeoutSeconds": 0}}, "/decode/drainTimeoutSeconds"),
     "negative max logprobs": ({"engine": {"maxLogprobs": -1}}, "/engine/maxLogprobs"),
+    "unknown speculative method": ({"decode": {"config": {"speculativeConfig": {"method": "eagle",
+                                                                                "num_speculative_tokens": 3}}}},
+                                   "/decode/config/speculativeConfig/method"),
+    "speculative config without K": ({"decode": {"config": {"speculativeConfig": {"method": "ngram"}}}},
+                                     "'num_speculative_tokens'"),
+    "unknown speculative key": ({"decode": {"config": {"speculativeConfig": {"method": "ngram", "k": 3,
+                                                                             "num_speculative_tokens": 3}}}}, "'k'"),
 }
 
 
@@ -270,8 +282,14 @@ def test_chart_renders_every_cli_flag_and_no_other(component: str) -> None:
     assert not missing, f"flags of `pdserve {component}` the chart does not render yet: {sorted(missing)}"
 
 
+# Flags whose value is a JSON object (a str field): values may give an object, which the
+# chart's flags helper renders with toJson.
+JSON_FLAGS = {"speculative_config"}
+
+
 def test_schema_types_match_the_config_fields() -> None:
-    """A values key's JSON type is its dataclass field's type (int -> integer, ...)."""
+    """A values key's JSON type is its dataclass field's type (int -> integer, ...;
+    a JSON flag's string may also be an object)."""
     kinds = {int: "integer", float: "number", str: "string", bool: "boolean"}
     blocks = [(("engine",), WorkerConfig), (("router", "config"), RouterConfig), (("prefill", "config"), WorkerConfig),
               (("decode", "config"), WorkerConfig)]
@@ -283,6 +301,8 @@ def test_schema_types_match_the_config_fields() -> None:
             want = {kinds[a] for a in args if a is not type(None)} if args else {kinds[hint]}
             if type(None) in args:
                 want.add("null")
+            if snake(key) in JSON_FLAGS:
+                want.add("object")
             got = set(prop["type"]) if isinstance(prop["type"], list) else {prop["type"]}
             assert got == want, f"{'.'.join(block)}.{key}: schema says {sorted(got)}, {cls.__name__}.{snake(key)} is {hint}"
 
@@ -416,7 +436,7 @@ def test_every_values_key_reaches_the_cli(monkeypatch, capsys) -> None:
     samples = {"integer": 8589934592, "number": 2.5, "boolean": False}
     strings = {"dtype": "bfloat16", "attentionBackend": "triton", "logLevel": "DEBUG", "device": "cuda:1",
                "kvConnector": "zmq_ipc", "cpuAffinity": "0,2-3",
-               "prefillPolicy": "round_robin"}
+               "prefillPolicy": "round_robin", "speculativeConfig": SPEC_JSON}
     blocks = {"engine": ("engine",), "router": ("router", "config"), "prefill": ("prefill", "config"),
               "decode": ("decode", "config")}
     settings: dict[str, dict] = {}
@@ -463,6 +483,20 @@ def worker_configs(objects: list[dict], root: Path, monkeypatch, capsys, release
         ns = parse(mount_secrets(objects, pool, argv, root, release), env, monkeypatch, capsys)
         configs[pool] = from_namespace(WorkerConfig, ns, model=DEFAULT_MODEL, role=pool)
     return configs
+
+
+@pytest.mark.parametrize("given", [SPEC, SPEC_JSON], ids=["object", "json-string"])
+def test_decode_pods_speculate_with_the_speculative_config_value(given, tmp_path, monkeypatch, capsys) -> None:
+    """decode.config.speculativeConfig, an object or a JSON string, reaches the decode
+    pods as --speculative-config JSON, which their engine config parses; prefill pods,
+    which never decode, get none."""
+    objects = render({"decode": {"config": {"speculativeConfig": given}}})
+    argv, _ = pod_argv(objects, "decode")
+    assert json.loads(argv[argv.index("--speculative-config") + 1]) == SPEC
+    configs = worker_configs(objects, tmp_path, monkeypatch, capsys)
+    assert configs["decode"].engine_config().speculative == SpeculativeConfig.parse(SPEC)
+    assert configs["prefill"].speculative_config is None
+    assert "--speculative-config" not in pod_argv(objects, "prefill")[0]
 
 
 def test_curve_key_from_the_generated_secret_makes_one_cluster_key_pair(default, tmp_path, monkeypatch, capsys) -> None:
