@@ -364,6 +364,8 @@ class PrefillConnector:
             raise ValueError(f"request_id: {request_id!r} is already being exported")
         if plan.transport != self.sender.transport:
             raise ValueError(f"transfer_plan.transport: {plan.transport!r}, this sender speaks {self.sender.transport!r}")
+        # The target's page layout is all the pages depend on; the speculative config
+        # is not part of it (plan.py: the draft's KV is computed on the decode worker).
         if plan.layout != self.layout:
             raise ValueError(f"transfer_plan.layout: receiver holds {plan.layout}, this engine {self.layout}")
         if plan.num_tokens != len(prompt):

@@ -10,6 +10,15 @@ and the prefill worker follows it. Everything either side must agree on is here:
 where the pages go, which blocks the decode worker already has, the page layout,
 whether the prefill worker's first token is used (engine.sampling_params
 `continues_from_first_token`), and the reservation's one-time secret.
+
+What is not here, on purpose: speculative decoding (--speculative-config). Only
+decode workers speculate, and the pages a prefill worker ships are the target
+model's prompt KV, the same with speculation on or off on either side (drafts and
+rejected tokens never reach a prompt block). A draft model's KV is computed on the
+decode worker from the prompt's tokens (engine/spec/draft_model.py), never shipped,
+and n-gram drafting needs no KV. So a prefill and a decode worker with different
+speculative configs (a prefill worker ignores its own) make the same KV, and the
+pair is not checked for it; a shipped draft KV would have to join the layout here.
 """
 
 from __future__ import annotations
