@@ -35,6 +35,7 @@ class WorkerStats(EngineStats):
 
 def stats_response(worker_id: str, role: str, block_size: int, stats: WorkerStats,
                    kv: KVTransferStats = KVTransferStats()) -> pb.StatsResponse:
+    spec = stats.spec_decode
     return pb.StatsResponse(
         worker_id=worker_id, role=ROLES[role], block_size=block_size,
         num_blocks=stats.num_blocks, num_free_blocks=stats.num_free_blocks, num_cached_blocks=stats.num_cached_blocks,
@@ -44,6 +45,10 @@ def stats_response(worker_id: str, role: str, block_size: int, stats: WorkerStat
         num_preemptions=stats.num_preemptions, cached_block_hashes=stats.cached_block_hashes,
         kv_transfer_bytes=kv.kv_transfer_bytes, kv_transfers=kv.kv_transfers,
         kv_transfer_failures=kv.kv_transfer_failures,
+        spec_decode_num_drafts=spec.num_drafts, spec_decode_num_draft_tokens=spec.num_draft_tokens,
+        spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
+        spec_decode_num_accepted_tokens_per_pos=spec.num_accepted_tokens_per_pos,
+        spec_decode_num_unspeculated_requests=spec.num_unspeculated_requests,
     )
 
 

@@ -82,6 +82,8 @@ class DecodeStream:
     def _finish(self, message: pb.DecodeResponse, output: RequestOutput) -> None:
         message.finished = True
         message.num_cached_tokens = output.num_cached_tokens
+        message.num_draft_tokens = output.num_draft_tokens
+        message.num_accepted_tokens = output.num_accepted_tokens
         for completion in output.outputs:
             tail = completion.token_ids[self.sent.get(completion.index, 0):]
             message.results.add(

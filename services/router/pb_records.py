@@ -81,7 +81,8 @@ def response_of(output: SequenceOutput, request_id: str) -> pb.GenerateResponse:
     if output.usage is not None:
         u = output.usage
         message.usage.CopyFrom(pb.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
-                                        cached_tokens=u.cached_tokens))
+                                        cached_tokens=u.cached_tokens, num_draft_tokens=u.num_draft_tokens,
+                                        num_accepted_tokens=u.num_accepted_tokens))
     if output.timing is not None:
         t = output.timing
         message.timing.CopyFrom(pb.Timing(ttft_seconds=t.ttft_seconds, tpot_seconds=t.tpot_seconds,

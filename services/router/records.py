@@ -81,6 +81,10 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int  # of this sequence
     cached_tokens: int  # prompt tokens served from a prefix cache
+    # Speculative decoding over the whole request (every sequence), as counted by the
+    # decode worker that finished it: draft tokens verified, and those accepted.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -87,7 +87,7 @@ class ResponseBuilder:
                 token_ids = tuple(result.token_ids)
                 self._add(seq, token_ids, now)
                 _grow(out, result.index, token_ids)
-                out[result.index] = self._finish(out[result.index], seq, result, now)
+                out[result.index] = self._finish(out[result.index], seq, result, decode, now)
             if decode.prompt_logprobs and 0 in out:
                 out[0] = replace(out[0], prompt_logprobs=tuple(logprob_of(e) for e in decode.prompt_logprobs))
             self.metrics.request_finished(now - self.arrival)
@@ -111,7 +111,10 @@ class ResponseBuilder:
             seq = self._seqs[index] = _Sequence(text)
         return seq
 
-    def _finish(self, output: SequenceOutput, seq: _Sequence, result: pb.SequenceResult, now: float) -> SequenceOutput:
+    def _finish(self, output: SequenceOutput, seq: _Sequence, result: pb.SequenceResult, last: pb.DecodeResponse,
+                now: float) -> SequenceOutput:
+        """Sequence `result`'s last output; `last` is the worker's final message (its
+        request-wide counts go into every sequence's usage)."""
         reason = result.finish_reason or "abort"
         first = self.first_token_at or seq.first_at or now
         tpot = (seq.last_at - seq.first_at) / (seq.num_tokens - 1) if seq.num_tokens > 1 else 0.0
@@ -120,7 +123,8 @@ class ResponseBuilder:
             output, text=output.text + seq.final_text(), finish_reason=reason,
             cumulative_logprob=result.cumulative_logprob,
             usage=Usage(prompt_tokens=len(self.job.prompt), completion_tokens=seq.num_tokens,
-                        cached_tokens=self.cached_tokens),
+                        cached_tokens=self.cached_tokens, num_draft_tokens=last.num_draft_tokens,
+                        num_accepted_tokens=last.num_accepted_tokens),
             timing=Timing(ttft_seconds=first - self.arrival, tpot_seconds=tpot, e2e_seconds=now - self.arrival),
         )
 

@@ -111,14 +111,18 @@ class PromptTokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "num_draft_tokens", "num_accepted_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class Timing(_message.Message):
     __slots__ = ("ttft_seconds", "tpot_seconds", "e2e_seconds")
@@ -261,18 +265,22 @@ class SequenceResult(_message.Message):
     def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., cumulative_logprob: _Optional[float] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("deltas", "finished", "results", "num_cached_tokens", "prompt_logprobs")
+    __slots__ = ("deltas", "finished", "results", "num_cached_tokens", "prompt_logprobs", "num_draft_tokens", "num_accepted_tokens")
     DELTAS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     deltas: _containers.RepeatedCompositeFieldContainer[SequenceDelta]
     finished: bool
     results: _containers.RepeatedCompositeFieldContainer[SequenceResult]
     num_cached_tokens: int
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptTokenLogprob]
-    def __init__(self, deltas: _Optional[_Iterable[_Union[SequenceDelta, _Mapping]]] = ..., finished: _Optional[bool] = ..., results: _Optional[_Iterable[_Union[SequenceResult, _Mapping]]] = ..., num_cached_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptTokenLogprob, _Mapping]]] = ...) -> None: ...
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    def __init__(self, deltas: _Optional[_Iterable[_Union[SequenceDelta, _Mapping]]] = ..., finished: _Optional[bool] = ..., results: _Optional[_Iterable[_Union[SequenceResult, _Mapping]]] = ..., num_cached_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptTokenLogprob, _Mapping]]] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id", "only_reserved")
@@ -307,7 +315,7 @@ class StatsRequest(_message.Message):
     def __init__(self, include_block_hashes: _Optional[bool] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("worker_id", "role", "block_size", "num_blocks", "num_free_blocks", "num_cached_blocks", "prefix_cache_queries", "prefix_cache_hits", "num_running", "num_waiting", "num_held", "num_reserved", "num_preemptions", "cached_block_hashes", "kv_transfer_bytes", "kv_transfers", "kv_transfer_failures")
+    __slots__ = ("worker_id", "role", "block_size", "num_blocks", "num_free_blocks", "num_cached_blocks", "prefix_cache_queries", "prefix_cache_hits", "num_running", "num_waiting", "num_held", "num_reserved", "num_preemptions", "cached_block_hashes", "kv_transfer_bytes", "kv_transfers", "kv_transfer_failures", "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos", "spec_decode_num_unspeculated_requests")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -325,6 +333,11 @@ class StatsResponse(_message.Message):
     KV_TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_NUM_UNSPECULATED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: Role
     block_size: int
@@ -342,7 +355,12 @@ class StatsResponse(_message.Message):
     kv_transfer_bytes: int
     kv_transfers: int
     kv_transfer_failures: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_held: _Optional[int] = ..., num_reserved: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., cached_block_hashes: _Optional[_Iterable[bytes]] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfers: _Optional[int] = ..., kv_transfer_failures: _Optional[int] = ...) -> None: ...
+    spec_decode_num_drafts: int
+    spec_decode_num_draft_tokens: int
+    spec_decode_num_accepted_tokens: int
+    spec_decode_num_accepted_tokens_per_pos: _containers.RepeatedScalarFieldContainer[int]
+    spec_decode_num_unspeculated_requests: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_held: _Optional[int] = ..., num_reserved: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., cached_block_hashes: _Optional[_Iterable[bytes]] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfers: _Optional[int] = ..., kv_transfer_failures: _Optional[int] = ..., spec_decode_num_drafts: _Optional[int] = ..., spec_decode_num_draft_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ..., spec_decode_num_unspeculated_requests: _Optional[int] = ...) -> None: ...
 
 class KvEventsRequest(_message.Message):
     __slots__ = ("since_seq", "epoch")

@@ -166,6 +166,21 @@ def test_the_last_message_carries_usage_and_timing(validator, tokenizer):
     assert 0 < last.timing.ttft_seconds <= last.timing.e2e_seconds and last.cumulative_logprob == -1.5
 
 
+def test_every_sequence_carries_the_requests_speculative_counts(validator, tokenizer):
+    """The decode worker's final message counts the request's drafts (all sequences):
+    each sequence's usage carries them to the client; zeros without speculation."""
+    builder = ResponseBuilder(job_for(validator, [5] * 4, n=2, temperature=1.0), tokenizer, arrival=0.0)
+    final = pb.DecodeResponse(finished=True, num_draft_tokens=9, num_accepted_tokens=4)
+    final.results.add(index=0, token_ids=[300], finish_reason="length")
+    final.results.add(index=1, token_ids=[301], finish_reason="length")
+    outputs = builder.messages(final)
+    assert [(o.usage.num_draft_tokens, o.usage.num_accepted_tokens) for o in outputs] == [(9, 4), (9, 4)]
+    usage = response_of(outputs[1], "r").usage
+    assert (usage.num_draft_tokens, usage.num_accepted_tokens) == (9, 4)
+    plain = stream(ResponseBuilder(job_for(validator, [5] * 4), tokenizer, arrival=0.0), [300])[-1]
+    assert (plain.usage.num_draft_tokens, plain.usage.num_accepted_tokens) == (0, 0)
+
+
 def test_beams_arrive_whole_in_the_results(validator, tokenizer):
     builder = ResponseBuilder(job_for(validator, [5] * 4, beam_width=2, n=2), tokenizer, arrival=0.0)
     final = pb.DecodeResponse(finished=True)
