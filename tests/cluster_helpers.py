@@ -9,11 +9,13 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
 import grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
@@ -166,3 +168,18 @@ class Stream:
     def join(self, timeout: float) -> None:
         self._thread.join(timeout)
         assert not self._thread.is_alive(), "a stream hung"
+
+
+def metric(url: str, name: str, **labels: str) -> dict[tuple[tuple[str, str], ...], float]:
+    """The samples of `name` at a /metrics `url` whose labels include `labels`, keyed
+    by their other labels (model_name, role and worker left out)."""
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        text = reply.read().decode()
+    fixed = {"model_name", "role", "worker"}
+    out: dict[tuple[tuple[str, str], ...], float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                key = tuple(sorted((k, v) for k, v in sample.labels.items() if k not in fixed and k not in labels))
+                out[key] = out.get(key, 0.0) + sample.value
+    return out

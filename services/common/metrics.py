@@ -22,7 +22,8 @@ What is recorded where (one call per event, at the place it happens):
              KV sender poll                  kv_sent(seconds): final frame -> receiver's ack
              scrape time                     engine.stats() as of the loop's last iteration
                                              (running, waiting, KV usage, prefix cache,
-                                             preemptions) and the KV connector's counters
+                                             preemptions, speculative decoding) and the
+                                             KV connector's counters
 
 Counters that the engine and the connector keep anyway are read when Prometheus
 scrapes, so the hot path pays nothing for them. `--no-metrics` replaces the
@@ -49,6 +50,7 @@ from pdserve.engine.outputs import RequestTimes
 from pdserve.services.common.convert import ROLES
 
 if TYPE_CHECKING:
+    from pdserve.engine.spec.speculator import SpecStats
     from pdserve.kvtransfer.stats import KVTransferStats
     from pdserve.services.common.stats import WorkerStats
 
@@ -120,6 +122,16 @@ METRICS: Mapping[str, Spec] = types.MappingProxyType({
     "prefix_cache_queries": Spec("counter_family", "Prompt tokens looked up in the prefix cache"),
     "prefix_cache_hits": Spec("counter_family", "Prompt tokens found in the prefix cache"),
     "num_preemptions": Spec("counter_family", "Sequences preempted (blocks freed, recomputed later)"),
+    # -- speculative decoding (decode and mixed workers with --speculative-config; vLLM's names) --
+    "spec_decode_num_drafts": Spec("counter_family", "Verifications that scored at least one draft token"),
+    "spec_decode_num_draft_tokens": Spec("counter_family", "Draft tokens scored by the target model"),
+    "spec_decode_num_accepted_tokens": Spec(
+        "counter_family", "Draft tokens accepted and emitted (a run cut at a stop counts what was emitted)"),
+    "spec_decode_num_accepted_tokens_per_pos": Spec(
+        "counter_family", "Verifications whose draft at this position (0 .. num_speculative_tokens - 1) was accepted "
+                          "and emitted; non-increasing in position, summing to the accepted tokens", ("position",)),
+    "spec_decode_num_unspeculated_requests": Spec(
+        "counter_family", "Requests decoded without speculation on a speculating worker (beam search)"),
     # -- KV transfer ---------------------------------------------------------------------
     "kv_transfer_seconds": Spec(
         "histogram", "Prefill: final frame sent to the receiver's ack (what the transfer adds after the "
@@ -159,6 +171,13 @@ ENGINE_COUNTERS = {
     "prefix_cache_queries": "prefix_cache_queries", "prefix_cache_hits": "prefix_cache_hits",
     "num_preemptions": "num_preemptions", "kv_transfer_bytes": "kv_transfer_bytes",
     "kv_transfers": "kv_transfers", "kv_transfer_failures": "kv_transfer_failures",
+}
+# SpecStats field (WorkerStats.spec_decode) -> metric, read at scrape time; the per-position
+# counts (num_accepted_tokens_per_pos) are one series per position.
+SPEC_COUNTERS = {
+    "num_drafts": "spec_decode_num_drafts", "num_draft_tokens": "spec_decode_num_draft_tokens",
+    "num_accepted_tokens": "spec_decode_num_accepted_tokens",
+    "num_unspeculated_requests": "spec_decode_num_unspeculated_requests",
 }
 _FAMILY = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}
 
@@ -360,14 +379,26 @@ class WorkerMetrics(_Recorder):
         connector's counters at scrape time."""
 
         def collect() -> Iterator[Metric]:
-            values = {**vars(snapshot()), **vars(kv_stats())}
+            stats = snapshot()
+            values = {**vars(stats), **vars(kv_stats())}
             for table in (ENGINE_GAUGES, ENGINE_COUNTERS):
                 for field, name in table.items():
                     family = self.family(name)
                     family.add_metric(list(self.base), float(values[field]))
                     yield family
+            yield from self._spec_families(stats.spec_decode)
 
         self.collect_with(collect)
+
+    def _spec_families(self, spec: SpecStats) -> Iterator[Metric]:
+        for field, name in SPEC_COUNTERS.items():
+            family = self.family(name)
+            family.add_metric(list(self.base), float(getattr(spec, field)))
+            yield family
+        per_pos = self.family("spec_decode_num_accepted_tokens_per_pos")
+        for position, count in enumerate(spec.num_accepted_tokens_per_pos):
+            per_pos.add_metric([*self.base, str(position)], float(count))
+        yield per_pos
 
     def step(self, seconds: float, batch: tuple[int, int]) -> None:
         self._step.observe(seconds)

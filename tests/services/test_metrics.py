@@ -23,6 +23,7 @@ from pdserve.engine.engine import EngineConfig, LLMEngine
 from pdserve.engine.llm import DEFAULT_MODEL
 from pdserve.engine.outputs import RequestTimes
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.spec.speculator import SpecStats
 from pdserve.engine.stats import EngineStats
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.kvtransfer.stats import KVTransferStats
@@ -33,12 +34,13 @@ from pdserve.services.common.metrics import (
     LATENCY_BUCKETS,
     METRICS,
     PREFIX,
+    SPEC_COUNTERS,
     Disabled,
     RouterMetrics,
     WorkerMetrics,
     full_name,
 )
-from pdserve.services.common.stats import WorkerStats
+from pdserve.services.common.stats import WorkerStats, stats_response
 from pdserve.services.router.client import options_from_kwargs
 from pdserve.services.router.config import RouterConfig
 from pdserve.services.router.pb_records import request_of
@@ -154,10 +156,13 @@ def test_worker_phases_by_path():
     assert sample(prefill, "kv_transfer_seconds", "_count") == 2
 
 
+# Every EngineStats count at 0 (spec_decode: its default, a worker that does not speculate).
+ZERO = dict.fromkeys((f.name for f in fields(EngineStats) if f.name != "spec_decode"), 0)
+
+
 def test_worker_reads_engine_and_connector_counters_at_scrape_time():
     metrics = WorkerMetrics("m", "decode", "decode-0")
-    zero = dict.fromkeys((f.name for f in fields(EngineStats)), 0)
-    stats = [WorkerStats(**{**zero, "num_requests_running": 3, "kv_cache_usage": 0.25, "prefix_cache_queries": 10})]
+    stats = [WorkerStats(**{**ZERO, "num_requests_running": 3, "kv_cache_usage": 0.25, "prefix_cache_queries": 10})]
     metrics.watch(lambda: stats[0], lambda: KVTransferStats(kv_transfer_bytes=4096))
     assert sample(metrics, "num_requests_running") == 3
     stats[0] = replace(stats[0], num_requests_running=1)  # read again on the next scrape
@@ -170,6 +175,35 @@ def test_worker_reads_engine_and_connector_counters_at_scrape_time():
 def test_every_stat_read_at_scrape_time_is_a_field_of_the_typed_stats():
     names = {f.name for f in fields(WorkerStats)} | {f.name for f in fields(KVTransferStats)}
     assert set(ENGINE_GAUGES) | set(ENGINE_COUNTERS) <= names
+    assert set(SPEC_COUNTERS) | {"num_accepted_tokens_per_pos"} == {f.name for f in fields(SpecStats)}
+
+
+SPEC_STATS = SpecStats(num_drafts=7, num_draft_tokens=18, num_accepted_tokens=9, num_accepted_tokens_per_pos=(5, 3, 1),
+                       num_unspeculated_requests=2)
+
+
+def test_worker_reads_speculative_decoding_counters_at_scrape_time():
+    """vLLM's spec_decode_* counters with our prefix, one series per draft position."""
+    metrics = WorkerMetrics("m", "decode", "decode-0")
+    stats = [WorkerStats(**ZERO)]
+    metrics.watch(lambda: stats[0], KVTransferStats)
+    assert sample(metrics, "spec_decode_num_drafts", "_total") == 0  # a worker that does not speculate: zeros,
+    assert metrics.registry.get_sample_value(  # and no position
+        full_name("spec_decode_num_accepted_tokens_per_pos_total"), {**metrics_base(metrics), "position": "0"}) is None
+    stats[0] = replace(stats[0], spec_decode=SPEC_STATS)
+    assert sample(metrics, "spec_decode_num_drafts", "_total") == 7
+    assert sample(metrics, "spec_decode_num_draft_tokens", "_total") == 18
+    assert sample(metrics, "spec_decode_num_accepted_tokens", "_total") == 9
+    assert sample(metrics, "spec_decode_num_unspeculated_requests", "_total") == 2
+    per_pos = [sample(metrics, "spec_decode_num_accepted_tokens_per_pos", "_total", position=str(i)) for i in range(4)]
+    assert per_pos == [5, 3, 1, 0]
+
+
+def test_the_stats_rpc_carries_the_speculative_decoding_counters():
+    message = stats_response("decode-0", "decode", 16, WorkerStats(**ZERO, spec_decode=SPEC_STATS))
+    assert (message.spec_decode_num_drafts, message.spec_decode_num_draft_tokens, message.spec_decode_num_accepted_tokens,
+            message.spec_decode_num_unspeculated_requests) == (7, 18, 9, 2)
+    assert list(message.spec_decode_num_accepted_tokens_per_pos) == [5, 3, 1]
 
 
 def test_engine_times_each_phase():

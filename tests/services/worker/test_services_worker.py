@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
+
 import grpc
 import pytest
 import torch
 
-from cluster_helpers import wait_for
+from cluster_helpers import metric, wait_for
 from pdserve.engine.hashing import hash_blocks
+from pdserve.engine.llm import DEFAULT_MODEL
+from pdserve.engine.tokenizer import Tokenizer
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from pdserve.services.worker.config import WorkerConfig
@@ -122,5 +126,47 @@ def test_streams_past_the_call_limit_are_refused_and_control_rpcs_still_answer()
     finally:
         for call in calls:
             call.cancel()
+        channel.close()
+        worker.stop()
+
+
+def test_a_speculating_decode_worker_counts_drafts_in_its_response_stats_and_metrics(stubs):
+    """--speculative-config on a decode worker: the same greedy tokens as the worker
+    without it, the request's draft counts on the final message, and the same counts in
+    Stats and /metrics (accepted <= drafted; per position non-increasing, summing to
+    the accepted)."""
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    worker = Worker(WorkerConfig(role="decode", worker_id="spec-t", num_blocks=32, speculative_config=json.dumps(ngram)))
+    prompt = Tokenizer(DEFAULT_MODEL).encode("".join(f"    x_{k} = compute({k}, 'x')  # step {k}\n" for k in range(6)))
+    options = pb.SamplingOptions(max_tokens=16, temperature=0.0, ignore_eos=True)
+    channel = grpc.insecure_channel(worker.start())
+    try:
+        stub = pb_grpc.WorkerStub(channel)
+        messages = {}
+        for name, target in (("spec", stub), ("plain", stubs["decode"])):
+            request = pb.DecodeRequest(request_id=f"{name}-d", local_prefill=True, token_ids=prompt, sampling=options)
+            messages[name] = list(target.Decode(request, timeout=60))
+        tokens = {name: [t for m in ms for d in m.deltas for t in d.token_ids] for name, ms in messages.items()}
+        assert tokens["spec"] == tokens["plain"] and len(tokens["spec"]) == 16
+        final, plain = messages["spec"][-1], messages["plain"][-1]
+        assert final.finished and 0 <= final.num_accepted_tokens <= final.num_draft_tokens and final.num_draft_tokens > 0
+        assert (plain.num_draft_tokens, plain.num_accepted_tokens) == (0, 0)
+        stats = stub.Stats(pb.StatsRequest(), timeout=5)
+        assert (stats.spec_decode_num_draft_tokens, stats.spec_decode_num_accepted_tokens) == (
+            final.num_draft_tokens, final.num_accepted_tokens)
+        per_pos = list(stats.spec_decode_num_accepted_tokens_per_pos)
+        assert len(per_pos) == 3 and per_pos == sorted(per_pos, reverse=True)
+        assert sum(per_pos) == stats.spec_decode_num_accepted_tokens
+        assert 0 < stats.spec_decode_num_drafts <= stats.spec_decode_num_draft_tokens
+        url = f"http://127.0.0.1:{worker.metrics_port}/metrics"
+        scraped = {name: metric(url, f"pdserve:spec_decode_{name}_total")
+                   for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_unspeculated_requests")}
+        assert scraped == {"num_drafts": {(): stats.spec_decode_num_drafts},
+                           "num_draft_tokens": {(): stats.spec_decode_num_draft_tokens},
+                           "num_accepted_tokens": {(): stats.spec_decode_num_accepted_tokens},
+                           "num_unspeculated_requests": {(): 0.0}}
+        assert metric(url, "pdserve:spec_decode_num_accepted_tokens_per_pos_total") == {
+            (("position", str(i)),): count for i, count in enumerate(per_pos)}
+    finally:
         channel.close()
         worker.stop()

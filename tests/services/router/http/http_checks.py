@@ -1,16 +1,14 @@
 """Helpers for the HTTP API's error, hostile-input and disconnect tests: `pdserve up
 --http-port 0` as a child (its `openai URL` line read), the error shape checked,
-SSE events read, the router's /metrics scraped, a worker's pid found by its id."""
+SSE events read, the router's /metrics URL, a worker's pid found by its id."""
 
 from __future__ import annotations
 
 import json
-import urllib.request
 from collections.abc import Iterable
 from pathlib import Path
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from cluster_helpers import UpProcess
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
@@ -50,21 +48,6 @@ class HttpUp(UpProcess):
         with self.auth.channel(self.internal) as channel:
             port = pb_grpc.RegistryStub(channel).ListWorkers(pb.ListWorkersRequest(), timeout=5).router_metrics_port
         return f"http://{self.internal.rsplit(':', 1)[0]}:{port}/metrics"
-
-
-def metric(url: str, name: str, **labels: str) -> dict[tuple[tuple[str, str], ...], float]:
-    """The samples of `name` at a /metrics `url` whose labels include `labels`, keyed
-    by their other labels (model_name, role and worker left out)."""
-    with urllib.request.urlopen(url, timeout=10) as reply:
-        text = reply.read().decode()
-    fixed = {"model_name", "role", "worker"}
-    out: dict[tuple[tuple[str, str], ...], float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                key = tuple(sorted((k, v) for k, v in sample.labels.items() if k not in fixed and k not in labels))
-                out[key] = out.get(key, 0.0) + sample.value
-    return out
 
 
 def error_of(reply: httpx.Response, status: int, param: object = ANY) -> dict:

@@ -27,8 +27,8 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
-from cluster_helpers import wait_for
-from http_checks import HttpUp, chat_template, events, metric
+from cluster_helpers import metric, wait_for
+from http_checks import HttpUp, chat_template, events
 
 STREAMS_BEFORE, STREAMS_AFTER = 8, 24
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"

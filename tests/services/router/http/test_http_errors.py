@@ -39,8 +39,8 @@ import openai
 import pytest
 
 from certs import CA
-from cluster_helpers import REPO, all_blocks_free, child_env, list_workers, wait_for
-from http_checks import HttpUp, error_of, error_shape, events, metric, stream_text
+from cluster_helpers import REPO, all_blocks_free, child_env, list_workers, metric, wait_for
+from http_checks import HttpUp, error_of, error_shape, events, stream_text
 
 KEY_A, KEY_B = "k-http-a-" + "a" * 24, "k-http-b-" + "b" * 24
 BODY_CAP = 64 << 10
