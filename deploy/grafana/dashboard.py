@@ -66,6 +66,13 @@ def mean(metric: str, selector: str, legend: str) -> Query:
                  legend)
 
 
+def ratio(numerator: str, denominator: str, plus_one: bool = False) -> Query:
+    """rate(numerator) / rate(denominator) per role (1 + that with `plus_one`)."""
+    expr = (f"sum by (role) (rate(pdserve:{numerator}{{{SEL}}}[{RATE}])) / "
+            f"sum by (role) (rate(pdserve:{denominator}{{{SEL}}}[{RATE}]))")
+    return Query(f"1 + {expr}" if plus_one else expr, "{{role}}")
+
+
 def rate_by(metric: str, by: str, legend: str = "", selector: str = "") -> Query:
     sel = f"{SEL},{selector}" if selector else SEL
     return Query(f"sum by ({by}) (rate(pdserve:{metric}{{{sel}}}[{RATE}]))", legend or f"{{{{{by}}}}}")
@@ -124,9 +131,7 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
         PanelSpec("KV cache usage per worker", "Fraction of each worker's KV blocks in use.",
                   "percentunit", (Query(f"max by (worker) (pdserve:kv_cache_usage_perc{{{SEL}}})", "{{worker}}"),)),
         PanelSpec("Prefix cache hit rate", "Prompt tokens found in the prefix cache / tokens looked up, per role.",
-                  "percentunit", (Query(f"sum by (role) (rate(pdserve:prefix_cache_hits_total{{{SEL}}}[{RATE}])) / "
-                                        f"sum by (role) (rate(pdserve:prefix_cache_queries_total{{{SEL}}}[{RATE}]))",
-                                        "{{role}}"),)),
+                  "percentunit", (ratio("prefix_cache_hits_total", "prefix_cache_queries_total"),)),
         PanelSpec("KV transfer bandwidth", "KV page bytes per second: sent by prefill workers, received by decode workers.",
                   "Bps", (rate_by("kv_transfer_bytes_total", "role", "{{role}}"),)),
         PanelSpec("KV transfer failures", "Failed KV transfers per second per role, and reservations that expired.",
@@ -144,6 +149,14 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                             Query(f"sum by (role) (pdserve:num_requests_waiting{{{SEL}}})", "waiting {{role}}"))),
         PanelSpec("Preemptions", "Sequences preempted per second (blocks freed, recomputed later), per role.",
                   "short", (rate_by("num_preemptions_total", "role"),)),
+    )),
+    ("Speculative decoding (decode workers with --speculative-config)", (
+        PanelSpec("Draft acceptance rate", "Draft tokens accepted / draft tokens verified, per role.",
+                  "percentunit", (ratio("spec_decode_num_accepted_tokens_total", "spec_decode_num_draft_tokens_total"),)),
+        PanelSpec("Mean acceptance length", "Tokens one verification emits on average: 1 + accepted draft tokens / "
+                  "verifications that scored a draft, per role (1: no draft accepted; at most "
+                  "num_speculative_tokens + 1).",
+                  "short", (ratio("spec_decode_num_accepted_tokens_total", "spec_decode_num_drafts_total", plus_one=True),)),
     )),
 )
 

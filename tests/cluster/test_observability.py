@@ -1,7 +1,8 @@
-"""Metrics end to end: `pdserve up --prometheus` (router + 1 prefill + 1 decode worker
-and a real Prometheus scraping them every second), a known set of requests, then
-Prometheus' HTTP API must show exactly what the clients saw; every PromQL expression
-of the Grafana dashboard and of the rules must evaluate on that live server.
+"""Metrics end to end: `pdserve up --prometheus` (router + 1 prefill + 1 decode worker,
+the decode worker speculating (ngram), and a real Prometheus scraping them every
+second), a known set of requests, then Prometheus' HTTP API must show exactly what the
+clients saw; every PromQL expression of the Grafana dashboard and of the rules must
+evaluate on that live server (the speculative decoding panels too).
 
 Needs Debian's `prometheus` (the Makefile installs it for `make test`).
 """
@@ -28,6 +29,7 @@ import yaml
 from pdserve.engine.config import ModelConfig, parse_dtype
 from pdserve.engine.llm import DEFAULT_MODEL
 from pdserve.engine.model_runner import kv_bytes_per_block
+from pdserve.engine.tokenizer import Tokenizer
 from pdserve.services.common.metrics import LATENCY_BUCKETS
 from pdserve.services.router.client import Client
 from cluster_helpers import REPO, UpProcess, wait_for
@@ -40,6 +42,8 @@ LONG = (70, 150)  # prompt lengths over --local-prefill-threshold (64): prefille
 SHORT = (8, 40)  # under it: prefilled on the decode worker
 SLACK = 0.5  # seconds a client may see its first token after the router sent it (loaded CI machine)
 WINDOW = "10m"  # stands in for Grafana's $__rate_interval: covers the whole test
+# Lossless: the counts below are the same with it; the dashboard's speculation panels need it.
+NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
 
 
 @dataclass
@@ -51,6 +55,8 @@ class Sent:
     sequences: dict[int, int] = field(default_factory=dict)  # index -> tokens received
     reasons: dict[int, str] = field(default_factory=dict)
     error: grpc.StatusCode | None = None
+    drafted: int = 0  # the request's draft tokens and accepted ones (usage, on its last messages)
+    accepted: int = 0
 
 
 def _load(path: Path, name: str):
@@ -93,6 +99,15 @@ def _prompts(rng: random.Random, vocab: int, lengths: tuple[int, int], count: in
     return [[rng.randrange(3, vocab) for _ in range(rng.randint(*lengths))] for _ in range(count)]
 
 
+def _code_prompt() -> list[int]:
+    """Code, whose tokens recur: the decode worker's n-gram proposer drafts on it (on
+    random ids it hardly ever does), so the speculation panels have data."""
+    text = "".join(f"    total_{k} = compute(data[{k}], 'step {k}')\n" for k in range(8))
+    prompt = Tokenizer(DEFAULT_MODEL).encode(f"def run(data):\n{text}")
+    assert len(prompt) > LONG[0], len(prompt)  # crosses from the prefill worker
+    return prompt
+
+
 def _workload(vocab: int) -> list[Sent]:
     rng = random.Random(10)
     long, short = _prompts(rng, vocab, LONG, 6), _prompts(rng, vocab, SHORT, 4)
@@ -102,6 +117,7 @@ def _workload(vocab: int) -> list[Sent]:
     sent += [Sent(p, {"max_tokens": 4 + i, "ignore_eos": True}, False) for i, p in enumerate(short[:2])]
     sent += [Sent(short[2], {"max_tokens": 6, "n": 2, "temperature": 1.0, "seed": 3}, False)]
     sent += [Sent(short[3], {"max_tokens": 4, "beam_width": 2, "ignore_eos": True}, False)]
+    sent += [Sent(_code_prompt(), {"max_tokens": 16, "ignore_eos": True}, True)]
     sent += [Sent([vocab + 5] * 10, {"max_tokens": 4}, False)]  # fails validation: INVALID_ARGUMENT
     return sent
 
@@ -115,6 +131,7 @@ def _run(client: Client, sent: Sent) -> None:
             sent.sequences[message.index] = sent.sequences.get(message.index, 0) + len(message.token_ids)
             if message.finish_reason:
                 sent.reasons[message.index] = message.finish_reason
+                sent.drafted, sent.accepted = message.usage.num_draft_tokens, message.usage.num_accepted_tokens
     except grpc.RpcError as e:
         sent.error = e.code()
 
@@ -122,7 +139,7 @@ def _run(client: Client, sent: Sent) -> None:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     log = tmp_path_factory.mktemp("observability") / "up.log"
-    up = UpProcess(["--prometheus", "--num-blocks", "256", "--max-n", "4"], log)
+    up = UpProcess(["--prometheus", "--num-blocks", "256", "--max-n", "4", "--speculative-config", NGRAM], log)
     try:
         line = up.lines.get(timeout=60)
         assert line.startswith("prometheus http://127.0.0.1:"), f"pdserve up printed {line!r}; see {log}"
@@ -175,6 +192,10 @@ def _expected(sent: list[Sent], model: ModelConfig) -> dict[str, float]:
         'pdserve:request_prefill_time_seconds_count{role="prefill"}': len(remote),
         'pdserve:request_prefill_time_seconds_count{role="decode"}': len(ok) - len(remote),
         'pdserve:request_decode_time_seconds_count{role="decode"}': len(ok),
+        'pdserve:spec_decode_num_draft_tokens_total{role="decode"}': sum(s.drafted for s in ok),
+        'pdserve:spec_decode_num_accepted_tokens_total{role="decode"}': sum(s.accepted for s in ok),
+        'pdserve:spec_decode_num_unspeculated_requests_total{role="decode"}': sum("beam_width" in s.sampling for s in ok),
+        'pdserve:spec_decode_num_draft_tokens_total{role="prefill"}': 0,
     }
     reasons: dict[str, int] = {}
     for s in ok:
@@ -201,6 +222,13 @@ def test_counters_are_exact(cluster, served):
     assert prom.value("pdserve:request_success_total") == sum(len(s.reasons) for s in sent)
     assert prom.value("pdserve:kv_transfer_failures_total") == 0
     assert prom.value("pdserve:num_requests_inflight") == 0
+    # speculation: drafts happened (the code prompt), and the counters' invariants hold
+    accepted = prom.value("pdserve:spec_decode_num_accepted_tokens_total")
+    assert 0 <= accepted <= prom.value("pdserve:spec_decode_num_draft_tokens_total") and sent[-2].drafted > 0
+    per_pos = {int(r["metric"]["position"]): float(r["value"][1])
+               for r in prom.query("sum by (position) (pdserve:spec_decode_num_accepted_tokens_per_pos_total)")}
+    counts = [per_pos[i] for i in sorted(per_pos)]
+    assert len(counts) == 3 and counts == sorted(counts, reverse=True) and sum(counts) == accepted
 
 
 def test_ttft_matches_the_clients(cluster, served):
