@@ -4,9 +4,11 @@ engine run in this process (embedded default model).
 
 Two clusters, each started once:
   `pd1`  `pdserve up` as it comes (1 prefill + 1 decode worker, ZeroMQ tcp, local
-         prefill threshold 64): prompts below the threshold prefill on the decode
-         worker, the others on the prefill worker (worker Stats tell which); logprobs,
-         stop strings, a cancelled stream;
+         prefill threshold 64) but for `--speculative-config` (ngram, K=3), which only
+         the decode worker takes: prompts below the threshold prefill on the decode
+         worker, the others on the prefill worker (worker Stats tell which), every
+         result the spec-off engine's; logprobs, stop strings, a cancelled stream; the
+         draft counts in responses, Stats and a live /metrics scrape;
   `pd2`  2 prefill + 2 decode workers, threshold 0 (every prompt crosses): batches,
          n=3 and beam search, prefix-aware routing, then faults (a prefill worker
          killed, a decode worker killed mid-stream), then no block left in use.
@@ -15,6 +17,7 @@ The ipc and torch.distributed (gloo) connectors run with in-process workers.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -26,7 +29,7 @@ import grpc
 import pytest
 import torch
 
-from cluster_helpers import Stream, UpProcess, all_blocks_free, stats, wait_for
+from cluster_helpers import Stream, UpProcess, all_blocks_free, metric, stats, wait_for
 from pdserve.engine import LLM, SamplingParams
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.services.common.credentials import ClusterAuth
@@ -38,6 +41,9 @@ from pdserve.services.node import Worker
 
 MAX_N = 4
 THRESHOLD = 64  # the router's default --local-prefill-threshold
+K = 3
+NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1})
+SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_unspeculated_requests")
 
 
 def code(name: str, lines: int) -> str:
@@ -92,7 +98,7 @@ def every_block_free(infos: list[pb.WorkerInfo], auth: ClusterAuth | None) -> No
 
 @pytest.fixture(scope="module")
 def pd1(tmp_path_factory):
-    up = UpProcess(["--num-blocks", "512", "--max-n", str(MAX_N), "--held-lease", "10"],
+    up = UpProcess(["--num-blocks", "512", "--max-n", str(MAX_N), "--held-lease", "10", "--speculative-config", NGRAM],
                    tmp_path_factory.mktemp("pd1") / "up.log")
     yield up
     up.stop()
@@ -162,6 +168,56 @@ def test_cancel_mid_stream_frees_both_workers(pd1):
         call.cancel()
     assert pd1.stats(decode.address).kv_transfers == transfers + 1  # it did cross
     every_block_free([prefill, decode], pd1.auth)
+
+
+def spec_metrics(worker: pb.WorkerInfo) -> dict[str, float | list[float]]:
+    """The worker's spec_decode counters on a live /metrics scrape; per_pos by position."""
+    url = f"http://{worker.address.rsplit(':', 1)[0]}:{worker.metrics_port}/metrics"
+    got: dict[str, float | list[float]] = {
+        name: metric(url, f"pdserve:spec_decode_{name}_total").get((), -1.0) for name in SPEC_COUNTERS}
+    per_pos = metric(url, "pdserve:spec_decode_num_accepted_tokens_per_pos_total")
+    got["per_pos"] = [per_pos[(("position", str(i)),)] for i in range(len(per_pos))]
+    return got
+
+
+def test_the_decode_worker_speculates_and_counts_drafts_end_to_end(pd1, llm):
+    """Speculation through prefill + decode: greedy tokens are the spec-off engine's,
+    each response's usage counts the request's drafts (accepted <= drafted), and the
+    decode worker's live /metrics shows the counters with their invariants: accepted
+    <= draft tokens, per-position counts non-increasing and summing to the accepted;
+    a beam search is decoded without speculation, and counted. The prefill worker does
+    not speculate."""
+    (prefill,), (decode,) = workers(pd1, pb.ROLE_PREFILL), workers(pd1, pb.ROLE_DECODE)
+    prompts = [code(f"spec_{i}", 8 + 4 * i) for i in range(3)] + SHORT  # long ones cross from the prefill worker
+    assert any(len(llm.engine.tokenizer.encode(p)) >= THRESHOLD for p in prompts)
+    before = spec_metrics(decode)
+    want = greedy(llm, prompts, 24)
+    with Client(pd1.address, timeout=120) as client:
+        got = run_all(client, prompts, max_tokens=24, temperature=0.0)
+        (beam, _) = collect(client.generate(SHORT[0], max_tokens=4, beam_width=2, n=2)).values()
+    drafted = accepted = 0
+    for prompt, w, g in zip(prompts, want, got):
+        (seq,) = g.values()
+        assert list(seq.token_ids) == w, prompt
+        assert 0 <= seq.usage.num_accepted_tokens <= seq.usage.num_draft_tokens, prompt
+        drafted, accepted = drafted + seq.usage.num_draft_tokens, accepted + seq.usage.num_accepted_tokens
+    assert drafted > 0, "no request speculated"
+    assert (beam.usage.num_draft_tokens, beam.usage.num_accepted_tokens) == (0, 0)
+    wanted = {"num_draft_tokens": before["num_draft_tokens"] + drafted,
+              "num_accepted_tokens": before["num_accepted_tokens"] + accepted,
+              "num_unspeculated_requests": before["num_unspeculated_requests"] + 1}
+
+    def settled() -> dict | None:  # /metrics reads the stats as of the engine loop's last iteration
+        now = spec_metrics(decode)
+        return now if all(now[k] == v for k, v in wanted.items()) else None
+
+    after = wait_for(settled, 10, "the decode worker's /metrics to count the requests' drafts")
+    assert 0 < after["num_drafts"] <= after["num_draft_tokens"]
+    assert after["num_accepted_tokens"] <= after["num_draft_tokens"]
+    assert len(after["per_pos"]) == K and after["per_pos"] == sorted(after["per_pos"], reverse=True)
+    assert sum(after["per_pos"]) == after["num_accepted_tokens"]
+    assert stats(decode.address, pd1.auth).spec_decode_num_draft_tokens == after["num_draft_tokens"]
+    assert spec_metrics(prefill) == {**dict.fromkeys(SPEC_COUNTERS, 0.0), "per_pos": []}
 
 
 def test_pd1_leaves_every_block_free(pd1):
