@@ -21,15 +21,29 @@ from functools import cached_property
 import torch
 
 
+# Sequences with at most this many queries (decode: 1; a verification of K drafts: K+1)
+# are attended in one batched call, their queries padded to the longest one's count.
+MAX_BATCHED_QUERIES = 16
+
+
 @dataclass(frozen=True)
 class DecodeBatch:
-    """The step's sequences with exactly one query, ready for one batched call.
-    Built once per step (first use) and shared by every layer: no host sync per layer."""
+    """The step's sequences with few queries (decode, speculative verification), ready
+    for one batched call. Built once per step (first use) and shared by every layer: no
+    host sync per layer.
 
-    rows: torch.Tensor  # [S] each one's query row in the flat batch
+        rows    [S, Q]  query row in the flat batch of each sequence's query j (Q = the
+                        most queries any of them has; a padded j repeats its last row)
+        picked  [N]     the real (sequence, j) entries of rows.flatten(), N = their count
+    """
+
+    rows: torch.Tensor  # [S, Q] int64
+    picked: torch.Tensor  # [N] int64
+    query_lens: torch.Tensor  # [S] int64
     block_tables: torch.Tensor  # [S, blocks] cut to the longest one's blocks
     seq_lens: torch.Tensor  # [S] int64
     max_seq_len: int
+    max_query_len: int
 
 
 @dataclass(frozen=True)
@@ -55,18 +69,27 @@ class AttentionMetadata:
 
     @cached_property
     def decode_batch(self) -> DecodeBatch | None:
-        """The single-query sequences when there are two or more (else None)."""
-        seqs = [b for b, n in enumerate(self.query_lens_cpu) if n == 1]
-        if len(seqs) < 2:
+        """The sequences with 1..MAX_BATCHED_QUERIES queries when there are two or more, or
+        one with several queries after cached context (else None: a lone decode query or a
+        prompt is attended on its own)."""
+        seqs = [b for b, n in enumerate(self.query_lens_cpu) if 0 < n <= MAX_BATCHED_QUERIES]
+        if not seqs or (len(seqs) == 1 and (self.query_lens_cpu[seqs[0]] == 1
+                                            or self.query_lens_cpu[seqs[0]] == self.seq_lens_cpu[seqs[0]])):
             return None
         device = self.seq_lens.device
         index = torch.tensor(seqs, device=device)
         max_len = max(self.seq_lens_cpu[b] for b in seqs)
+        max_q = max(self.query_lens_cpu[b] for b in seqs)
+        rows = [[self.query_start_loc_cpu[b] + min(j, self.query_lens_cpu[b] - 1) for j in range(max_q)] for b in seqs]
+        q_lens = [self.query_lens_cpu[b] for b in seqs]
         return DecodeBatch(
-            rows=torch.tensor([self.query_start_loc_cpu[b] for b in seqs], device=device),
+            rows=torch.tensor(rows, device=device),
+            picked=torch.tensor([i * max_q + j for i, n in enumerate(q_lens) for j in range(n)], device=device),
+            query_lens=torch.tensor(q_lens, device=device),
             block_tables=self.block_tables.index_select(0, index)[:, : -(-max_len // self.block_size)],
             seq_lens=self.seq_lens.index_select(0, index).to(torch.long),
             max_seq_len=max_len,
+            max_query_len=max_q,
         )
 
 

@@ -1,8 +1,9 @@
 """The reference attention backend: plain torch, runs anywhere.
 
-Decode-only sequences (one query each) are gathered into one padded batch and
-attended in a single call; sequences with several queries go one by one, and a
-fresh prefill (nothing cached before it) attends to its own K/V directly.
+Sequences with few queries (decode: one; speculative verification: K+1) are gathered
+into one padded batch and attended in a single call; longer ones (prompts, chunks)
+go one by one, and a fresh prefill (nothing cached before it) attends to its own K/V
+directly.
 """
 
 from __future__ import annotations
@@ -10,7 +11,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine.attention.base import AttentionBackend, AttentionMetadata, DecodeBatch, write_kv
+from pdserve.engine.attention.base import (
+    MAX_BATCHED_QUERIES, AttentionBackend, AttentionMetadata, DecodeBatch, write_kv,
+)
 
 
 class TorchAttention(AttentionBackend):
@@ -22,9 +25,10 @@ class TorchAttention(AttentionBackend):
         out = torch.empty_like(q)
         decode = meta.decode_batch
         if decode is not None:
-            out[decode.rows] = self._decode_batch(q[decode.rows], k_cache, v_cache, decode, scale, sliding_window)
+            o = self._decode_batch(q[decode.rows], k_cache, v_cache, decode, scale, sliding_window)
+            out[decode.rows.flatten()[decode.picked]] = o.flatten(0, 1)[decode.picked]
         for b, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
-            if q_len == 0 or (q_len == 1 and decode is not None):
+            if q_len == 0 or (decode is not None and q_len <= MAX_BATCHED_QUERIES):
                 continue
             s = meta.query_start_loc_cpu[b]
             if q_len == seq_len:  # nothing cached before: attend to the fresh K/V
@@ -42,22 +46,29 @@ class TorchAttention(AttentionBackend):
         # index_select copies whole pages; plain indexing here is several times slower
         keys = k_cache.index_select(0, ids).view(shape)[:, :max_len]  # [B, L, KVH, D]
         vals = v_cache.index_select(0, ids).view(shape)[:, :max_len]
+        # Query j of a sequence with n queries sits at position len - n + j (a padded j
+        # is masked as the last real one: its output is dropped).
+        num_q = decode.max_query_len
+        j = torch.arange(num_q, device=q.device)[None, :]
+        q_pos = lens[:, None] - decode.query_lens[:, None] + torch.minimum(j, decode.query_lens[:, None] - 1)
         pos = torch.arange(max_len, device=q.device)
-        mask = pos[None, :] < lens[:, None]
+        mask = pos[None, None, :] <= q_pos[:, :, None]  # [B, Q, L]
         if window is not None:
-            mask &= pos[None, :] > (lens[:, None] - 1 - window)
-        # The H/KVH query heads sharing a KV head attend as that head's "query
-        # positions": one flash call, no copies of K/V per query head.
-        _, num_heads, head_dim = q.shape
+            mask &= pos[None, None, :] > (q_pos[:, :, None] - window)
+        # The H/KVH query heads sharing a KV head, for every query of the sequence, attend
+        # as that head's "query positions": one flash call, no copies of K/V per head.
+        _, _, num_heads, head_dim = q.shape
         num_kv = keys.shape[2]
+        group = num_heads // num_kv
+        qg = q.view(num_seqs, num_q, num_kv, group, head_dim).transpose(1, 2).reshape(num_seqs, num_kv, -1, head_dim)
         o = F.scaled_dot_product_attention(
-            q.view(num_seqs, num_kv, num_heads // num_kv, head_dim),
+            qg,
             keys.transpose(1, 2),
             vals.transpose(1, 2),
-            attn_mask=mask[:, None, None, :],
+            attn_mask=mask.repeat_interleave(group, dim=1)[:, None],
             scale=scale,
         )
-        return o.reshape(num_seqs, num_heads, head_dim)
+        return o.view(num_seqs, num_kv, num_q, group, head_dim).transpose(1, 2).reshape(num_seqs, num_q, num_heads, head_dim)
 
 
 def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int):
