@@ -194,9 +194,13 @@ class EngineCore:
         return finished
 
     def _may_draft(self, request: Request) -> bool:
-        """A running sequence that is decoding (all but its newest token computed), not a beam."""
+        """A running sequence that is decoding: all but its newest output token computed,
+        not a beam. (A prompt whose last token is recomputed, as after a commit of remote
+        KV without a first token, looks the same but has no output yet: it samples, and
+        fans out, as usual.)"""
         group = self._seq_group.get(request.request_id)
-        return (group is not None and group.beam is None and request.status == RequestStatus.RUNNING
+        return (group is not None and group.beam is None and not group.needs_fan_out
+                and request.status == RequestStatus.RUNNING and request.num_output_tokens > 0
                 and request.num_computed_tokens == request.num_tokens - 1)
 
     def _run(self, scheduled: Scheduled, finished: list[RequestOutput]) -> None:

@@ -9,9 +9,10 @@ Two clusters, each started once:
          worker, the others on the prefill worker (worker Stats tell which), every
          result the spec-off engine's; logprobs, stop strings, a cancelled stream; the
          draft counts in responses, Stats and a live /metrics scrape;
-  `pd2`  2 prefill + 2 decode workers, threshold 0 (every prompt crosses): batches,
-         n=3 and beam search, prefix-aware routing, then faults (a prefill worker
-         killed, a decode worker killed mid-stream), then no block left in use.
+  `pd2`  2 prefill + 2 decode workers, threshold 0 (every prompt crosses), the decode
+         workers speculating with the embedded draft model (its KV computed there):
+         batches, n=3 and beam search, prefix-aware routing, then faults (a prefill
+         worker killed, a decode worker killed mid-stream), then no block left in use.
 The ipc and torch.distributed (gloo) connectors run with in-process workers.
 """
 
@@ -31,6 +32,7 @@ import torch
 
 from cluster_helpers import Stream, UpProcess, all_blocks_free, metric, stats, wait_for
 from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.config import DEFAULT_DRAFT_MODEL
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.services.common.credentials import ClusterAuth
 from pdserve.services.router.client import Client, collect
@@ -43,6 +45,7 @@ MAX_N = 4
 THRESHOLD = 64  # the router's default --local-prefill-threshold
 K = 3
 NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1})
+DRAFT = json.dumps({"method": "draft_model", "num_speculative_tokens": K, "model": DEFAULT_DRAFT_MODEL})
 SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_unspeculated_requests")
 
 
@@ -232,6 +235,7 @@ def pd2(tmp_path_factory):
     up = UpProcess(
         ["--prefill", "2", "--decode", "2", "--local-prefill-threshold", "0", "--num-blocks", "512",
          "--max-n", str(MAX_N), "--held-lease", "10", "--stats-interval", "0.5", "--worker-timeout", "10",
+         "--speculative-config", DRAFT,
          "--no-supervise"],  # killed workers stay dead here (tests/cluster/test_chaos.py has the restarts)
         tmp_path_factory.mktemp("pd2") / "up.log",
     )
@@ -251,9 +255,13 @@ def test_batch_across_two_pairs_matches_the_engine(pd2, client2, llm):
     before = counters(prefills, pd2.auth)
     want = greedy(llm, prompts, 16)
     got = run_all(client2, prompts, max_tokens=16, temperature=0.0)
+    drafted = 0
     for prompt, w, g in zip(prompts, want, got):
         (seq,) = g.values()
         assert list(seq.token_ids) == w, prompt
+        assert 0 <= seq.usage.num_accepted_tokens <= seq.usage.num_draft_tokens
+        drafted += seq.usage.num_draft_tokens
+    assert drafted > 0  # the draft model proposed on the decode side of every pair
     wait_for(lambda: total(counters(prefills, pd2.auth), "kv_transfers") - total(before, "kv_transfers") == len(prompts), 10,
              "every prompt's KV to have crossed")
     decodes = counters(workers(pd2, pb.ROLE_DECODE), pd2.auth)

@@ -19,18 +19,30 @@ def model_dir(tmp_path_factory):
     return str(path)
 
 
-def engine(model_dir: str, num_blocks: int = 128, chunk: int = 2048) -> LLMEngine:
+def engine(model_dir: str, num_blocks: int = 128, chunk: int = 2048, spec: dict | None = None) -> LLMEngine:
     return LLMEngine(EngineConfig(
         model=model_dir, cache=CacheConfig(num_blocks=num_blocks),
-        scheduler=SchedulerConfig(max_num_batched_tokens=chunk),
+        scheduler=SchedulerConfig(max_num_batched_tokens=chunk), speculative=spec,
     ))
 
 
-def run(e: LLMEngine) -> dict[str, list[int]]:
+# Decode engines without and with speculation: received KV, a first token sampled
+# elsewhere and n > 1's recomputed last prompt token change nothing for them.
+SPECS = {
+    "off": lambda model_dir: None,
+    "ngram": lambda model_dir: {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
+    "self-draft": lambda model_dir: {"method": "draft_model", "num_speculative_tokens": 3, "model": model_dir},
+}
+
+
+def run(e: LLMEngine, max_steps: int = 1000) -> dict[str, list[int]]:
     out = {}
-    while e.has_unfinished():
+    for _ in range(max_steps):
+        if not e.has_unfinished():
+            break
         for o in e.step():
             out[o.request_id] = o.outputs[0].token_ids
+    assert not e.has_unfinished(), f"still running after {max_steps} steps"
     return out
 
 
@@ -64,15 +76,16 @@ def transfer(prefill: LLMEngine, decode: LLMEngine, prompt: list[int], params: S
     return out
 
 
+@pytest.mark.parametrize("spec", list(SPECS))
 @pytest.mark.parametrize("chunk", [2048, 24])
-def test_decode_continues_exactly_from_received_kv(model_dir, chunk):
+def test_decode_continues_exactly_from_received_kv(model_dir, chunk, spec):
     prompts = [[3 + (i * 13 + j) % 250 for j in range(n)] for i, n in enumerate((1, 16, 45, 130))]
     params = SamplingParams(max_tokens=12, temperature=0.0)
     local = engine(model_dir)
     for i, p in enumerate(prompts):
         local.add_request(f"r{i}", p, params)
     expected = run(local)
-    prefill, decode = engine(model_dir, chunk=chunk), engine(model_dir)
+    prefill, decode = engine(model_dir, chunk=chunk), engine(model_dir, spec=SPECS[spec](model_dir))
     for i, p in enumerate(prompts):
         assert transfer(prefill, decode, p, params, f"r{i}")[f"r{i}"] == expected[f"r{i}"]
     decode.check_integrity()
@@ -91,8 +104,9 @@ def test_decode_side_prefix_hit_skips_blocks(model_dir):
     decode.check_integrity()
 
 
-def test_parallel_samples_recompute_the_last_token_on_decode(model_dir):
-    prefill, decode = engine(model_dir), engine(model_dir)
+@pytest.mark.parametrize("spec", list(SPECS))
+def test_parallel_samples_recompute_the_last_token_on_decode(model_dir, spec):
+    prefill, decode = engine(model_dir), engine(model_dir, spec=SPECS[spec](model_dir))
     prompt = [9 + i % 100 for i in range(33)]
     params = SamplingParams(max_tokens=6, temperature=0.0, n=3)
     local = engine(model_dir)
@@ -103,6 +117,8 @@ def test_parallel_samples_recompute_the_last_token_on_decode(model_dir):
             expected = [c.token_ids for c in o.outputs]
     out = transfer(prefill, decode, prompt, params, "z", sample_first=False)
     assert out["z"] == expected[0]
+    if spec == "self-draft":
+        assert decode.stats().spec_decode.num_accepted_tokens > 0
     decode.check_integrity()
     assert decode.stats().num_free_blocks == decode.stats().num_blocks
 
