@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 
 import torch
 
@@ -173,9 +174,17 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample; returns outputs of finished requests."""
+        started = time.perf_counter()
         self.last_scheduled = ()
         if self.speculator is not None:
-            self.speculator.propose(self.scheduler.running, [r for r in self.scheduler.running if self._may_draft(r)])
+            self._propose(self.speculator)
+        try:
+            return self._step()
+        finally:
+            if self.speculator is not None:
+                self.speculator.step_done(time.perf_counter() - started)
+
+    def _step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
         self.last_batch = (len(plan.scheduled), plan.num_tokens)
         self.last_scheduled = tuple(dict.fromkeys(
@@ -192,6 +201,17 @@ class EngineCore:
                 if group is not None:
                     self.fail(group, exc, finished)
         return finished
+
+    def _propose(self, speculator: Speculator) -> None:
+        """This step's drafts. A proposer that fails (a fault in the draft model) costs this
+        step its drafts, never a request: verification is what decides the tokens."""
+        running = self.scheduler.running
+        try:
+            speculator.propose(running, [r for r in running if self._may_draft(r)])
+        except Exception as exc:
+            log.warning("speculative proposer failed (%s: %s): this step runs without drafts", type(exc).__name__, exc)
+            for request in running:
+                request.spec_token_ids.clear()
 
     def _may_draft(self, request: Request) -> bool:
         """A running sequence that is decoding: all but its newest output token computed,

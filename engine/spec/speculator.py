@@ -14,7 +14,8 @@
 
 Who does not speculate: beam search (counted in `num_unspeculated_requests`), a sequence
 still prefilling, and every sequence while the running batch has reached
-`disable_by_batch_size` (a compute-bound batch gains nothing from drafts).
+`disable_by_batch_size` (a compute-bound batch gains nothing from drafts) or while
+drafting does not pay on this engine's own timings (adaptive.Payoff).
 
 Drafts are capped so that no draft position lies past `max_tokens` (the bonus token
 is the last one the request may have), past `max_model_len`, or after a drafted stop
@@ -24,12 +25,13 @@ string, known only from the text, can still cut an accepted run short).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from pdserve.engine.request import Request
-from pdserve.engine.spec.adaptive import DraftLength
+from pdserve.engine.spec.adaptive import DraftLength, Payoff
 from pdserve.engine.spec.config import SpeculativeConfig
 from pdserve.engine.spec.ngram import propose_ngram
 
@@ -88,6 +90,8 @@ class Speculator:
         self._lengths: dict[str, DraftLength] = {}
         self._num_drafts = self._num_draft_tokens = self._num_accepted = self._num_unspeculated = 0
         self._per_pos = [0] * config.num_speculative_tokens
+        self.payoff = Payoff()
+        self._step = (0.0, 0, 0)  # this step's (propose seconds, verifications, accepted)
 
     def propose(self, running: Sequence[Request], candidates: Sequence[Request]) -> None:
         """Set this step's drafts: on `candidates` (the running sequences that may
@@ -99,7 +103,7 @@ class Speculator:
         for request_id in [rid for rid in self._lengths if rid not in alive]:
             del self._lengths[request_id]
         limit = self.config.disable_by_batch_size
-        if limit is not None and len(running) >= limit:
+        if (limit is not None and len(running) >= limit) or not candidates or not self.payoff.should_draft():
             return
         chosen, ks = [], []
         for request in candidates:
@@ -109,8 +113,10 @@ class Speculator:
                 ks.append(k)
         if not chosen:
             return
+        started = time.perf_counter()
         for request, k, drafts in zip(chosen, ks, self.proposer.propose(chosen, ks)):
             request.spec_token_ids[:] = _through_first_stop(request, [int(t) for t in drafts[:k]])
+        self._step = (time.perf_counter() - started, 0, 0)
 
     def _length(self, request: Request) -> DraftLength:
         length = self._lengths.get(request.request_id)
@@ -128,6 +134,8 @@ class Speculator:
         emitted (fewer when a stop or max_tokens cut the run)."""
         if drafted <= 0:
             return
+        seconds, verifications, total = self._step
+        self._step = (seconds, verifications + 1, total + accepted)
         self._num_drafts += 1
         self._num_draft_tokens += drafted
         self._num_accepted += emitted
@@ -136,6 +144,12 @@ class Speculator:
         length = self._lengths.get(request_id)  # none once the sequence ended
         if length is not None:
             length.update(drafted, accepted)
+
+    def step_done(self, seconds: float) -> None:
+        """The engine step that began with this step's proposals took `seconds`."""
+        propose, verifications, accepted = self._step
+        self.payoff.observe(propose, seconds, verifications, accepted)
+        self._step = (0.0, 0, 0)
 
     def skip(self) -> None:
         """A request that will decode without speculation (beam search)."""

@@ -3,7 +3,7 @@ pauses (with backoff) after repeated misses."""
 
 from __future__ import annotations
 
-from pdserve.engine.spec.adaptive import MAX_PAUSE, DraftLength
+from pdserve.engine.spec.adaptive import MAX_PAUSE, MIN_PROBE_INTERVAL, DraftLength, Payoff
 
 
 def test_starts_at_the_maximum_and_grows_back_to_it():
@@ -38,3 +38,29 @@ def test_pause_is_bounded_and_no_drafts_change_nothing():
     before = (d.k, d.misses, d.paused)
     d.update(0, 0)
     assert (d.k, d.misses, d.paused) == before
+
+
+def test_payoff_drafts_until_measured_then_while_it_pays():
+    p = Payoff()
+    assert p.should_draft()  # nothing measured yet
+    p.observe(propose_seconds=0.1, step_seconds=1.0, verifications=4, accepted=8)  # 3 tokens, 10% proposing
+    assert p.pays and p.should_draft()
+
+
+def test_payoff_stops_a_proposer_that_costs_more_than_it_gains_and_probes_with_backoff():
+    p = Payoff()
+    p.observe(propose_seconds=0.6, step_seconds=1.0, verifications=2, accepted=1)  # 1.5 tokens * 0.4 < 1
+    assert not p.pays
+    first = [p.should_draft() for _ in range(MIN_PROBE_INTERVAL)]
+    assert first == [False] * (MIN_PROBE_INTERVAL - 1) + [True]  # one probe per interval
+    second = [p.should_draft() for _ in range(2 * MIN_PROBE_INTERVAL)]
+    assert second.count(True) == 1 and second[-1]  # the interval doubled
+    for _ in range(20):  # the proposer got cheap and right: it pays again
+        p.observe(propose_seconds=0.05, step_seconds=1.0, verifications=2, accepted=6)
+    assert p.pays and p.should_draft() and p.probe_every == MIN_PROBE_INTERVAL
+
+
+def test_payoff_ignores_steps_without_verifications():
+    p = Payoff()
+    p.observe(propose_seconds=0.9, step_seconds=1.0, verifications=0, accepted=0)
+    assert p.tokens_per_verification == 0.0 and p.pays

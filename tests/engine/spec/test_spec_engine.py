@@ -351,3 +351,25 @@ def test_draft_model_tokenizer_must_match(tmp_path):
     (draft / "tokenizer.json").write_text(json.dumps(tok))
     with pytest.raises(ValueError, match="speculative_config.model: the draft's tokenizer vocabulary differs"):
         LLM(speculative_config=draft_config(draft))
+
+
+def test_a_failing_proposer_costs_drafts_never_requests(llama):
+    """A fault in the proposer (every other call raises) leaves those steps without
+    drafts; every request still gets spec-off's tokens."""
+    ps = prompts(vocab=64)
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
+    want = [o.outputs[0].token_ids for o in LLM(model=str(llama)).generate(ps, params)]
+    llm = LLM(model=str(llama), speculative_config=draft_config(llama))
+    proposer = llm.engine.speculator.proposer
+    real, calls = proposer.propose, []
+
+    def flaky(requests, ks):
+        calls.append(len(requests))
+        if len(calls) % 2:
+            raise RuntimeError("draft device fault")
+        return real(requests, ks)
+
+    proposer.propose = flaky
+    outs = run(llm, params, ps)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert len(calls) > 2 and llm.stats().spec_decode.num_draft_tokens > 0
