@@ -1,11 +1,12 @@
 """PNG plots of serving runs (matplotlib, headless): CDFs of TTFT and TPOT, and
 output tokens per second over time, one line per run so that systems measured in
-the same benchmark can be compared at a glance."""
+the same benchmark can be compared at a glance; and speculative decoding's
+acceptance by draft position (bench/spec.py)."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,14 +36,25 @@ def _tokens_per_second(run: Run, bins: int = 40) -> tuple[list[float], list[floa
     return [(i + 0.5) * width for i in range(len(counts))], [c / width for c in counts]
 
 
-def plot_runs(runs: Sequence[Run], path: str | Path, title: str = "") -> None:
-    """Three panels: TTFT CDF, TPOT CDF, output tokens/s over time."""
+def _pyplot():
     try:
         import matplotlib
     except ImportError:
         raise RuntimeError("plots need matplotlib: pip install 'pdserve[bench]'") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path: str | Path) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def plot_runs(runs: Sequence[Run], path: str | Path, title: str = "") -> None:
+    """Three panels: TTFT CDF, TPOT CDF, output tokens/s over time."""
+    plt = _pyplot()
     from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
 
     fig, (ttft, tpot, rate) = plt.subplots(1, 3, figsize=(15, 4.2))
@@ -69,6 +81,24 @@ def plot_runs(runs: Sequence[Run], path: str | Path, title: str = "") -> None:
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    _save(fig, path)
+    plt.close(fig)
+
+
+def plot_acceptance(curves: Mapping[str, Sequence[float]], path: str | Path, title: str = "") -> None:
+    """One line per label: the fraction of drafts whose token at position i (1-based)
+    was accepted, which never increases with i."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for label, by_pos in curves.items():
+        ax.plot(range(1, len(by_pos) + 1), by_pos, marker="o", label=label)
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("accepted / drafts")
+    ax.set_ylim(0, 1.02)
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(title or "acceptance by draft position", fontsize=10)
+    fig.tight_layout()
+    _save(fig, path)
     plt.close(fig)

@@ -40,6 +40,13 @@ def interleaved(
     return results
 
 
+def rotated(names: Sequence[T], rep: int) -> list[T]:
+    """`names` started at position rep mod len: A B C, B C A, C A B, ... so that no
+    system always runs first (on a cold cache) or right after the same neighbour."""
+    shift = rep % len(names) if names else 0
+    return [*names[shift:], *names[:shift]]
+
+
 @dataclass(frozen=True)
 class Ratio:
     """The median of per-repetition ratios, with their min and max."""

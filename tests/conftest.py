@@ -32,6 +32,7 @@ ONE_CHILD_AT_A_TIME = (  # after the in-process files: single-threaded, but a pr
     "test_backpressure.py",
     "test_bench_offline.py",
     "test_bench_sampled.py",
+    "test_bench_spec.py",
     "test_packaging.py",
 )
 CLUSTERS_LONGEST_FIRST = (
