@@ -46,7 +46,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -54,7 +54,8 @@ from transformers.utils import logging as hf_logging
 
 from pdserve.bench.entry import compare_main, overridden
 from pdserve.bench.offline import machine_load
-from pdserve.bench.repeat import Ratio, fmt, rotated
+from pdserve.bench.repeat import rotated
+from pdserve.bench.spec_report import Cell, Run, acceptance_curves, analyse, last_line, table
 from pdserve.bench.spec_workloads import WORKLOADS, SpecRequest, draw_functions, make_requests
 from pdserve.engine.config import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL, CacheConfig, SchedulerConfig
 from pdserve.engine.engine import EngineConfig, LLMEngine
@@ -84,7 +85,6 @@ class SpecBenchConfig:
     prompt_lookup_max: int | None = None
     disable_by_batch_size: int | None = None
     repeats: int = 3
-    warmup_requests: int = 4
     seed: int = 0
     device: str = "cpu"
     dtype: str = "float32"
@@ -118,35 +118,11 @@ class SpecBenchConfig:
 
 
 QUICK = SpecBenchConfig(
-    concurrency=(1, 4), requests_per_slot=1, min_requests=4, max_tokens=24, repeats=2, warmup_requests=2, threads=1,
+    concurrency=(1, 4), requests_per_slot=1, min_requests=4, max_tokens=24, repeats=2, threads=1,
 )
 
 
 # -- one closed loop -------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Run:
-    """One method's closed loop over one workload at one concurrency."""
-
-    method: str
-    workload: str
-    concurrency: int
-    rep: int
-    wall_s: float
-    cpu_s: float
-    output_tokens: int
-    tpot_s: float  # median over requests
-    spec: SpecStats  # this run's drafts and acceptances
-    tokens: tuple[tuple[int, ...], ...] = field(repr=False)  # per request, in workload order
-
-    @property
-    def throughput(self) -> float:
-        return self.output_tokens / self.wall_s
-
-    @property
-    def cpu_throughput(self) -> float:
-        return self.output_tokens / self.cpu_s
 
 
 def closed_loop(engine: LLMEngine, requests: Sequence[SpecRequest], concurrency: int, tag: str) -> list[RequestOutput]:
@@ -229,109 +205,13 @@ def workloads(cfg: SpecBenchConfig) -> dict[str, list[SpecRequest]]:
 
 
 def warm_up(engine: LLMEngine, cfg: SpecBenchConfig, requests: Sequence[SpecRequest]) -> None:
-    short = [replace(r, max_tokens=min(16, cfg.max_tokens)) for r in requests[-cfg.warmup_requests:]]
+    """Short requests at the largest concurrency, so that no measured run is the engine's
+    first at that batch size (in a first try, that run was up to 1.9x slower)."""
+    short = [replace(r, max_tokens=min(16, cfg.max_tokens)) for r in requests[-max(cfg.concurrency):]]
     closed_loop(engine, short, len(short), "warmup")
 
 
-# -- report ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Cell:
-    """One method on one workload at one concurrency, over the repetitions."""
-
-    workload: str
-    concurrency: int
-    method: str
-    tpot_ms: Ratio
-    throughput: Ratio  # output tokens/s
-    tpot_ratio: Ratio  # off / method
-    throughput_ratio: Ratio  # method / off
-    cpu_throughput_ratio: Ratio  # method / off, output tokens per CPU second
-    drafts: int
-    acceptance_rate: float  # accepted / draft tokens
-    acceptance_length: float  # 1 + accepted / drafts
-    acceptance_by_pos: tuple[float, ...]
-    tokens_per_step: float  # output tokens / sequence-steps (each emits 1 + its accepted drafts)
-
-
-def pooled(runs: Sequence[Run]) -> SpecStats:
-    per_pos = [sum(col) for col in zip(*(r.spec.num_accepted_tokens_per_pos for r in runs))]
-    return SpecStats(sum(r.spec.num_drafts for r in runs), sum(r.spec.num_draft_tokens for r in runs),
-                     sum(r.spec.num_accepted_tokens for r in runs), tuple(per_pos))
-
-
-def acceptance(stats: SpecStats) -> tuple[float, float, tuple[float, ...]]:
-    """(rate, mean length, by position); nan without drafts."""
-    if stats.num_drafts == 0:
-        return math.nan, math.nan, tuple(math.nan for _ in stats.num_accepted_tokens_per_pos)
-    return (stats.num_accepted_tokens / stats.num_draft_tokens, 1 + stats.num_accepted_tokens / stats.num_drafts,
-            tuple(n / stats.num_drafts for n in stats.num_accepted_tokens_per_pos))
-
-
-def summarize(runs: Sequence[Run], off: Sequence[Run] | None) -> Cell:
-    first = runs[0]
-    stats = pooled(runs)
-    rate, length, by_pos = acceptance(stats)
-    if off is None:
-        tpot_ratio = throughput_ratio = cpu_ratio = Ratio.of([])
-    else:
-        tpot_ratio = Ratio.paired([o.tpot_s for o in off], [r.tpot_s for r in runs])
-        throughput_ratio = Ratio.paired([r.throughput for r in runs], [o.throughput for o in off])
-        cpu_ratio = Ratio.paired([r.cpu_throughput for r in runs], [o.cpu_throughput for o in off])
-    return Cell(first.workload, first.concurrency, first.method, Ratio.of([1e3 * r.tpot_s for r in runs]),
-                Ratio.of([r.throughput for r in runs]), tpot_ratio, throughput_ratio, cpu_ratio, stats.num_drafts,
-                rate, length, by_pos, tokens_per_step(runs, stats))
-
-
-def tokens_per_step(runs: Sequence[Run], stats: SpecStats) -> float:
-    out = sum(r.output_tokens for r in runs)
-    return out / (out - stats.num_accepted_tokens)
-
-
-def mismatches(run: Run, off: Run, limit: int = 3) -> list[str]:
-    """Where `run`'s tokens differ from spec-off's for the same prompts (at most `limit` lines)."""
-    problems = []
-    for i, (mine, ref) in enumerate(zip(run.tokens, off.tokens)):
-        if mine != ref:
-            at = next((k for k, (a, b) in enumerate(zip(mine, ref)) if a != b), min(len(mine), len(ref)))
-            problems.append(f"{run.method} {run.workload} c={run.concurrency} repetition {run.rep + 1}: request {i} "
-                            f"differs from off at output token {at} ({len(mine)} vs {len(ref)} tokens)")
-    return problems[:limit] + ([f"... and {len(problems) - limit} more"] if len(problems) > limit else [])
-
-
-def span(r: Ratio, digits: int = 3) -> str:
-    if math.isnan(r.median):
-        return "-"
-    return f"{r.median:.{digits}f} [{r.lo:.{digits}f}, {r.hi:.{digits}f}]"
-
-
-def table(cells: Sequence[Cell]) -> list[str]:
-    head = (f"{'workload':<10} {'c':>3} {'method':<11} {'TPOT ms [min, max]':<24} {'tok/s [min, max]':<26} "
-            f"{'off/TPOT [min, max]':<23} {'tok/s / off [min, max]':<23} {'cpu: tok/s / off':<23} "
-            f"{'acc.rate':>8} {'acc.len':>7} {'tok/step':>8}  by position")
-    lines = [head, "-" * len(head)]
-    for c in cells:
-        pos = " ".join(f"{p:.2f}" for p in c.acceptance_by_pos) if c.drafts else "-"
-        lines.append(f"{c.workload:<10} {c.concurrency:>3} {c.method:<11} {span(c.tpot_ms, 2):<24} "
-                     f"{span(c.throughput, 1):<26} {span(c.tpot_ratio):<23} {span(c.throughput_ratio):<23} "
-                     f"{span(c.cpu_throughput_ratio):<23} "
-                     f"{fmt(c.acceptance_rate):>8} {fmt(c.acceptance_length):>7} {c.tokens_per_step:>8.3f}  {pos}")
-    return lines
-
-
-def last_line(cfg: SpecBenchConfig, cells: Sequence[Cell], runs: Sequence[Run]) -> str:
-    def cell(concurrency: int) -> Cell | None:
-        return next((c for c in cells if (c.workload, c.method, c.concurrency) == ("grounded", "ngram", concurrency)),
-                    None)
-
-    low, high = cell(1), cell(max(cfg.concurrency))
-    if max(cfg.concurrency) != 64:
-        print(f"note: no concurrency 64 in this run; throughput_ratio_c64 is at concurrency {max(cfg.concurrency)}")
-    _, length, _ = acceptance(pooled([r for r in runs if (r.workload, r.method) == ("grounded", "ngram")]))
-    x = low.tpot_ratio.median if low else math.nan
-    y = high.throughput_ratio.median if high else math.nan
-    return f"tpot_ratio_c1={fmt(x)} throughput_ratio_c64={fmt(y)} acceptance_length={fmt(length)}"
+# -- main ------------------------------------------------------------------------------------
 
 
 def report_json(cfg: SpecBenchConfig, cells: Sequence[Cell], runs: Sequence[Run], problems: Sequence[str],
@@ -342,18 +222,6 @@ def report_json(cfg: SpecBenchConfig, cells: Sequence[Cell], runs: Sequence[Run]
                  | {"throughput": r.throughput, "cpu_throughput": r.cpu_throughput} for r in runs],
         "problems": list(problems), "last_line": line,
     }
-
-
-def acceptance_curves(cells: Sequence[Cell], runs: Sequence[Run]) -> dict[str, list[float]]:
-    """Acceptance by position per speculating method and workload, over every concurrency."""
-    curves = {}
-    for workload, method in sorted({(c.workload, c.method) for c in cells if c.method != "off"}):
-        _, _, by_pos = acceptance(pooled([r for r in runs if (r.workload, r.method) == (workload, method)]))
-        curves[f"{method}, {workload}"] = list(by_pos)
-    return curves
-
-
-# -- main ------------------------------------------------------------------------------------
 
 
 def environment(cfg: SpecBenchConfig) -> dict[str, object]:
@@ -387,31 +255,15 @@ def run_all(cfg: SpecBenchConfig, log: Callable[[str], None]) -> list[Run]:
     return runs
 
 
-def analyse(cfg: SpecBenchConfig, runs: Sequence[Run]) -> tuple[list[Cell], list[str]]:
-    cells, problems = [], []
-    for workload in cfg.workloads:
-        for concurrency in cfg.concurrency:
-            def of(method: str) -> list[Run]:
-                return [r for r in runs if (r.workload, r.concurrency, r.method) == (workload, concurrency, method)]
-
-            off = of("off") or None
-            for method in cfg.methods:
-                cells.append(summarize(of(method), off if method != "off" else None))
-                if off is not None and method != "off":
-                    for mine, ref in zip(of(method), off):
-                        problems += mismatches(mine, ref)
-    return cells, problems
-
-
 def run(cfg: SpecBenchConfig, json_path: str | None, plot_path: str | None) -> tuple[str, list[str]]:
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     hf_logging.set_verbosity_error()  # the tokenizer warns of functions longer than the model's context
     print(" ".join(f"{k}={v}" for k, v in environment(cfg).items()), flush=True)
     runs = run_all(cfg, lambda msg: print(msg, flush=True))
-    cells, problems = analyse(cfg, runs)
+    cells, problems = analyse(runs)
     print("\n".join(["", *table(cells), ""]), flush=True)
-    line = last_line(cfg, cells, runs)
+    line = last_line(cells, runs)
     if json_path:
         Path(json_path).write_text(json.dumps(report_json(cfg, cells, runs, problems, line), indent=1) + "\n")
     if plot_path:

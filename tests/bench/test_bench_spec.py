@@ -55,7 +55,7 @@ def test_gpu_mode_runs_on_cpu_with_tiny_models() -> None:
 
 
 def test_a_token_that_differs_from_spec_off_is_reported() -> None:
-    from pdserve.bench.spec import Run, mismatches
+    from pdserve.bench.spec_report import Run, mismatches
     from pdserve.engine.spec.speculator import SpecStats
 
     def run(method: str, tokens: tuple[tuple[int, ...], ...]) -> Run:
