@@ -46,7 +46,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -205,10 +205,11 @@ def workloads(cfg: SpecBenchConfig) -> dict[str, list[SpecRequest]]:
 
 
 def warm_up(engine: LLMEngine, cfg: SpecBenchConfig, requests: Sequence[SpecRequest]) -> None:
-    """Short requests at the largest concurrency, so that no measured run is the engine's
-    first at that batch size (in a first try, that run was up to 1.9x slower)."""
-    short = [replace(r, max_tokens=min(16, cfg.max_tokens)) for r in requests[-max(cfg.concurrency):]]
-    closed_loop(engine, short, len(short), "warmup")
+    """A full-length batch at the largest concurrency: the process's first one at that size
+    ran up to 1.9x slower than later ones (memory growing), and 16-token warm-up requests
+    did not take that cost away from the first measured run."""
+    most = max(cfg.concurrency)
+    closed_loop(engine, requests[-most:], most, "warmup")
 
 
 # -- main ------------------------------------------------------------------------------------
