@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 MAX_PAUSE = 64
 MIN_PROBE_INTERVAL, MAX_PROBE_INTERVAL = 8, 128
+PLAIN_PROBE_INTERVAL = 16
 
 
 @dataclass
@@ -53,57 +54,58 @@ class DraftLength:
 
 
 class Payoff:
-    """Whether speculating pays on this engine right now, from what it measured.
+    """Whether speculating pays on this engine right now, from its own step timings.
 
-    A step that speculates spends `propose` seconds drafting out of `step` seconds, and
-    each verification yields 1 + accepted tokens where a plain step yields 1. Taking
-    the step without drafting to cost `step - propose` (the extra query tokens of a
-    verification ride on a memory-bound pass), drafting pays while
+    A decoding step that drafts takes `spec` seconds and yields, per sequence,
+    1 + accepted tokens per verification; one that does not takes `plain` seconds and
+    yields 1. Drafting pays while
 
-        (1 + accepted per verification) * (1 - propose / step)  >=  1
+        (1 + accepted per verification) * plain  >=  spec
 
-    on running averages. When it does not (a draft model whose guesses miss, on a
-    machine where its passes are not cheap beside the target's), steps go without
-    drafts, and one step in `probe_every` drafts again to refresh the figures (the
-    interval doubles, up to MAX_PROBE_INTERVAL, while it keeps not paying). Only speed
-    depends on this: what is emitted is the same either way.
+    on running averages. Steps mostly run the mode that pays; one step in
+    `probe_every` runs the other, so both figures stay current: every PLAIN_PROBE_INTERVAL
+    steps a plain one while drafting pays, and while it does not, a drafting one every
+    8, 16 ... MAX_PROBE_INTERVAL steps (doubling while it keeps not paying). Until both are
+    measured, it drafts. Only speed depends on this: what is emitted is the same.
     """
 
     def __init__(self, smoothing: float = 0.2) -> None:
         self.smoothing = smoothing
-        self.tokens_per_verification = 0.0  # 1 + accepted, averaged (0: not measured yet)
-        self.propose_share = 0.0  # propose / step, averaged
+        self.tokens = 0.0  # 1 + accepted per verification, averaged (0: not measured yet)
+        self.spec = 0.0  # seconds of a drafting step, averaged
+        self.plain = 0.0  # seconds of a decoding step without drafts, averaged
         self.probe_every = MIN_PROBE_INTERVAL
-        self._skipped = 0
+        self._since_probe = 0
 
     @property
     def pays(self) -> bool:
-        if not self.tokens_per_verification:
+        if not (self.tokens and self.spec and self.plain):
             return True
-        return self.tokens_per_verification * (1.0 - self.propose_share) >= 1.0
+        return self.tokens * self.plain >= self.spec
 
     def should_draft(self) -> bool:
-        """Draft this step? (Counts the steps skipped since the last probe.)"""
-        if self.pays:
+        """Draft this step? The paying mode, but for one probe step per interval."""
+        pays = self.pays
+        self._since_probe += 1
+        interval = PLAIN_PROBE_INTERVAL if pays else self.probe_every
+        if self._since_probe < interval:
+            return pays
+        self._since_probe = 0
+        if not pays:
+            self.probe_every = min(MAX_PROBE_INTERVAL, 2 * self.probe_every)
+        else:
             self.probe_every = MIN_PROBE_INTERVAL
-            self._skipped = 0
-            return True
-        self._skipped += 1
-        if self._skipped < self.probe_every:
-            return False
-        self._skipped = 0
-        self.probe_every = min(MAX_PROBE_INTERVAL, 2 * self.probe_every)
-        return True
+        return not pays
 
-    def observe(self, propose_seconds: float, step_seconds: float, verifications: int, accepted: int) -> None:
-        """A step that drafted: its timings and what its verifications accepted."""
-        if verifications <= 0 or step_seconds <= 0:
+    def observe(self, drafted: bool, step_seconds: float, verifications: int, accepted: int) -> None:
+        """A decoding step: whether it drafted, its time, what its verifications accepted."""
+        if step_seconds <= 0:
             return
-        a = self.smoothing
-        tokens = 1.0 + accepted / verifications
-        share = min(1.0, propose_seconds / step_seconds)
-        if not self.tokens_per_verification:
-            self.tokens_per_verification, self.propose_share = tokens, share
-            return
-        self.tokens_per_verification += a * (tokens - self.tokens_per_verification)
-        self.propose_share += a * (share - self.propose_share)
+        if not drafted:
+            self.plain = self._average(self.plain, step_seconds)
+        elif verifications > 0:
+            self.spec = self._average(self.spec, step_seconds)
+            self.tokens = self._average(self.tokens, 1.0 + accepted / verifications)
+
+    def _average(self, mean: float, value: float) -> float:
+        return value if not mean else mean + self.smoothing * (value - mean)

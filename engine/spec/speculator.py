@@ -25,7 +25,6 @@ string, known only from the text, can still cut an accepted run short).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -91,7 +90,7 @@ class Speculator:
         self._num_drafts = self._num_draft_tokens = self._num_accepted = self._num_unspeculated = 0
         self._per_pos = [0] * config.num_speculative_tokens
         self.payoff = Payoff()
-        self._step = (0.0, 0, 0)  # this step's (propose seconds, verifications, accepted)
+        self._step: tuple[bool, int, int] | None = None  # this decoding step's (drafted, verifications, accepted)
 
     def propose(self, running: Sequence[Request], candidates: Sequence[Request]) -> None:
         """Set this step's drafts: on `candidates` (the running sequences that may
@@ -103,7 +102,10 @@ class Speculator:
         for request_id in [rid for rid in self._lengths if rid not in alive]:
             del self._lengths[request_id]
         limit = self.config.disable_by_batch_size
-        if (limit is not None and len(running) >= limit) or not candidates or not self.payoff.should_draft():
+        if (limit is not None and len(running) >= limit) or not candidates:
+            return
+        if not self.payoff.should_draft():
+            self._step = (False, 0, 0)  # timed as a plain decoding step
             return
         chosen, ks = [], []
         for request in candidates:
@@ -113,10 +115,9 @@ class Speculator:
                 ks.append(k)
         if not chosen:
             return
-        started = time.perf_counter()
+        self._step = (True, 0, 0)
         for request, k, drafts in zip(chosen, ks, self.proposer.propose(chosen, ks)):
             request.spec_token_ids[:] = _through_first_stop(request, [int(t) for t in drafts[:k]])
-        self._step = (time.perf_counter() - started, 0, 0)
 
     def _length(self, request: Request) -> DraftLength:
         length = self._lengths.get(request.request_id)
@@ -134,8 +135,9 @@ class Speculator:
         emitted (fewer when a stop or max_tokens cut the run)."""
         if drafted <= 0:
             return
-        seconds, verifications, total = self._step
-        self._step = (seconds, verifications + 1, total + accepted)
+        if self._step is not None:
+            drafted_step, verifications, total = self._step
+            self._step = (drafted_step, verifications + 1, total + accepted)
         self._num_drafts += 1
         self._num_draft_tokens += drafted
         self._num_accepted += emitted
@@ -147,9 +149,9 @@ class Speculator:
 
     def step_done(self, seconds: float) -> None:
         """The engine step that began with this step's proposals took `seconds`."""
-        propose, verifications, accepted = self._step
-        self.payoff.observe(propose, seconds, verifications, accepted)
-        self._step = (0.0, 0, 0)
+        if self._step is not None:
+            self.payoff.observe(self._step[0], seconds, *self._step[1:])
+        self._step = None
 
     def skip(self) -> None:
         """A request that will decode without speculation (beam search)."""

@@ -3,7 +3,7 @@ pauses (with backoff) after repeated misses."""
 
 from __future__ import annotations
 
-from pdserve.engine.spec.adaptive import MAX_PAUSE, MIN_PROBE_INTERVAL, DraftLength, Payoff
+from pdserve.engine.spec.adaptive import MAX_PAUSE, MIN_PROBE_INTERVAL, PLAIN_PROBE_INTERVAL, DraftLength, Payoff
 
 
 def test_starts_at_the_maximum_and_grows_back_to_it():
@@ -40,27 +40,41 @@ def test_pause_is_bounded_and_no_drafts_change_nothing():
     assert (d.k, d.misses, d.paused) == before
 
 
-def test_payoff_drafts_until_measured_then_while_it_pays():
+def test_payoff_drafts_until_both_modes_are_measured():
     p = Payoff()
-    assert p.should_draft()  # nothing measured yet
-    p.observe(propose_seconds=0.1, step_seconds=1.0, verifications=4, accepted=8)  # 3 tokens, 10% proposing
+    assert p.pays and p.should_draft()
+    p.observe(drafted=True, step_seconds=1.0, verifications=4, accepted=8)
+    assert p.pays  # no plain step timed yet
+
+
+def test_payoff_compares_tokens_per_second_of_the_two_modes():
+    p = Payoff()
+    p.observe(drafted=False, step_seconds=1.0, verifications=0, accepted=0)
+    p.observe(drafted=True, step_seconds=1.5, verifications=2, accepted=2)  # 2 tokens in 1.5 s against 1 in 1 s
+    assert p.pays
+    p = Payoff()
+    p.observe(drafted=False, step_seconds=1.0, verifications=0, accepted=0)
+    p.observe(drafted=True, step_seconds=2.5, verifications=2, accepted=2)  # 2 tokens in 2.5 s
+    assert not p.pays
+
+
+def test_payoff_probes_the_other_mode():
+    p = Payoff()
+    drafts = [p.should_draft() for _ in range(PLAIN_PROBE_INTERVAL)]
+    assert drafts == [True] * (PLAIN_PROBE_INTERVAL - 1) + [False]  # a plain step to time
+    p.observe(drafted=False, step_seconds=1.0, verifications=0, accepted=0)
+    p.observe(drafted=True, step_seconds=3.0, verifications=1, accepted=0)
+    assert not p.pays
+    first = [p.should_draft() for _ in range(MIN_PROBE_INTERVAL)]
+    assert first == [False] * (MIN_PROBE_INTERVAL - 1) + [True]  # one drafting probe
+    second = [p.should_draft() for _ in range(2 * MIN_PROBE_INTERVAL)]
+    assert second.count(True) == 1 and second[-1]  # the interval doubled
+    for _ in range(20):  # drafting got cheap and right: it pays again
+        p.observe(drafted=True, step_seconds=1.1, verifications=2, accepted=6)
     assert p.pays and p.should_draft()
 
 
-def test_payoff_stops_a_proposer_that_costs_more_than_it_gains_and_probes_with_backoff():
+def test_payoff_ignores_drafting_steps_without_verifications():
     p = Payoff()
-    p.observe(propose_seconds=0.6, step_seconds=1.0, verifications=2, accepted=1)  # 1.5 tokens * 0.4 < 1
-    assert not p.pays
-    first = [p.should_draft() for _ in range(MIN_PROBE_INTERVAL)]
-    assert first == [False] * (MIN_PROBE_INTERVAL - 1) + [True]  # one probe per interval
-    second = [p.should_draft() for _ in range(2 * MIN_PROBE_INTERVAL)]
-    assert second.count(True) == 1 and second[-1]  # the interval doubled
-    for _ in range(20):  # the proposer got cheap and right: it pays again
-        p.observe(propose_seconds=0.05, step_seconds=1.0, verifications=2, accepted=6)
-    assert p.pays and p.should_draft() and p.probe_every == MIN_PROBE_INTERVAL
-
-
-def test_payoff_ignores_steps_without_verifications():
-    p = Payoff()
-    p.observe(propose_seconds=0.9, step_seconds=1.0, verifications=0, accepted=0)
-    assert p.tokens_per_verification == 0.0 and p.pays
+    p.observe(drafted=True, step_seconds=1.0, verifications=0, accepted=0)
+    assert p.tokens == 0.0 and p.spec == 0.0 and p.pays
