@@ -178,14 +178,19 @@ class EngineCore:
         self.last_scheduled = ()
         if self.speculator is not None:
             self._propose(self.speculator)
+        decoding_only = [False]  # set once the schedule is known
         try:
-            return self._step()
+            return self._step(decoding_only)
         finally:
             if self.speculator is not None:
-                self.speculator.step_done(time.perf_counter() - started)
+                self.speculator.step_done(time.perf_counter() - started, decoding_only[0])
 
-    def _step(self) -> list[RequestOutput]:
+    def _step(self, decoding_only: list[bool]) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
+        # Only steps of decoding sequences alone time speculation's payoff: a prompt's
+        # prefill in the batch would weigh on whichever mode it fell in.
+        decoding_only[0] = bool(plan.scheduled) and all(
+            r.num_output_tokens > 0 and r.num_computed_tokens == r.num_tokens - 1 for r, _ in plan.scheduled)
         self.last_batch = (len(plan.scheduled), plan.num_tokens)
         self.last_scheduled = tuple(dict.fromkeys(
             g.request_id for r, _ in plan.scheduled if (g := self._seq_group.get(r.request_id)) is not None))

@@ -147,9 +147,10 @@ class Speculator:
         if length is not None:
             length.update(drafted, accepted)
 
-    def step_done(self, seconds: float) -> None:
-        """The engine step that began with this step's proposals took `seconds`."""
-        if self._step is not None:
+    def step_done(self, seconds: float, decoding_only: bool) -> None:
+        """The engine step that began with this step's proposals took `seconds`; only a
+        step of decoding sequences alone (no prompt in the batch) is measured."""
+        if self._step is not None and decoding_only:
             self.payoff.observe(self._step[0], seconds, *self._step[1:])
         self._step = None
 
