@@ -37,7 +37,9 @@ class SpeculativeConfig:
     """A checked speculative config. For ngram both lookup bounds are set (1 <= min <= max)
     and `model` is None; for draft_model `model` is a directory holding config.json and
     the lookup bounds are None. `disable_by_batch_size`: None, or the running batch size
-    from which speculation turns off."""
+    from which speculation turns off. `measure_payoff` (pdserve's own key, on by
+    default): draft only while the engine's timings say drafting pays (adaptive.Payoff);
+    off, every eligible step drafts (what a test of the counters wants)."""
 
     method: Method
     num_speculative_tokens: int
@@ -45,12 +47,15 @@ class SpeculativeConfig:
     prompt_lookup_max: int | None = None
     model: str | None = None
     disable_by_batch_size: int | None = None
+    measure_payoff: bool = True
 
     def __post_init__(self) -> None:
         check_field(self.method in METHODS, f"{PREFIX}.method", f"must be one of {', '.join(METHODS)}", self.method)
         _check_int(self.num_speculative_tokens, "num_speculative_tokens")
         if self.disable_by_batch_size is not None:
             _check_int(self.disable_by_batch_size, "disable_by_batch_size")
+        check_field(isinstance(self.measure_payoff, bool), f"{PREFIX}.measure_payoff", "must be true or false",
+                    self.measure_payoff)
         if self.method == "ngram":
             self._resolve_lookup()
             _refuse_foreign(self, DRAFT_MODEL_KEYS)

@@ -104,7 +104,7 @@ class Speculator:
         limit = self.config.disable_by_batch_size
         if (limit is not None and len(running) >= limit) or not candidates:
             return
-        if not self.payoff.should_draft():
+        if self.config.measure_payoff and not self.payoff.should_draft():
             self._step = (False, 0, 0)  # timed as a plain decoding step
             return
         chosen, ks = [], []

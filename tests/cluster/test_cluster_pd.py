@@ -44,7 +44,9 @@ from pdserve.services.node import Worker
 MAX_N = 4
 THRESHOLD = 64  # the router's default --local-prefill-threshold
 K = 3
-NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1})
+# measure_payoff off: every eligible step drafts, so the counts these tests pin do not
+# depend on the worker's timing of whether drafting pays (tests/engine/spec has those).
+NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1, "measure_payoff": False})
 DRAFT = json.dumps({"method": "draft_model", "num_speculative_tokens": K, "model": DEFAULT_DRAFT_MODEL})
 SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_unspeculated_requests")
 

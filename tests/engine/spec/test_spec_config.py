@@ -103,3 +103,11 @@ def test_a_huge_value_is_cut_short_in_the_message():
     with pytest.raises(ValueError) as e:
         SpeculativeConfig.parse({**NGRAM, "method": "x" * 10_000})
     assert len(str(e.value)) < 400
+
+
+def test_measure_payoff_is_a_boolean_and_on_by_default():
+    assert SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2}).measure_payoff is True
+    off = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2, "measure_payoff": False})
+    assert off.measure_payoff is False
+    with pytest.raises(ValueError, match="speculative_config.measure_payoff: must be true or false"):
+        SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2, "measure_payoff": "no"})
