@@ -84,6 +84,7 @@ class SpecBenchConfig:
     prompt_lookup_min: int | None = None  # None: the engine's default
     prompt_lookup_max: int | None = None
     disable_by_batch_size: int | None = None
+    measure_payoff: bool | None = None  # None: the engine's default
     repeats: int = 3
     seed: int = 0
     device: str = "cpu"
@@ -109,7 +110,8 @@ class SpecBenchConfig:
         if method == "off":
             return None
         keys: dict[str, object] = {"method": method, "num_speculative_tokens": self.num_speculative_tokens,
-                                   "disable_by_batch_size": self.disable_by_batch_size}
+                                   "disable_by_batch_size": self.disable_by_batch_size,
+                                   "measure_payoff": self.measure_payoff}
         if method == "ngram":
             keys |= {"prompt_lookup_min": self.prompt_lookup_min, "prompt_lookup_max": self.prompt_lookup_max}
         else:
@@ -287,6 +289,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[SpecBenchConfig, argparse.Na
     parser.add_argument("--prompt-lookup-min", type=int)
     parser.add_argument("--prompt-lookup-max", type=int)
     parser.add_argument("--disable-by-batch-size", type=int)
+    parser.add_argument("--measure-payoff", type=_bool, help="true or false (the engine's default: true)")
     parser.add_argument("--model", help=f"target model directory ({DEFAULT_MODEL})")
     parser.add_argument("--draft-model", help=f"draft model directory ({DEFAULT_DRAFT_MODEL})")
     parser.add_argument("--tokenizer", help="directory of the tokenizer that encodes the prompts (the model's)")
@@ -309,6 +312,12 @@ def parse_args(argv: Sequence[str] | None) -> tuple[SpecBenchConfig, argparse.Na
 
 def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(","))
+
+
+def _bool(text: str) -> bool:
+    if text.lower() not in ("true", "false"):
+        raise ValueError(text)
+    return text.lower() == "true"
 
 
 def _names(text: str) -> tuple[str, ...]:
