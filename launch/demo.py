@@ -12,8 +12,6 @@ draft model, the same tokens each time, with their TPOT and acceptance."""
 from __future__ import annotations
 
 import argparse
-import inspect
-import shlex
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -62,10 +60,26 @@ def chat_over_http(base_url: str, max_tokens: int) -> None:
     print(f"assistant: {reply.choices[0].message.content}")
 
 
+# A function from idlelib, which the embedded model's training left out (held out).
+GROUNDED_SOURCE = '''def store(self, source):
+    "Store Shell input statement into history list."
+    source = source.strip()
+    if len(source) > 2:
+        # avoid duplicates
+        try:
+            self.history.remove(source)
+        except ValueError:
+            pass
+        self.history.append(source)
+    self.pointer = None
+    self.prefix = None
+'''
+
+
 def speculation(model: str, draft: str) -> None:
     """The same greedy request without speculation, with ngram and with the draft model."""
-    source = inspect.getsource(shlex.quote)
-    prompt = f"{source}\n\n# The same function, with s renamed to text:\n{source.splitlines()[0].replace('(s)', '(text)')}\n"
+    prompt = (f"{GROUNDED_SOURCE}\n\n# The same function, with source renamed to new_source:\n"
+              "def store(self, new_source):\n")
     params = SamplingParams(max_tokens=96, temperature=0.0)
     methods = {
         "off": None,
@@ -88,7 +102,8 @@ def speculation(model: str, draft: str) -> None:
         baseline = baseline or tokens
         print(f"  {name:12s} tpot {tpot * 1e3:5.1f} ms, {len(tokens)} tokens, {out.num_draft_tokens} drafted, "
               f"{out.num_accepted_tokens} accepted ({rate:.0%}){same}")
-    print(prompt.splitlines()[-1] + "\n" + out.outputs[0].text)
+    # The tiny model copies poorly and soon loops (which lookups predict well): its first lines.
+    print(prompt.splitlines()[-1] + "\n" + "\n".join(out.outputs[0].text.splitlines()[:4]))
 
 
 def main() -> None:
