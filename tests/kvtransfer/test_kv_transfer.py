@@ -40,7 +40,9 @@ from hf_models import build_model
 from pdserve.kvtransfer.connector import KVConnector, Transport, page_runs
 from pdserve.kvtransfer.nccl import TorchDistConfig, TorchDistReceiver, TorchDistSender
 from pdserve.kvtransfer.plan import TransferPlan
-from pdserve.kvtransfer.wire import VERSION, PagesHeader, PageLayout, encode, new_secret, prompt_digest, sign
+from pdserve.kvtransfer.wire import (
+    VERSION, PagesHeader, PageLayout, TransferError, encode, new_secret, prompt_digest, sign,
+)
 from pdserve.kvtransfer.zmq import CurveConfig, ZmqConfig, ZmqReceiver, ZmqSender
 from pdserve.services.worker.events import FailedEvent, FinishedEvent
 from pdserve.services.worker.requests import AWAITING_KV, RequestTable, State
@@ -552,7 +554,14 @@ def test_curve_admits_only_authorized_senders(certs):
         for i, (who, sender) in enumerate(senders.items()):
             secret = new_secret()
             receiver.expect(who, [2 * i, 2 * i + 1], 0, len(prompt), prompt_digest(prompt), secret)
-            _send_whole(sender, who, endpoint, src, prompt, secret)
+            try:
+                _send_whole(sender, who, endpoint, src, prompt, secret)
+            except TransferError:
+                # A refused peer's connection can be torn down before its few messages
+                # are queued (the send finds no pipe): refused all the same. Only the
+                # authorized sender must get through.
+                if who == "authorized":
+                    raise
         events = {}
         deadline = time.monotonic() + WAIT_S
         while "authorized" not in events and time.monotonic() < deadline:
