@@ -41,7 +41,7 @@ from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.sampling_params import SamplingParams, check_field
-from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.engine.spec.speculator import Speculator
 from pdserve.engine.spec.verify import accept_matching, positions
 from pdserve.engine.validation import MAX_REQUEST_ID
@@ -178,19 +178,14 @@ class EngineCore:
         self.last_scheduled = ()
         if self.speculator is not None:
             self._propose(self.speculator)
-        decoding_only = [False]  # set once the schedule is known
+        plan = self.scheduler.schedule()
         try:
-            return self._step(decoding_only)
+            return self._step(plan)
         finally:
             if self.speculator is not None:
-                self.speculator.step_done(time.perf_counter() - started, decoding_only[0])
+                self.speculator.step_done(time.perf_counter() - started, _decoding_only(plan.scheduled))
 
-    def _step(self, decoding_only: list[bool]) -> list[RequestOutput]:
-        plan = self.scheduler.schedule()
-        # Only steps of decoding sequences alone time speculation's payoff: a prompt's
-        # prefill in the batch would weigh on whichever mode it fell in.
-        decoding_only[0] = bool(plan.scheduled) and all(
-            r.num_output_tokens > 0 and r.num_computed_tokens == r.num_tokens - 1 for r, _ in plan.scheduled)
+    def _step(self, plan: SchedulerOutput) -> list[RequestOutput]:
         self.last_batch = (len(plan.scheduled), plan.num_tokens)
         self.last_scheduled = tuple(dict.fromkeys(
             g.request_id for r, _ in plan.scheduled if (g := self._seq_group.get(r.request_id)) is not None))
@@ -212,7 +207,7 @@ class EngineCore:
         step its drafts, never a request: verification is what decides the tokens."""
         running = self.scheduler.running
         try:
-            speculator.propose(running, [r for r in running if self._may_draft(r)])
+            speculator.propose(running, self._may_draft)
         except Exception as exc:
             log.warning("speculative proposer failed (%s: %s): this step runs without drafts", type(exc).__name__, exc)
             for request in running:
@@ -330,19 +325,19 @@ class EngineCore:
         seq.spec_token_ids.clear()
         emitted = accept_matching(drafts, [token for token, _, _ in rows])
         num_accepted = len(emitted) - 1
-        seq.num_draft_tokens += len(drafts)  # counted first: the token that ends it builds the output
-        appended = 0
+        # Counted before appending: the token that ends the sequence builds its output.
+        seq.num_draft_tokens += len(drafts)
+        before = seq.num_accepted_tokens
         for i, token in enumerate(emitted):
             if i:
                 seq.num_computed_tokens += 1  # the draft before this token
-            appended += 1
             seq.num_accepted_tokens += i < num_accepted
             if self.apply_token(group, seq, token, rows[i][1], rows[i][2], finished):
                 break
         else:
             self.kv.cache_full_blocks(seq)
         if self.speculator is not None:
-            self.speculator.record(seq.request_id, len(drafts), num_accepted, min(appended, num_accepted))
+            self.speculator.record(seq.request_id, len(drafts), num_accepted, seq.num_accepted_tokens - before)
 
     def _sample_each(self, views: list, logits: torch.Tensor, finished: list[RequestOutput]) -> list[tuple | None]:
         samples: list[tuple | None] = []
@@ -413,7 +408,16 @@ class EngineCore:
         live = sum(len(g.live) for g in self.groups.values())
         if live != len(self._seq_group):
             raise RuntimeError(f"engine: {len(self._seq_group)} sequences tracked, {live} live")
+        if self.speculator is not None:
+            self.speculator.check_integrity(self._seq_group.keys())
 
 
 def _running(seq: Request) -> bool:
     return seq.status == RequestStatus.RUNNING
+
+
+def _decoding_only(scheduled: Scheduled) -> bool:
+    """A batch of decoding sequences alone: only such steps time speculation's payoff (a
+    prompt's prefill in the batch would weigh on whichever mode it fell in)."""
+    return bool(scheduled) and all(
+        r.num_output_tokens > 0 and r.num_computed_tokens == r.num_tokens - 1 for r, _ in scheduled)

@@ -281,8 +281,6 @@ class LLMEngine:
         self.kv.check_integrity()
         self.scheduler.check_integrity()
         self.core.check_integrity()
-        if self.speculator is not None and isinstance(self.speculator.proposer, DraftModelProposer):
-            self.speculator.proposer.check_integrity()
         for request in self.scheduler.running:
             have = len(self.kv.req_blocks.get(request.request_id, ()))
             need = -(-request.num_computed_tokens // self.config.cache.block_size)

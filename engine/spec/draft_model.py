@@ -24,7 +24,7 @@ wire format to each other for no measured gain (docs/benchmarks.md).
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -135,7 +135,10 @@ class DraftModelProposer:
         logits, _ = self.runner.execute(batch)
         return logits.argmax(dim=-1).tolist()
 
-    def check_integrity(self) -> None:
+    def check_integrity(self, live: Collection[str]) -> None:
+        """Its pool adds up, and it holds nothing for a sequence that has ended."""
         self.kv.check_integrity()
         if set(self.kv.req_blocks) - set(self._seqs):
             raise RuntimeError("draft model: blocks held for a sequence it does not know")
+        if set(self._seqs) - set(live):
+            raise RuntimeError("draft model: KV kept for an ended sequence")

@@ -25,7 +25,7 @@ string, known only from the text, can still cut an accepted run short).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -56,6 +56,10 @@ class Proposer(Protocol):
         """The sequence is gone: drop whatever the proposer keeps for it."""
         ...
 
+    def check_integrity(self, live: Collection[str]) -> None:
+        """Raise if it keeps anything for a sequence not in `live`."""
+        ...
+
 
 class NgramProposer:
     """Prompt lookup: the drafts follow the longest earlier occurrence of the suffix."""
@@ -67,6 +71,9 @@ class NgramProposer:
         return [propose_ngram(r.token_ids, k, self.min_n, self.max_n) for r, k in zip(requests, ks)]
 
     def release(self, request_id: str) -> None:
+        pass
+
+    def check_integrity(self, live: Collection[str]) -> None:
         pass
 
 
@@ -92,17 +99,16 @@ class Speculator:
         self.payoff = Payoff()
         self._step: tuple[bool, int, int] | None = None  # this decoding step's (drafted, verifications, accepted)
 
-    def propose(self, running: Sequence[Request], candidates: Sequence[Request]) -> None:
-        """Set this step's drafts: on `candidates` (the running sequences that may
-        speculate), none on any other running sequence."""
+    def propose(self, running: Sequence[Request], may_draft: Callable[[Request], bool]) -> None:
+        """Set this step's drafts: on the running sequences that `may_draft`, none on the
+        others (a sequence's draft length is forgotten in `release`, when it ends)."""
         for request in running:
             request.spec_token_ids.clear()
-        # Forget the draft lengths of sequences no longer running (finished, preempted).
-        alive = {r.request_id for r in running}
-        for request_id in [rid for rid in self._lengths if rid not in alive]:
-            del self._lengths[request_id]
         limit = self.config.disable_by_batch_size
-        if (limit is not None and len(running) >= limit) or not candidates:
+        if limit is not None and len(running) >= limit:
+            return
+        candidates = [r for r in running if may_draft(r)]
+        if not candidates:
             return
         if self.config.measure_payoff and not self.payoff.should_draft():
             self._step = (False, 0, 0)  # timed as a plain decoding step
@@ -161,6 +167,13 @@ class Speculator:
     def release(self, request_id: str) -> None:
         self._lengths.pop(request_id, None)
         self.proposer.release(request_id)
+
+    def check_integrity(self, live: Collection[str]) -> None:
+        """Nothing is kept for a sequence that has ended (`live`: the engine's sequences)."""
+        stale = set(self._lengths) - set(live)
+        if stale:
+            raise RuntimeError(f"speculator: draft lengths kept for ended sequences {sorted(stale)[:3]}")
+        self.proposer.check_integrity(live)
 
     def stats(self) -> SpecStats:
         return SpecStats(
