@@ -336,6 +336,7 @@ class EngineCore:
                 break
         else:
             self.kv.cache_full_blocks(seq)
+            self.kv.trim(seq)  # what only rejected drafts held goes back to the pool
         if self.speculator is not None:
             self.speculator.record(seq.request_id, len(drafts), num_accepted, seq.num_accepted_tokens - before)
 

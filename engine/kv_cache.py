@@ -99,6 +99,16 @@ class KVCacheManager:
         self._num_cached[child.request_id] = min(self._num_cached.get(parent.request_id, 0), num_full)
         return [(src.block_id, dst.block_id) for src, dst in zip(partial, fresh)]
 
+    def trim(self, request: Request) -> None:
+        """Free the request's blocks past what its tokens need (lookahead slots of
+        rejected drafts), last first."""
+        blocks = self.req_blocks.get(request.request_id)
+        keep = -(-request.num_tokens // self.block_size)
+        if blocks is not None and len(blocks) > keep:
+            extra = blocks[keep:]
+            del blocks[keep:]
+            self.pool.free(reversed(extra))
+
     def free(self, request_id: str) -> None:
         """Release a request's blocks, tail first so a sequence's ends are evicted first."""
         blocks = self.req_blocks.pop(request_id, [])

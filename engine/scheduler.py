@@ -17,9 +17,10 @@ let a young request starve an old group forever).
 Speculative decoding: a running request with draft tokens (`spec_token_ids`, set by
 the proposer before the step) is scheduled for its last known token plus the drafts
 (K+1 query tokens), and its blocks grow to hold them (K lookahead slots); drafts the
-budget cannot fit are dropped. Verification appends only what it accepts, and
-`num_computed_tokens` counts only those, so a rejected draft's slot is simply written
-again by the next step.
+budget cannot fit are dropped, and so are drafts whose slots would need a preemption
+(nobody is preempted for optional work). Verification appends only what it accepts,
+and `num_computed_tokens` counts only those, so a rejected draft's slot is simply
+written again by the next step; blocks that held only rejected drafts are freed.
 
 Sequence slots (max_num_seqs) are held by groups, not sequences: a request that will
 run n samples or k beams is admitted only when n (or k) slots are free, and its group
@@ -123,6 +124,10 @@ class Scheduler:
                 continue
             if request.spec_token_ids:  # drafts past the budget are dropped, never half scored
                 del request.spec_token_ids[max(0, n - (request.num_tokens - request.num_computed_tokens)):]
+                if not self.kv.allocate_slots(request, n):
+                    # Drafts are optional: nobody is preempted for their lookahead slots.
+                    request.spec_token_ids.clear()
+                    n = request.num_tokens - request.num_computed_tokens
             if self._make_room(request, n, out):
                 out.scheduled.append((request, n))
                 budget -= n

@@ -112,3 +112,31 @@ def test_prefix_lookup_counts_once_per_admission():
     s.finish(s.running[0], RequestStatus.FINISHED_LENGTH)
     run_step(s)
     assert s.kv.prefix_cache_queries == 16 + 12
+
+
+def test_drafts_get_k_plus_one_tokens_and_lookahead_slots_but_never_preempt():
+    s = make(4)
+    a, b = req("a", 3), req("b", 3, first=50)
+    s.add(a)
+    s.add(b)
+    assert run_step(s) == {"a": 3, "b": 3}  # each: 4 tokens (one sampled), one block
+    a.spec_token_ids[:] = [1, 2, 3, 4, 5]
+    b.spec_token_ids[:] = [1]
+    plan = s.schedule()
+    # a: its last token and 5 drafts (positions 3..8: three blocks, the pool is full); b's
+    # one draft would need a block: dropped, b decodes its token alone, nobody preempted.
+    assert {r.request_id: n for r, n in plan.scheduled} == {"a": 6, "b": 1}
+    assert not plan.preempted and b.spec_token_ids == [] and len(s.kv.req_blocks["a"]) == 3
+    # a's verification accepted none: it keeps its token and the target's, and the block
+    # only rejected drafts held goes back; b's draft now fits.
+    a.spec_token_ids.clear()
+    a.num_computed_tokens += 1
+    a.append_token(9)
+    s.kv.trim(a)
+    assert len(s.kv.req_blocks["a"]) == 2 and s.kv.pool.num_free_blocks == 1
+    b.num_computed_tokens += 1
+    b.append_token(9)
+    b.spec_token_ids[:] = [1]
+    plan = s.schedule()
+    assert {r.request_id: n for r, n in plan.scheduled} == {"a": 1, "b": 2}
+    assert not plan.preempted and not s.num_preemptions
