@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pdserve.engine.quant.config import QUANTIZATION_METHODS, parse_kv_cache_dtype
 from pdserve.engine.spec.config import SpeculativeConfig
 
 if TYPE_CHECKING:
@@ -212,8 +213,19 @@ class EngineConfig:
     max_logprobs: int = DEFAULT_MAX_LOGPROBS  # upper bound for logprobs and prompt_logprobs
     # Speculative decoding on this engine (None: off); a dict or JSON string is parsed.
     speculative: SpeculativeConfig | None = None
+    # Quantize a full-precision checkpoint while loading it (engine/quant): int8 | int4 |
+    # fp8 | fp4; None keeps the checkpoint's own format (full precision, or what its
+    # config.json's quantization_config declares).
+    quantization: str | None = None
+    # KV pages' dtype: auto (the model's) | fp8 (= fp8_e4m3) | fp8_e4m3 | fp8_e5m2
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization: unknown {self.quantization!r}; choose one of {QUANTIZATION_METHODS}")
+        parse_kv_cache_dtype(self.kv_cache_dtype)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.speculative is not None:
             object.__setattr__(self, "speculative", SpeculativeConfig.parse(self.speculative))
         if self.max_n < 1:

@@ -29,7 +29,9 @@ from pdserve.engine.export import ExportSlice, LayerHook
 from pdserve.engine.group import SequenceGroup
 from pdserve.engine.kv_cache import KVCacheManager
 from pdserve.engine.kv_events import KvEventLog
-from pdserve.engine.model_runner import ModelRunner, kv_bytes_per_block
+from pdserve.engine import memory
+from pdserve.engine.memory import MemoryPlan
+from pdserve.engine.model_runner import BatchItem, ModelRunner, kv_bytes_per_block
 from pdserve.engine.output import OutputProcessor, TokenDelta, TokenHook
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.request import Request
@@ -42,7 +44,6 @@ from pdserve.engine.stats import EngineStats
 from pdserve.engine.tokenizer import Tokenizer, has_tokenizer
 from pdserve.engine.validation import SamplingLimits, validate_prompt, validate_sampling_params
 
-DEFAULT_CPU_KV_BYTES = 1 << 30
 
 __all__ = [
     "EngineConfig", "ExportSlice", "LLMEngine", "LayerHook", "NoCapacityError", "Reservation", "TokenDelta",
@@ -66,10 +67,12 @@ class LLMEngine:
         block_size = config.cache.block_size
         self.runner = ModelRunner(
             config.model, self.model_config, dtype, device, block_size, self.max_model_len, config.attention_backend,
+            config.quantization, config.kv_cache_dtype,
         )
         self.draft_runner = self._draft_runner(dtype, device)
         # Sized after the weights are loaded, so a GPU budget counts what is left.
-        num_blocks = self._num_blocks(dtype, device)
+        self.memory = self._plan_memory(dtype, device)
+        num_blocks = self.memory.num_blocks
         self.runner.allocate_kv_cache(num_blocks)
         self.speculator = self._speculator(num_blocks)
         self.pool = BlockPool(num_blocks, config.cache.enable_prefix_caching)
@@ -88,24 +91,48 @@ class LLMEngine:
         )
         self.remote = RemoteKV(self.core)
 
-    def _num_blocks(self, dtype: torch.dtype, device: torch.device) -> int:
+    def _plan_memory(self, dtype: torch.dtype, device: torch.device) -> MemoryPlan:
+        """Weights as loaded, the activation peak (measured on a GPU), the KV budget and blocks."""
         cache, sched = self.config.cache, self.config.scheduler
-        if cache.num_blocks is not None:
-            return cache.num_blocks
-        per_block = kv_bytes_per_block(self.model_config, cache.block_size, dtype)
+        cfg, runner = self.model_config, self.runner
+        per_token = memory.kv_bytes_per_token(cfg, runner.kv_dtype)
+        per_block = per_token * cache.block_size
         if self.draft_runner is not None:  # the draft's pool has as many blocks
-            per_block += kv_bytes_per_block(self.draft_runner.cfg, cache.block_size, dtype)
-        budget = cache.memory_bytes
-        if budget is None and device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            budget = int(free * self.config.gpu_memory_utilization)
-        budget = budget or DEFAULT_CPU_KV_BYTES
-        # Never more than every sequence at full length could use.
-        most = sched.max_num_seqs * -(-self.max_model_len // cache.block_size)
-        num = min(budget // per_block, most)
-        if num < 1:
-            raise ValueError(f"kv_cache_memory: {budget} bytes holds no block of {per_block} bytes")
-        return int(num)
+            per_block += kv_bytes_per_block(self.draft_runner.cfg, cache.block_size, self.draft_runner.kv_dtype)
+        weights = runner.weight_bytes + (self.draft_runner.weight_bytes if self.draft_runner else 0)
+        device_memory = None
+        if device.type == "cuda":
+            activations = self._measure_activation_peak(device)
+            device_memory = torch.cuda.mem_get_info(device)[1]
+        else:
+            activations = memory.activation_estimate(cfg, sched.max_num_batched_tokens, sched.max_num_seqs, dtype)
+        budget = memory.kv_budget(
+            num_blocks=cache.num_blocks, kv_cache_memory=cache.memory_bytes, device_memory=device_memory,
+            gpu_memory_utilization=self.config.gpu_memory_utilization, weight_bytes=weights,
+            activation_bytes=activations, per_block=per_block)
+        blocks = memory.count_blocks(budget, cache.num_blocks, per_block, sched.max_num_seqs, self.max_model_len,
+                                     cache.block_size)
+        return MemoryPlan(weights, runner.weight_scheme, activations, str(runner.kv_dtype).removeprefix("torch."),
+                          per_block // cache.block_size, per_block, blocks * per_block, blocks, cache.block_size,
+                          self.max_model_len)
+
+    def _measure_activation_peak(self, device: torch.device) -> int:
+        """The memory one forward of a full token budget takes beyond the weights (vLLM's
+        profile run), with a KV cache of one block per sequence so attention runs."""
+        sched, bs = self.config.scheduler, self.config.cache.block_size
+        tokens = min(sched.max_num_batched_tokens, self.max_model_len)
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        self.runner.allocate_kv_cache(-(-tokens // bs))
+        kv_bytes = torch.cuda.memory_allocated(device) - before
+        probe = _ProfileSequence(tokens)
+        self.runner.execute([BatchItem(probe, tokens, list(range(-(-tokens // bs))))])
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - before - kv_bytes
+        self.runner.allocate_kv_cache(0)
+        torch.cuda.empty_cache()
+        return int(peak)
 
     def _draft_runner(self, dtype: torch.dtype, device: torch.device) -> ModelRunner | None:
         """The draft model of `speculative_config` (method draft_model), checked against the target."""
@@ -249,6 +276,7 @@ class LLMEngine:
             num_requests_held=len(self.core.held),
             num_held_blocks=sum(len(self.kv.req_blocks.get(rid, ())) for rid in self.core.held),
             spec_decode=self.speculator.stats() if self.speculator is not None else SpecStats(),
+            kv_fragmentation=self.kv.fragmentation(),
         )
 
     @property
@@ -286,3 +314,20 @@ class LLMEngine:
             need = -(-request.num_computed_tokens // self.config.cache.block_size)
             if have < need:
                 raise RuntimeError(f"engine: {request.request_id} has {have} blocks for {need} computed")
+
+
+class _ProfileSequence:
+    """A prompt of `n` token 0s for the activation profile run (engine.Sequence)."""
+
+    def __init__(self, n: int) -> None:
+        self.token_ids = [0] * n
+        self.num_computed_tokens = 0
+        self.sampling_params = SamplingParams(max_tokens=1)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.token_ids)

@@ -7,7 +7,8 @@
 `get_computed_blocks` finds the longest cached prefix (capped so the last token is
 always computed, since its logits are needed); `allocate_slots` takes references on
 those blocks and allocates the rest, or returns False and changes nothing;
-`cache_full_blocks` registers newly computed full blocks under their hashes.
+`cache_full_blocks` registers newly computed full blocks under their hashes;
+`fragmentation` is the share of allocated slots that hold no token.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ class KVCacheManager:
         self.pool = pool
         self.block_size = block_size
         self.req_blocks: dict[str, list[Block]] = {}
+        self._requests: dict[str, Request] = {}  # the holder of each req_blocks entry (for fragmentation)
         self._num_cached: dict[str, int] = {}
         self.prefix_cache_queries = 0  # tokens looked up (by admissions that used the lookup)
         self.prefix_cache_hits = 0  # tokens found
@@ -59,7 +61,9 @@ class KVCacheManager:
         if needed > self.pool.num_free_blocks - reusable:
             if not blocks:
                 del self.req_blocks[request.request_id]
+                self._requests.pop(request.request_id, None)
             return False
+        self._requests[request.request_id] = request
         self.pool.touch(computed)
         blocks.extend(computed)
         if needed > 0:
@@ -96,6 +100,7 @@ class KVCacheManager:
             return None
         self.pool.touch(shared)
         self.req_blocks[child.request_id] = shared + fresh
+        self._requests[child.request_id] = child
         self._num_cached[child.request_id] = min(self._num_cached.get(parent.request_id, 0), num_full)
         return [(src.block_id, dst.block_id) for src, dst in zip(partial, fresh)]
 
@@ -113,10 +118,39 @@ class KVCacheManager:
         """Release a request's blocks, tail first so a sequence's ends are evicted first."""
         blocks = self.req_blocks.pop(request_id, [])
         self._num_cached.pop(request_id, None)
+        self._requests.pop(request_id, None)
         self.pool.free(reversed(blocks))
+
+    def fragmentation(self) -> float:
+        """Allocated KV slots holding no token / allocated slots, over the distinct
+        blocks live requests hold (0.0 when none is held). A request's tokens are
+        those whose KV its blocks hold: computed, or found in the prefix cache (a
+        reservation's hits before its KV arrives).
+
+            request A  [ 16 | 16 |  5 ..... ]      blocks shared by a prefix or a fork
+            request B  [ 16 | 16 |  9 ... | .. ]   count once: 5 blocks, 80 slots,
+                                                   16+16+5+9 tokens -> 34/80 empty
+
+        Shared blocks are full in every holder (prefix-cache hits and the blocks a fork
+        shares are whole), so only each holder's tail past its full blocks is walked:
+        O(requests), cheap enough for every engine iteration's stats."""
+        used = self.pool.num_blocks - self.pool.num_free_blocks  # blocks with a reference
+        if used == 0:
+            return 0.0
+        bs = self.block_size
+        tails: dict[int, int] = {}  # block id -> tokens in it, for blocks not full in their holder
+        for request_id, blocks in self.req_blocks.items():
+            request = self._requests[request_id]
+            tokens = min(max(request.num_computed_tokens, request.num_cached_tokens), len(blocks) * bs)
+            for i in range(tokens // bs, len(blocks)):
+                held = min(bs, max(0, tokens - i * bs))
+                tails[blocks[i].block_id] = max(tails.get(blocks[i].block_id, 0), held)
+        return sum(bs - held for held in tails.values()) / (used * bs)
 
     def check_integrity(self) -> None:
         self.pool.check_integrity()
+        if set(self._requests) != set(self.req_blocks):
+            raise RuntimeError(f"kv cache: holders {sorted(self._requests)} but blocks of {sorted(self.req_blocks)}")
         refs: dict[int, int] = {}
         for blocks in self.req_blocks.values():
             for b in blocks:

@@ -32,6 +32,9 @@ class LLM:
         max_logprobs: int = DEFAULT_MAX_LOGPROBS,
         speculative_config: SpeculativeConfig | Mapping[str, object] | str | None = None,
         seed: int = 0,
+        quantization: str | None = None,
+        kv_cache_dtype: str = "auto",
+        gpu_memory_utilization: float = 0.9,
     ) -> None:
         self.engine = LLMEngine(
             EngineConfig(
@@ -46,6 +49,9 @@ class LLM:
                 max_logprobs=max_logprobs,
                 seed=seed,
                 speculative=None if speculative_config is None else SpeculativeConfig.parse(speculative_config),
+                quantization=quantization,
+                kv_cache_dtype=kv_cache_dtype,
+                gpu_memory_utilization=gpu_memory_utilization,
             )
         )
         self.model_dir = model

@@ -10,6 +10,7 @@ kvtransfer ships.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,9 +19,13 @@ from typing import Protocol
 import torch
 
 from pdserve.engine.attention import AttentionMetadata, get_backend
-from pdserve.engine.attention.base import kv_rows
+from pdserve.engine.attention.base import is_fp8, kv_rows
 from pdserve.engine.config import ModelConfig
+from pdserve.engine.memory import kv_bytes_per_token
 from pdserve.engine.model.loader import load_model
+from pdserve.engine.quant.apply import weight_bytes
+from pdserve.engine.quant.config import kv_torch_dtype
+from pdserve.engine.quant.linear import QuantLinear
 from pdserve.engine.sampling_params import SamplingParams
 
 
@@ -51,8 +56,7 @@ class BatchItem:
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    elem = torch.empty((), dtype=dtype).element_size()
-    return cfg.num_layers * 2 * block_size * cfg.kv_size * elem
+    return kv_bytes_per_token(cfg, dtype) * block_size
 
 
 class ModelRunner:
@@ -65,19 +69,43 @@ class ModelRunner:
         block_size: int,
         max_model_len: int,
         attention_backend: str = "auto",
+        quantization: str | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         self.cfg = cfg
         self.device = device
         self.block_size = block_size
-        self.model = load_model(model_dir, cfg, dtype, device, max_model_len)
-        self.backend = get_backend(attention_backend, str(device))
         self.dtype = dtype
+        # the pages' dtype: the model's, or float8 (--kv-cache-dtype)
+        self.kv_dtype = kv_torch_dtype(kv_cache_dtype, dtype)
+        self.model = load_model(model_dir, cfg, dtype, device, max_model_len, quantization, self.kv_dtype)
+        self.backend = get_backend(attention_backend, str(device))
         self.kv_cache = torch.empty(0)
+
+    @property
+    def weight_bytes(self) -> int:
+        return weight_bytes(self.model)
+
+    @property
+    def weight_scheme(self) -> str:
+        layer = next((m for m in self.model.modules() if isinstance(m, QuantLinear)), None)
+        return layer.scheme.label if layer is not None else str(self.dtype).removeprefix("torch.")
+
+    @property
+    def kv_format(self) -> str:
+        """What a KV page's bytes mean beyond its shape and dtype, for the pairing check:
+        the weights' scheme (K and V come out of the quantized projections) and, for a
+        float8 cache, every layer's (k_scale, v_scale)."""
+        text = f"weights={self.weight_scheme}"
+        if is_fp8(self.kv_dtype):
+            scales = ",".join(f"{k!r}/{v!r}" for k, v in (layer.self_attn.kv_scales for layer in self.model.layers))
+            text += f";kv_scales={hashlib.sha256(scales.encode()).hexdigest()[:16]}"
+        return text
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         cfg = self.cfg
         shape = (cfg.num_layers, num_blocks, 2, self.block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
 
     @torch.inference_mode()
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -85,7 +113,8 @@ class ModelRunner:
         if pairs:
             src = torch.tensor([s for s, _ in pairs], device=self.device)
             dst = torch.tensor([d for _, d in pairs], device=self.device)
-            self.kv_cache[:, dst] = self.kv_cache[:, src]
+            kv = self.kv_cache.view(torch.uint8) if is_fp8(self.kv_dtype) else self.kv_cache
+            kv[:, dst] = kv[:, src]
 
     @torch.inference_mode()
     def execute(

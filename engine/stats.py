@@ -29,3 +29,4 @@ class EngineStats:
     num_requests_held: int  # prefill: finished, blocks kept until their KV is shipped
     num_held_blocks: int  # the blocks those hold
     spec_decode: SpecStats = SpecStats()  # all zero without speculative decoding
+    kv_fragmentation: float = 0.0  # allocated KV slots holding no token / allocated slots, 0..1

@@ -106,8 +106,15 @@ class AttentionBackend(ABC):
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
+        kv_scales: tuple[float, float] = (1.0, 1.0),
     ) -> torch.Tensor:
-        """Write k/v into the cache at `meta.slot_mapping`, then attend; returns [T, H, D]."""
+        """Write k/v into the cache at `meta.slot_mapping`, then attend; returns [T, H, D].
+
+        A float8 cache (--kv-cache-dtype fp8*) holds K / k_scale and V / v_scale, clamped
+        to the format's range (`kv_scales` = this layer's (k_scale, v_scale)); attention
+        reads them back as value * scale, in every path (a fresh prompt too), so a
+        sequence's output never depends on whether its K/V came from this step, the
+        prefix cache or another worker."""
 
 
 def kv_rows(slot_mapping: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -118,8 +125,37 @@ def kv_rows(slot_mapping: torch.Tensor, block_size: int) -> torch.Tensor:
     return (slot_mapping // block_size) * (2 * block_size) + slot_mapping % block_size
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata) -> None:
-    """Store the step's new K/V (one index_copy each: much faster than 2-D indexing)."""
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def quantize_kv(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """x / scale in a float8 `dtype`, clamped first (a cast saturates to nan/inf otherwise)."""
+    top = torch.finfo(dtype).max
+    return (x.float() / scale).clamp_(-top, top).to(dtype)
+
+
+def dequantize_kv(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """The values a float8 cache holds, as `dtype`."""
+    return (x.float() * scale).to(dtype)
+
+
+def round_trip_kv(x: torch.Tensor, scale: float, cache_dtype: torch.dtype) -> torch.Tensor:
+    """What reading back `x` from a cache of `cache_dtype` gives (x itself unless float8)."""
+    if not is_fp8(cache_dtype):
+        return x
+    return dequantize_kv(quantize_kv(x, scale, cache_dtype), scale, x.dtype)
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata,
+             kv_scales: tuple[float, float] = (1.0, 1.0)) -> None:
+    """Store the step's new K/V (one index_copy each: much faster than 2-D indexing); a
+    float8 cache gets them quantized, written through a uint8 view (torch has no float8
+    index_copy)."""
+    if is_fp8(kv.dtype):
+        k = quantize_kv(k, kv_scales[0], kv.dtype).view(torch.uint8)
+        v = quantize_kv(v, kv_scales[1], kv.dtype).view(torch.uint8)
+        kv = kv.view(torch.uint8)
     rows = kv.view(-1, *kv.shape[3:])
     rows.index_copy_(0, meta.kv_rows, k)
     rows.index_copy_(0, meta.kv_rows + meta.block_size, v)

@@ -12,40 +12,45 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine.attention.base import (
-    MAX_BATCHED_QUERIES, AttentionBackend, AttentionMetadata, DecodeBatch, write_kv,
+    MAX_BATCHED_QUERIES, AttentionBackend, AttentionMetadata, DecodeBatch, dequantize_kv, is_fp8, round_trip_kv,
+    write_kv,
 )
 
 
 class TorchAttention(AttentionBackend):
     name = "torch"
 
-    def forward(self, q, k, v, kv, meta: AttentionMetadata, scale: float, sliding_window: int | None):
-        write_kv(k, v, kv, meta)
+    def forward(self, q, k, v, kv, meta: AttentionMetadata, scale: float, sliding_window: int | None,
+                kv_scales: tuple[float, float] = (1.0, 1.0)):
+        write_kv(k, v, kv, meta, kv_scales)
         k_cache, v_cache = kv[:, 0], kv[:, 1]
+        # A float8 cache is gathered as bytes and read back as value * scale.
+        read = _Reader(kv.dtype, q.dtype, kv_scales)
         out = torch.empty_like(q)
         decode = meta.decode_batch
         if decode is not None:
-            o = self._decode_batch(q[decode.rows], k_cache, v_cache, decode, scale, sliding_window)
+            o = self._decode_batch(q[decode.rows], k_cache, v_cache, decode, scale, sliding_window, read)
             out[decode.rows.flatten()[decode.picked]] = o.flatten(0, 1)[decode.picked]
         for b, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
             if q_len == 0 or (decode is not None and q_len <= MAX_BATCHED_QUERIES):
                 continue
             s = meta.query_start_loc_cpu[b]
-            if q_len == seq_len:  # nothing cached before: attend to the fresh K/V
-                kb, vb = k[s : s + q_len], v[s : s + q_len]
+            if q_len == seq_len:  # nothing cached before: attend to the fresh K/V (as the cache holds them)
+                kb, vb = read.fresh(k[s : s + q_len], v[s : s + q_len])
             else:
-                kb, vb = gather_kv(k_cache, v_cache, meta.block_tables[b], seq_len)
+                kb, vb = read.pair(*gather_kv(read.raw(k_cache), read.raw(v_cache), meta.block_tables[b], seq_len))
             out[s : s + q_len] = _attend(q[s : s + q_len], kb, vb, scale, sliding_window)
         return out
 
-    def _decode_batch(self, q, k_cache, v_cache, decode: DecodeBatch, scale, window):
+    def _decode_batch(self, q, k_cache, v_cache, decode: DecodeBatch, scale, window, read: "_Reader"):
         lens, max_len = decode.seq_lens, decode.max_seq_len
         num_seqs, n_blocks = decode.block_tables.shape
         ids = decode.block_tables.flatten()
         shape = (num_seqs, n_blocks * k_cache.shape[1], *k_cache.shape[2:])
         # index_select copies whole pages; plain indexing here is several times slower
-        keys = k_cache.index_select(0, ids).view(shape)[:, :max_len]  # [B, L, KVH, D]
-        vals = v_cache.index_select(0, ids).view(shape)[:, :max_len]
+        keys = read.raw(k_cache).index_select(0, ids).view(shape)[:, :max_len]  # [B, L, KVH, D]
+        vals = read.raw(v_cache).index_select(0, ids).view(shape)[:, :max_len]
+        keys, vals = read.pair(keys, vals)
         # Query j of a sequence with n queries sits at position len - n + j (a padded j
         # is masked as the last real one: its output is dropped).
         num_q = decode.max_query_len
@@ -69,6 +74,29 @@ class TorchAttention(AttentionBackend):
             scale=scale,
         )
         return o.view(num_seqs, num_kv, num_q, group, head_dim).transpose(1, 2).reshape(num_seqs, num_q, num_heads, head_dim)
+
+
+class _Reader:
+    """Reads a layer's cache as the compute dtype: a float8 cache through its scales."""
+
+    def __init__(self, cache_dtype: torch.dtype, dtype: torch.dtype, scales: tuple[float, float]) -> None:
+        self.cache_dtype, self.dtype, self.scales = cache_dtype, dtype, scales
+        self.fp8 = is_fp8(cache_dtype)
+
+    def raw(self, cache: torch.Tensor) -> torch.Tensor:
+        # index_select has no float8 kernel: gather bytes, reinterpret after
+        return cache.view(torch.uint8) if self.fp8 else cache
+
+    def pair(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.fp8:
+            return k, v
+        ks, vs = self.scales
+        return (dequantize_kv(k.view(self.cache_dtype), ks, self.dtype),
+                dequantize_kv(v.view(self.cache_dtype), vs, self.dtype))
+
+    def fresh(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ks, vs = self.scales
+        return round_trip_kv(k, ks, self.cache_dtype), round_trip_kv(v, vs, self.cache_dtype)
 
 
 def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int):

@@ -41,6 +41,8 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.scale = cfg.head_dim**-0.5
         self.sliding_window = cfg.sliding_windows[layer]
+        # A float8 KV cache holds K / k_scale and V / v_scale (the checkpoint's, else 1.0).
+        self.kv_scales = (1.0, 1.0)
 
     def forward(self, x, rotary: tuple[torch.Tensor, torch.Tensor], kv: torch.Tensor, meta, backend: AttentionBackend):
         cfg = self.cfg
@@ -49,7 +51,7 @@ class Attention(nn.Module):
         qk = qkv[:, : cfg.q_size + cfg.kv_size].view(-1, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
         q, k = apply_rotary(qk, *rotary).split([cfg.num_heads, cfg.num_kv_heads], dim=1)
         v = qkv[:, cfg.q_size + cfg.kv_size :].view(-1, cfg.num_kv_heads, cfg.head_dim)
-        o = backend.forward(q, k, v, kv, meta, self.scale, self.sliding_window)
+        o = backend.forward(q, k, v, kv, meta, self.scale, self.sliding_window, self.kv_scales)
         return self.o_proj(o.reshape(-1, cfg.q_size))
 
 
@@ -109,5 +111,6 @@ class LlamaForCausalLM(nn.Module):
             if on_layer is not None:
                 on_layer(i)
         h = self.norm(h[logits_indices])
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(h, weight)
+        if self.lm_head is None:
+            return F.linear(h, self.embed_tokens.weight)
+        return self.lm_head(h)

@@ -1,8 +1,22 @@
-"""Load Hugging Face safetensors checkpoints (single file or sharded) into our model."""
+"""Load Hugging Face safetensors checkpoints (single file or sharded) into our model.
+
+Full-precision tensors are copied into their parameters (q/k/v and gate/up into row
+ranges of the fused layers). Quantization enters in one of two ways:
+
+    online          --quantization: the full-precision model is loaded, then every
+                    covered linear layer is quantized in place (engine/quant/apply.py)
+    pre-quantized   config.json's quantization_config (engine/quant/checkpoint.py): the
+                    covered layers are QuantLinears from the start; a module's tensors are
+                    gathered, converted to the canonical storage and copied into its rows
+
+Either way every QuantLinear is `prepare()`d for its device last, and a float8 KV
+cache's per-layer scales come from `self_attn.k_scale` / `v_scale` when present.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,6 +26,11 @@ from safetensors import safe_open
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.model.llama import LlamaForCausalLM
 from pdserve.engine.model.rope import RotaryEmbedding
+from pdserve.engine.quant import apply as quant_apply
+from pdserve.engine.quant.checkpoint import CheckpointFormat
+from pdserve.engine.quant.config import WeightScheme
+
+log = logging.getLogger(__name__)
 
 # HF name suffix -> (our parameter suffix, index of the shard inside a fused weight)
 _FUSED = {
@@ -21,6 +40,7 @@ _FUSED = {
     "mlp.gate_proj": ("mlp.gate_up_proj", 0),
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
 }
+_KV_SCALES = ("self_attn.k_scale", "self_attn.v_scale")
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -41,15 +61,45 @@ def iter_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int) -> LlamaForCausalLM:
-    model_dir = Path(model_dir)
+def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int,
+                scheme: WeightScheme | None, online: bool) -> LlamaForCausalLM:
+    """The model with empty weights on `device` (the meta device: a skeleton that only
+    counts bytes); a pre-quantized scheme's layers are QuantLinears already."""
     rope = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions, device)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, rope)
-    model = model.to_empty(device=device).to(dtype)
+        # cast while still on meta (free), before any QuantLinear joins: a module-wide
+        # .to(dtype) would cast float8 and fp32 scale buffers too
+        model = LlamaForCausalLM(cfg, rope).to(dtype)
+        if scheme is not None and not online:
+            quant_apply.replace_linears(model, scheme, dtype)
+    return model if device.type == "meta" else model.to_empty(device=device)
+
+
+def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int,
+               quantization: str | None = None, kv_cache_dtype: torch.dtype | None = None) -> LlamaForCausalLM:
+    model_dir = Path(model_dir)
+    fmt, scheme = quant_apply.resolve_scheme(model_dir, quantization)
+    model = build_model(cfg, dtype, device, max_positions, scheme, online=fmt is None)
     params = dict(model.named_parameters())
+    params.update((n, b) for n, b in model.named_buffers() if not n.endswith("inv_freq"))
     loaded: set[str] = set()
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    kv_scales: dict[str, float] = {}
     for name, tensor in iter_tensors(model_dir):
+        bare = name.removeprefix("model.")
+        if bare.endswith(_KV_SCALES):
+            kv_scales[bare] = float(tensor.float().reshape(-1)[0])
+            continue
+        if fmt is not None and fmt.owns(bare):
+            module, field = fmt.split(bare)
+            if quant_apply.is_quantized(model, _target(module + ".weight", cfg)[0] or ""):
+                group = pending.setdefault(module, {})
+                group[field] = tensor
+                if fmt.complete(group):
+                    _load_quantized(model, module, fmt.to_canonical(pending.pop(module), module), cfg, loaded)
+                continue
+            if field not in ("weight", "bias"):
+                raise ValueError(f"model: {name!r} is quantized but its layer is listed under ignore")
         target, shard = _target(name, cfg)
         if target is None:
             continue
@@ -57,8 +107,64 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, devi
             raise ValueError(f"model: checkpoint tensor {name!r} has no place in {cfg.architecture}")
         _copy(params[target], tensor, _shard_view(params[target], target, shard, cfg), name)
         loaded.add(target if shard is None else f"{target}#{shard}")
-    _check_complete(params, loaded)
+    if pending:
+        module, group = next(iter(pending.items()))
+        raise ValueError(f"model: quantized layer {module} is incomplete in the checkpoint (has {sorted(group)})")
+    _check_complete(model, loaded)
+    if fmt is None and scheme is not None:
+        quant_apply.quantize_model(model, scheme)
+    _set_kv_scales(model, kv_scales, kv_cache_dtype)
+    quant_apply.prepare(model)
     return model.eval()
+
+
+def _load_quantized(model: LlamaForCausalLM, module: str, canonical: dict[str, torch.Tensor], cfg: ModelConfig,
+                    loaded: set[str]) -> None:
+    target, shard = _target(module + ".weight", cfg)
+    assert target is not None
+    layer_name = target.removesuffix(".weight")
+    layer = model.get_submodule(layer_name)
+    own = layer.canonical()
+    if set(canonical) != set(own):
+        raise ValueError(f"model: {module} gives {sorted(canonical)}, the {layer.method} layer needs {sorted(own)}")
+    with torch.no_grad():
+        for field, tensor in canonical.items():
+            full_name = f"{layer_name}.{field}"
+            if field in ("perm", "input_scale"):
+                first = not any(x == full_name or x.startswith(f"{full_name}#") for x in loaded)
+                _load_shared(own[field], tensor, full_name, first)
+            else:
+                _copy(own[field], tensor, _shard_view(own[field], target, shard, cfg), f"{module}.{field}")
+            loaded.add(full_name if shard is None else f"{full_name}#{shard}")
+
+
+def _load_shared(dst: torch.Tensor, tensor: torch.Tensor, name: str, first: bool) -> None:
+    """A per-layer value every shard of a fused layer carries: an act-order permutation
+    must be the same in each (they share the input); a static input scale is the
+    largest of the shards' (vLLM's rule for fused FP8 layers)."""
+    if tuple(tensor.shape) != tuple(dst.shape):
+        raise ValueError(f"model: {name} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+    if first:
+        dst.copy_(tensor.to(dst.dtype))
+    elif name.endswith("perm"):
+        if not torch.equal(dst, tensor.to(dst.dtype)):
+            raise ValueError(f"model: {name}: the fused shards' act-order permutations differ")
+    else:
+        dst.copy_(torch.maximum(dst, tensor.to(dst.dtype)))
+
+
+def _set_kv_scales(model: LlamaForCausalLM, scales: dict[str, float], kv_dtype: torch.dtype | None) -> None:
+    fp8 = kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    for i, layer in enumerate(model.layers):
+        k, v = scales.get(f"layers.{i}.self_attn.k_scale"), scales.get(f"layers.{i}.self_attn.v_scale")
+        for name, value in (("k_scale", k), ("v_scale", v)):
+            if value is not None and not (value > 0 and value < float("inf")):
+                raise ValueError(f"model: layers.{i}.self_attn.{name} must be a positive finite number, got {value}")
+        layer.self_attn.kv_scales = (k or 1.0, v or 1.0)
+    if fp8 and len(scales) < 2 * len(model.layers):
+        log.warning("kv_cache_dtype: the checkpoint has no k_scale/v_scale for %d of %d layers; using 1.0 "
+                    "(values beyond the float8 range are clamped)",
+                    len(model.layers) - len(scales) // 2, len(model.layers))
 
 
 def _target(name: str, cfg: ModelConfig) -> tuple[str | None, int | None]:
@@ -73,7 +179,7 @@ def _target(name: str, cfg: ModelConfig) -> tuple[str | None, int | None]:
     return name, None
 
 
-def _copy(param: torch.nn.Parameter, tensor: torch.Tensor, dst: torch.Tensor, name: str) -> None:
+def _copy(param: torch.Tensor, tensor: torch.Tensor, dst: torch.Tensor, name: str) -> None:
     with torch.no_grad():
         if dst.shape != tensor.shape:
             raise ValueError(f"model: {name} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
@@ -90,9 +196,13 @@ def _shard_view(param: torch.Tensor, target: str, shard: int | None, cfg: ModelC
     return param.split(sizes, dim=0)[shard]
 
 
-def _check_complete(params: dict[str, torch.nn.Parameter], loaded: set[str]) -> None:
+def _check_complete(model: LlamaForCausalLM, loaded: set[str]) -> None:
     missing = []
-    for name in params:
+    names = [n for n, _ in model.named_parameters()]
+    names += [n for n, _ in model.named_buffers() if not n.endswith("inv_freq")]
+    for name in names:
+        if name.endswith(("perm", "input_scale")) and (name in loaded or any(x.startswith(name + "#") for x in loaded)):
+            continue
         if ".qkv_proj." in name:
             want = [f"{name}#{i}" for i in range(3)]
         elif ".gate_up_proj." in name:
