@@ -97,7 +97,7 @@ def quantize_fp8_activation(x: torch.Tensor, input_scale: torch.Tensor | None) -
     if input_scale is None:
         scale = (x.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_(min=1e-12)
     else:
-        scale = input_scale.float().reshape(1, 1).expand(x.shape[0], 1)
+        scale = input_scale.float().reshape(1, 1).expand(x.shape[0], 1).contiguous()
     return (x / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
 
