@@ -18,11 +18,13 @@ is the estimate `activation_estimate`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from pdserve.engine.config import ModelConfig, parse_dtype
 from pdserve.engine.quant.config import kv_torch_dtype
+
+if TYPE_CHECKING:  # torch loads on first use: `pdserve plan`'s parser and the launchers import this
+    import torch
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
 GIB = 1 << 30
@@ -61,6 +63,8 @@ class MemoryPlan:
 
 
 def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: torch.dtype) -> int:
+    import torch
+
     return cfg.num_layers * 2 * cfg.kv_size * torch.empty((), dtype=kv_dtype).element_size()
 
 
@@ -68,6 +72,8 @@ def activation_estimate(cfg: ModelConfig, max_num_batched_tokens: int, max_num_s
     """The largest tensors alive in one forward of a full token budget: the residual
     stream and a layer's normed input, its fused q/k/v and attention output, its fused
     gate/up and their product, and fp32 logits for every sequence."""
+    import torch
+
     elem = torch.empty((), dtype=dtype).element_size()
     per_token = 3 * cfg.hidden_size + cfg.q_size + 2 * cfg.kv_size + cfg.q_size + 3 * cfg.intermediate_size
     return max_num_batched_tokens * per_token * elem + min(max_num_seqs, max_num_batched_tokens) * cfg.vocab_size * 4
@@ -119,6 +125,8 @@ def plan_memory(
     gpu_memory_utilization: float = 0.9,
 ) -> MemoryPlan:
     """What a worker started with these settings would allocate (no weights are read)."""
+    import torch
+
     from pdserve.engine.model.loader import build_model
     from pdserve.engine.quant import apply
 
