@@ -39,9 +39,17 @@ Mistral semantics: the window includes the query token itself).
 
 Softmax is computed online (flash-attention style) in float32 with base-2
 exponentials; scores are pre-multiplied by ``scale * log2(e)``.
+
+FP8 cache (``--kv-cache-dtype fp8*``): the pages hold K / k_scale and V / v_scale
+as float8_e4m3fn or float8_e5m2 (written by ``attention.base.write_kv``). The
+kernels load the float8 values, widen them to float32, multiply by the layer's
+scale and round to the query's dtype, exactly as the torch reference's
+``dequantize_kv`` does, so both backends attend to the same K/V.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
@@ -50,6 +58,7 @@ import triton.language as tl
 __all__ = ["paged_decode_attention", "paged_prefill_attention"]
 
 _LOG2E = 1.4426950408889634
+_FP8_CACHE = (torch.float8_e4m3fn, torch.float8_e5m2)
 # Finite "minus infinity" for the running max: a row whose first tiles are
 # fully masked keeps m = _NEG_BIG, so exp2(m_old - m_new) stays finite (exp2 of
 # -inf - -inf would be NaN), while masked scores (-inf) still give p = 0.
@@ -72,6 +81,12 @@ def _load_rows(ptr, page, slot, kvh, offs_d, stride_b, stride_s, stride_h, strid
     physical block `page[i]` (the index arithmetic in the module docstring)."""
     off = page[:, None] * stride_b + slot[:, None] * stride_s + kvh * stride_h + offs_d[None, :] * stride_d
     return tl.load(ptr + off, mask=mask, other=0.0)
+
+
+@triton.jit
+def _dequantized(x, scale, like):
+    """A float8 tile read back as `like`'s dtype: float32(x) * scale, then rounded."""
+    return (x.to(tl.float32) * scale).to(like.dtype)
 
 
 @triton.jit
@@ -103,6 +118,8 @@ def _paged_decode_kernel(
     stride_vb, stride_vs, stride_vh, stride_vd,
     stride_btb, stride_btn,
     stride_ob, stride_oh, stride_od,
+    k_scale,
+    v_scale,
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     QPK: tl.constexpr,
@@ -111,6 +128,7 @@ def _paged_decode_kernel(
     BLOCK_N: tl.constexpr,
     SLIDING: tl.constexpr,
     IEEE_F32: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     # One program per (sequence, kv head). Rows of the tile are the QPK query
     # heads kvh*QPK .. kvh*QPK+QPK-1 (padded to BLOCK_H >= 16 for tl.dot).
@@ -152,9 +170,13 @@ def _paged_decode_kernel(
         kv_mask = valid[:, None] & d_mask[None, :]
 
         k = _load_rows(k_ptr, page, slot, kvh, offs_d, stride_kb, stride_ks, stride_kh, stride_kd, kv_mask)
+        if KV_FP8:
+            k = _dequantized(k, k_scale, q)
         s = _dot(q, tl.trans(k), IEEE_F32)
         s = tl.where(valid[None, :], s * scale_log2e, float("-inf"))
         v = _load_rows(v_ptr, page, slot, kvh, offs_d, stride_vb, stride_vs, stride_vh, stride_vd, kv_mask)
+        if KV_FP8:
+            v = _dequantized(v, v_scale, q)
         m_i, l_i, acc = _fold_tile(s, v, m_i, l_i, acc, IEEE_F32)
 
     out = _normalized(acc, l_i)
@@ -172,6 +194,8 @@ def _paged_prefill_kernel(
     stride_vb, stride_vs, stride_vh, stride_vd,
     stride_btb, stride_btn,
     stride_ot, stride_oh, stride_od,
+    k_scale,
+    v_scale,
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     QPK: tl.constexpr,
@@ -181,6 +205,7 @@ def _paged_prefill_kernel(
     BLOCK_N: tl.constexpr,
     SLIDING: tl.constexpr,
     IEEE_F32: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     # One program per (query tile, kv head, sequence). The BLOCK_M rows of the
     # tile are BLOCK_Q consecutive queries x the QPK query heads of this kv
@@ -238,6 +263,8 @@ def _paged_prefill_kernel(
         kv_mask = kv_valid[:, None] & d_mask[None, :]
 
         k = _load_rows(k_ptr, page, slot, kvh, offs_d, stride_kb, stride_ks, stride_kh, stride_kd, kv_mask)
+        if KV_FP8:
+            k = _dequantized(k, k_scale, q)
         s = _dot(q, tl.trans(k), IEEE_F32)
         # Causal (+ window) mask per (row, column). For valid rows it implies
         # kv_valid; padded rows compute garbage that is never stored.
@@ -246,6 +273,8 @@ def _paged_prefill_kernel(
             mask = mask & (pos[None, :] > q_pos[:, None] - window)
         s = tl.where(mask, s * scale_log2e, float("-inf"))
         v = _load_rows(v_ptr, page, slot, kvh, offs_d, stride_vb, stride_vs, stride_vh, stride_vd, kv_mask)
+        if KV_FP8:
+            v = _dequantized(v, v_scale, q)
         m_i, l_i, acc = _fold_tile(s, v, m_i, l_i, acc, IEEE_F32)
 
     out = _normalized(acc, l_i)
@@ -268,9 +297,20 @@ def _check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) 
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     if block_size <= 0 or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two, got {block_size}")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"dtype mismatch: q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}")
+    if v_cache.dtype != k_cache.dtype or (k_cache.dtype != q.dtype and k_cache.dtype not in _FP8_CACHE):
+        raise ValueError(
+            f"dtype mismatch: q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype} "
+            f"(the cache is q's dtype or float8_e4m3fn / float8_e5m2)"
+        )
     return block_size, num_kv_heads, num_heads // num_kv_heads
+
+
+def _kv_scale_args(k_cache: torch.Tensor, k_scale: float, v_scale: float) -> dict:
+    """The kernels' FP8 arguments; the scales are only read for a float8 cache."""
+    for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{name} must be a positive finite float, got {value}")
+    return dict(k_scale=float(k_scale), v_scale=float(v_scale), KV_FP8=k_cache.dtype in _FP8_CACHE)
 
 
 def _window_args(sliding_window: int | None) -> tuple[bool, int]:
@@ -301,13 +341,16 @@ def paged_decode_attention(
     sliding_window: int | None = None,
     *,
     block_n: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Single-token (decode) attention over a paged KV cache.
 
     Args:
         q: ``[B, H, D]``, one query token per sequence (any strides).
         k_cache, v_cache: ``[num_blocks, block_size, KVH, D]``, possibly
-            non-contiguous views; addressed through their strides.
+            non-contiguous views; addressed through their strides. Either
+            ``q``'s dtype or float8 (e4m3fn / e5m2), read as value * scale.
         block_tables: ``[B, max_blocks]`` int32. Position ``p`` of sequence
             ``b`` is at block ``block_tables[b, p // block_size]``, slot
             ``p % block_size``. Entries past the sequence's last used block
@@ -320,6 +363,7 @@ def paged_decode_attention(
             positions ``max(0, p - W + 1) .. p``.
         block_n: optional override of the KV tile length (power of two >= 16);
             tuning knob, the default is chosen from the page size.
+        k_scale, v_scale: a float8 cache's per-layer scales (ignored otherwise).
 
     Returns:
         ``[B, H, D]`` tensor in ``q``'s dtype. Accumulation is float32.
@@ -332,6 +376,7 @@ def paged_decode_attention(
         raise ValueError(f"q must be [B, H, D], got {tuple(q.shape)}")
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads, qpk = _check_cache(q, k_cache, v_cache)
+    fp8 = _kv_scale_args(k_cache, k_scale, v_scale)
     sliding, window = _window_args(sliding_window)
     out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if batch == 0:
@@ -360,6 +405,7 @@ def paged_decode_attention(
         BLOCK_N=block_n,
         SLIDING=sliding,
         IEEE_F32=q.dtype == torch.float32,
+        **fp8,
         num_warps=4,
         num_stages=2,
     )
@@ -379,6 +425,8 @@ def paged_prefill_attention(
     *,
     block_m: int | None = None,
     block_n: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention for variable-length query chunks over a paged KV cache.
 
@@ -399,6 +447,7 @@ def paged_prefill_attention(
             ``block_m // (H // KVH)`` queries x the ``H // KVH`` heads of a
             kv head.
         block_n: optional KV tile length (power of two >= 16).
+        k_scale, v_scale: a float8 cache's per-layer scales (ignored otherwise).
 
     Query ``j`` of sequence ``b`` is at position
     ``seq_lens[b] - q_len_b + j`` and attends to cache positions ``<= p``
@@ -418,6 +467,7 @@ def paged_prefill_attention(
         raise ValueError(f"q must be [T, H, D], got {tuple(q.shape)}")
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads, qpk = _check_cache(q, k_cache, v_cache)
+    fp8 = _kv_scale_args(k_cache, k_scale, v_scale)
     sliding, window = _window_args(sliding_window)
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
     batch = seq_lens.shape[0]
@@ -456,6 +506,7 @@ def paged_prefill_attention(
         BLOCK_N=block_n,
         SLIDING=sliding,
         IEEE_F32=q.dtype == torch.float32,
+        **fp8,
         num_warps=4 if block_m <= 64 else 8,
         num_stages=2,
     )

@@ -264,3 +264,125 @@ def test_rejects_bad_arguments():
     assert math.isfinite(
         tk.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens_t, 0.25).abs().sum().item()
     )
+
+
+# --- FP8 KV cache (--kv-cache-dtype fp8*): pages hold K / k_scale and V / v_scale ---
+
+from pdserve.engine.attention.base import AttentionMetadata, dequantize_kv, kv_rows, quantize_kv  # noqa: E402
+
+FP8_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def to_fp8_cache(k_cache, v_cache, cache_dtype, k_scale, v_scale):
+    """Quantize a paged cache's K and V pages into one [NB, 2, BS, KVH, D] float8
+    tensor (as write_kv stores them); returns its strided K and V views. NaN stays NaN,
+    so reading a slot the kernels must not read still shows."""
+    kv = torch.empty((k_cache.shape[0], 2, *k_cache.shape[1:]), dtype=cache_dtype, device=k_cache.device)
+    kv[:, 0] = quantize_kv(k_cache, k_scale, cache_dtype)
+    kv[:, 1] = quantize_kv(v_cache, v_scale, cache_dtype)
+    return kv[:, 0], kv[:, 1]
+
+
+@pytest.mark.parametrize("cache_dtype", FP8_DTYPES, ids=_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=_id)
+def test_fp8_cache_matches_dequantized_reference(dtype, cache_dtype):
+    """Decode and prefill-over-pages on float8 pages (GQA, non-unit scales, a window on
+    the decode side) attend to exactly value * scale in q's dtype."""
+    num_heads, num_kv_heads, head_dim, block_size = 4, 2, 16, 8
+    k_scale, v_scale = 0.37, 2.5
+    seed = _seed(dtype, cache_dtype, "fp8")
+    seq_lens = [n for n, _ in PREFILL_MIX]
+    query_lens = [ql for _, ql in PREFILL_MIX]
+    k_hi, v_hi, block_tables, seq_lens_t = make_paged_cache(
+        seq_lens, block_size=block_size, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=torch.float32, seed=seed
+    )
+    k8, v8 = to_fp8_cache(k_hi * 3, v_hi * 3, cache_dtype, k_scale, v_scale)
+    assert k8.dtype == cache_dtype and not k8.is_contiguous()
+    k_ref, v_ref = dequantize_kv(k8, k_scale, dtype), dequantize_kv(v8, v_scale, dtype)
+    q = make_queries(sum(query_lens), num_heads, num_kv_heads, head_dim, dtype, seed)
+    qsl = torch.tensor([0] + list(torch.tensor(query_lens).cumsum(0)), dtype=torch.int32, device=DEVICE)
+    scale = head_dim**-0.5
+
+    expected = reference_attention(q, k_ref, v_ref, block_tables, seq_lens_t, query_lens, scale, None)
+    out = tk.paged_prefill_attention(
+        q, k8, v8, block_tables, seq_lens_t, qsl, max(query_lens), scale, block_m=16, block_n=16,
+        k_scale=k_scale, v_scale=v_scale,
+    )
+    assert out.dtype == dtype
+    assert_close(out, expected, dtype)
+
+    last = (qsl[1:].long() - 1).clamp(min=0)
+    dq = q[last]
+    expected = reference_attention(dq, k_ref, v_ref, block_tables, seq_lens_t, [1] * len(seq_lens), scale, 7)
+    out = tk.paged_decode_attention(dq, k8, v8, block_tables, seq_lens_t, scale, 7, block_n=16,
+                                    k_scale=k_scale, v_scale=v_scale)
+    assert_close(out, expected, dtype)
+
+
+def test_fp8_cache_rejects_bad_scales_and_dtypes():
+    k_cache, v_cache, block_tables, seq_lens_t = make_paged_cache(
+        [5], block_size=8, num_kv_heads=2, head_dim=16, dtype=torch.float32, seed=5
+    )
+    k8, v8 = to_fp8_cache(k_cache, v_cache, torch.float8_e4m3fn, 1.0, 1.0)
+    q = torch.zeros(1, 4, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="k_scale"):
+        tk.paged_decode_attention(q, k8, v8, block_tables, seq_lens_t, 0.25, k_scale=0.0)
+    with pytest.raises(ValueError, match="v_scale"):
+        tk.paged_decode_attention(q, k8, v8, block_tables, seq_lens_t, 0.25, v_scale=float("nan"))
+    with pytest.raises(ValueError, match="dtype mismatch"):
+        tk.paged_decode_attention(q, k8, v8.view(torch.float8_e5m2), block_tables, seq_lens_t, 0.25)
+    with pytest.raises(ValueError, match="dtype mismatch"):
+        tk.paged_decode_attention(q.half(), k_cache, v_cache, block_tables, seq_lens_t, 0.25)
+
+
+def _metadata(q_lens, seq_lens, tables, block_size):
+    """AttentionMetadata for one step: sequence b's new tokens are its last q_lens[b]."""
+    slots = [tables[b][p // block_size] * block_size + p % block_size
+             for b, (ql, n) in enumerate(zip(q_lens, seq_lens)) for p in range(n - ql, n)]
+    width = max(len(t) for t in tables)
+    qsl = [0]
+    for n in q_lens:
+        qsl.append(qsl[-1] + n)
+    slot_mapping = torch.tensor(slots, dtype=torch.long, device=DEVICE)
+    return AttentionMetadata(
+        slot_mapping=slot_mapping,
+        kv_rows=kv_rows(slot_mapping, block_size),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEVICE),
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+        block_size=block_size,
+        query_lens_cpu=tuple(q_lens),
+        seq_lens_cpu=tuple(seq_lens),
+        query_start_loc_cpu=tuple(qsl),
+    )
+
+
+@pytest.mark.parametrize("cache_dtype", FP8_DTYPES, ids=_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=_id)
+def test_fp8_backend_matches_torch_reference(dtype, cache_dtype):
+    """TritonAttention vs TorchAttention on a float8 cache through three steps: fresh
+    prompts (the torch side attends to the round-tripped K/V, Triton reads the pages),
+    a mix of a chunk and decodes, then decodes alone. The caches stay byte-identical."""
+    from pdserve.engine.attention.torch_ref import TorchAttention
+    from pdserve.engine.attention.triton_backend import TritonAttention
+
+    num_heads, num_kv_heads, head_dim, block_size = 4, 2, 16, 8
+    kv_scales = (0.5, 1.75)
+    tables = [[5, 2, 7], [0, 3, 6, 1], [4]]
+    steps = [([13, 20, 5], [13, 20, 5]), ([1, 6, 1], [14, 26, 6]), ([1, 1, 1], [15, 27, 7])]
+    shape = (8, 2, block_size, num_kv_heads, head_dim)
+    caches = {name: torch.zeros(shape, dtype=cache_dtype, device=DEVICE) for name in ("torch", "triton")}
+    backends = {"torch": TorchAttention(), "triton": TritonAttention()}
+    gen = torch.Generator().manual_seed(_seed(dtype, cache_dtype, "backend"))
+    for q_lens, seq_lens in steps:
+        meta = _metadata(q_lens, seq_lens, tables, block_size)
+        t = sum(q_lens)
+        q, k, v = (torch.randn(t, h, head_dim, generator=gen).to(dtype=dtype, device=DEVICE) * 2
+                   for h in (num_heads, num_kv_heads, num_kv_heads))
+        outs = {name: backends[name].forward(q, k, v, caches[name], meta, head_dim**-0.5, None, kv_scales)
+                for name in backends}
+        assert torch.equal(caches["torch"].view(torch.uint8), caches["triton"].view(torch.uint8))
+        assert not torch.isnan(outs["triton"]).any()
+        torch.testing.assert_close(outs["triton"], outs["torch"], **TOLERANCES[dtype])
