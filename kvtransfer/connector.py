@@ -46,6 +46,7 @@ from pdserve.kvtransfer.plan import TransferPlan
 from pdserve.kvtransfer.stats import KVTransferStats
 from pdserve.kvtransfer.wire import (
     AckHeader,
+    LayoutMismatch,
     Outgoing,
     PageLayout,
     TransferError,
@@ -155,9 +156,11 @@ class DecodeConnector:
 
     def __init__(self, receiver: Receiver, kv_cache: torch.Tensor, vocab_size: int,
                  on_received: Callable[[Reservation], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, kv_format: str = "") -> None:
+        """`kv_format`: what the pages mean (the engine's ModelRunner.kv_format); every
+        plan carries it, and a prefill worker whose own differs refuses the plan."""
         self.receiver = receiver
-        self.layout = PageLayout.of(kv_cache)
+        self.layout = PageLayout.of(kv_cache, kv_format)
         self.vocab_size = vocab_size
         self.on_received = on_received  # after a transfer's pages landed, before it is reported arrived
         self.clock = clock
@@ -270,10 +273,13 @@ class PrefillConnector:
     """Prefill worker side: stream each layer's pages the decoder lacks as soon as the
     layer is written, send the first token with the final message, report the ack."""
 
-    def __init__(self, sender: Sender, kv_cache: torch.Tensor, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, sender: Sender, kv_cache: torch.Tensor, clock: Callable[[], float] = time.monotonic,
+                 kv_format: str = "") -> None:
+        """`kv_format`: what the pages mean (the engine's ModelRunner.kv_format); a plan
+        whose layout says otherwise is refused (LayoutMismatch)."""
         self.sender = sender
         self.kv = kv_cache
-        self.layout = PageLayout.of(kv_cache)
+        self.layout = PageLayout.of(kv_cache, kv_format)
         self.clock = clock
         self.stats: Counter[str] = Counter()
         self._exports: dict[str, _Export] = {}
@@ -282,8 +288,10 @@ class PrefillConnector:
               cache_salt: str | None = None) -> None:
         """Ship the KV of a request the caller is about to add to the engine (with
         `export_kv` and this `cache_salt`), as `plan` says: from here on `on_layer`
-        sends its pages. Raises ValueError when the plan does not fit this prompt or
-        engine, TransferError when the receiver cannot be reached."""
+        sends its pages. Raises ValueError when the plan does not fit this prompt,
+        LayoutMismatch (a ValueError) when the receiver's pages are not this engine's
+        (dtype, shape, weights' quantization, KV scales), TransferError when the
+        receiver cannot be reached."""
         prompt = list(prompt_token_ids)
         self._check_plan(request_id, prompt, plan, cache_salt)
         out = self.sender.open(request_id, plan.endpoint, plan.server_key, secret=plan.secret)
@@ -366,8 +374,9 @@ class PrefillConnector:
             raise ValueError(f"transfer_plan.transport: {plan.transport!r}, this sender speaks {self.sender.transport!r}")
         # The target's page layout is all the pages depend on; the speculative config
         # is not part of it (plan.py: the draft's KV is computed on the decode worker).
+        # Pages move as stored: never send bytes the receiver would read otherwise.
         if plan.layout != self.layout:
-            raise ValueError(f"transfer_plan.layout: receiver holds {plan.layout}, this engine {self.layout}")
+            raise LayoutMismatch("transfer_plan.layout", plan.layout, self.layout, "decode worker", "prefill worker")
         if plan.num_tokens != len(prompt):
             raise ValueError(f"transfer_plan.num_tokens: {plan.num_tokens} for a prompt of {len(prompt)}")
         ours = hash_blocks(prompt, self.layout.block_size, cache_salt=cache_salt)[: plan.skip_blocks]
@@ -408,11 +417,14 @@ class KVConnector:
 
     def __init__(self, transport: Transport, kv_cache: torch.Tensor, vocab_size: int,
                  clock: Callable[[], float] = time.monotonic,
-                 on_received: Callable[[Reservation], None] | None = None) -> None:
+                 on_received: Callable[[Reservation], None] | None = None, kv_format: str = "") -> None:
+        """`kv_format`: what the engine's pages mean (ModelRunner.kv_format), part of
+        the page layout both sides of a transfer must share."""
         self.transport = transport
         self.decode = None if transport.receiver is None else DecodeConnector(
-            transport.receiver, kv_cache, vocab_size, on_received, clock)
-        self.prefill = None if transport.sender is None else PrefillConnector(transport.sender, kv_cache, clock)
+            transport.receiver, kv_cache, vocab_size, on_received, clock, kv_format)
+        self.prefill = None if transport.sender is None else PrefillConnector(
+            transport.sender, kv_cache, clock, kv_format)
         self._started = self._closed = False
 
     @classmethod

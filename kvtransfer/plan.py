@@ -7,9 +7,12 @@
 The decode worker makes it when it reserves blocks, the router carries its bytes
 (`pack`, msgpack: no pickle) to the prefill worker it chose without reading them,
 and the prefill worker follows it. Everything either side must agree on is here:
-where the pages go, which blocks the decode worker already has, the page layout,
-whether the prefill worker's first token is used (engine.sampling_params
-`continues_from_first_token`), and the reservation's one-time secret.
+where the pages go, which blocks the decode worker already has, the page layout
+(shape, dtype and what the bytes mean: the weights' quantization and an FP8 cache's
+K/V scales, `PageLayout.kv_format`; a prefill worker whose own layout differs
+refuses the plan, wire.LayoutMismatch), whether the prefill worker's first token is
+used (engine.sampling_params `continues_from_first_token`), and the reservation's
+one-time secret.
 
 What is not here, on purpose: speculative decoding (--speculative-config). Only
 decode workers speculate, and the pages a prefill worker ships are the target

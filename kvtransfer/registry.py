@@ -68,6 +68,7 @@ class TransportContext:
     credentials: KVCredentials = KVCredentials()
     host: str = "127.0.0.1"  # where a receiver binds and what it advertises
     ipc_dir: str | None = None  # directory of ipc sockets (None: a temporary one)
+    kv_format: str = ""  # what the KV cache's pages mean (the engine's ModelRunner.kv_format)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -75,10 +76,10 @@ class TransportContext:
 
     @classmethod
     def from_env(cls, role: str, worker_id: str, kv_cache: torch.Tensor, credentials: KVCredentials = KVCredentials(),
-                 environ: Mapping[str, str] | None = None) -> "TransportContext":
+                 environ: Mapping[str, str] | None = None, kv_format: str = "") -> "TransportContext":
         env = os.environ if environ is None else environ
         return cls(role, worker_id, kv_cache, credentials, env.get(HOST_ENV) or "127.0.0.1",
-                   env.get(IPC_DIR_ENV) or None)
+                   env.get(IPC_DIR_ENV) or None, kv_format)
 
 
 Factory = Callable[[TransportContext], Transport]
@@ -178,4 +179,5 @@ def factory(spec: str) -> Factory | None:
 def open_connector(spec: str, ctx: TransportContext, vocab_size: int) -> KVConnector:
     """The worker's KV connector for `--kv-connector spec` (not started)."""
     make = factory(spec)
-    return KVConnector(make(ctx) if make is not None else Transport(), ctx.kv_cache, vocab_size)
+    return KVConnector(make(ctx) if make is not None else Transport(), ctx.kv_cache, vocab_size,
+                       kv_format=ctx.kv_format)

@@ -10,11 +10,19 @@ one point-to-point tensor instead of a frame.
 
 Page bytes are the engine's KV layout, byte for byte. Block b of layer l is the
 contiguous page `kv_cache[l, b]` = [2 (K, V), block_size, num_kv_heads, head_dim] of
-`dtype`; a run of n blocks is n * page_bytes bytes:
+`dtype` (float32, float16, bfloat16, or float8_e4m3fn / float8_e5m2 for an FP8 cache:
+a quarter of float32's bytes, moved as stored, never converted); a run of n blocks is
+n * page_bytes bytes:
 
     prompt     [ blk 0 | blk 1 | blk 2 | blk 3 | blk 4 ]     block *indices* on the wire
     reserved   [  17   |  18   |  19   |   4   |   5   ]     the receiver's block ids
                  cached          run (2, 1)    run (3, 2)     <- runs [first, count]
+
+What the bytes mean beyond shape and dtype (the weights' quantization, an FP8
+cache's K/V scales) is the layout's `kv_format`: the transfer plan carries the
+decode worker's layout, and the prefill worker refuses a plan whose layout is not
+its own (LayoutMismatch) before any page leaves. Every pages header names its
+dtype and page shape again, and the receiver drops pages that are not its own.
 
 Blocks are named by their index in the prompt's block table, never by a worker's
 physical block id: the receiver maps an index to the block it reserved itself, so
@@ -78,7 +86,11 @@ MAC_BYTES = 32
 SECRET_BYTES = 32  # a reservation secret as drawn; at least MIN_SECRET_BYTES accepted
 MIN_SECRET_BYTES = 16
 _MAC_DOMAIN = b"pdserve/kv-message/v2"
-DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+    "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2,  # --kv-cache-dtype fp8*: moved as stored
+}
+MAX_FORMAT_CHARS = 256
 
 
 class WireError(ValueError):
@@ -98,13 +110,20 @@ class TransferError(RuntimeError):
 
 @dataclass(frozen=True)
 class PageLayout:
-    """Shape of one KV page; sender and receiver must agree on it exactly."""
+    """What one KV page is; sender and receiver must agree on it exactly.
+
+    Shape and dtype say how many bytes a page has; `kv_format` says what they mean
+    beyond that (the engine's ModelRunner.kv_format: the weights' quantization scheme,
+    which the K and V projections ran in, and a float8 cache's per-layer K/V scales).
+    Pages are moved as stored, never converted, so two workers whose layouts differ
+    in any field (`differences`) do not pair."""
 
     num_layers: int
     block_size: int
     num_kv_heads: int
     head_dim: int
     dtype: str
+    kv_format: str = ""  # "" where the caller does not know it (tests, benches): equal only to ""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -113,17 +132,20 @@ class PageLayout:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: must be a positive int, got {value!r}")
+        if not isinstance(self.kv_format, str) or len(self.kv_format) > MAX_FORMAT_CHARS:
+            raise ValueError(f"kv_format: must be a string of at most {MAX_FORMAT_CHARS} chars")
 
     @classmethod
-    def of(cls, kv_cache: torch.Tensor) -> "PageLayout":
-        """The layout of an engine KV tensor [layers, blocks, 2, block_size, heads, head_dim]."""
+    def of(cls, kv_cache: torch.Tensor, kv_format: str = "") -> "PageLayout":
+        """The layout of an engine KV tensor [layers, blocks, 2, block_size, heads, head_dim]
+        whose pages mean `kv_format` (the engine's ModelRunner.kv_format)."""
         names = {v: k for k, v in DTYPES.items()}
         if kv_cache.dim() != 6 or kv_cache.shape[2] != 2 or kv_cache.dtype not in names:
             raise ValueError(f"kv_cache: not an engine KV tensor ({tuple(kv_cache.shape)}, {kv_cache.dtype})")
         if not kv_cache.is_contiguous():
             raise ValueError("kv_cache: must be contiguous")
         layers, _, _, block_size, heads, head_dim = kv_cache.shape
-        return cls(layers, block_size, heads, head_dim, names[kv_cache.dtype])
+        return cls(layers, block_size, heads, head_dim, names[kv_cache.dtype], kv_format)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -141,8 +163,17 @@ class PageLayout:
     def page_bytes(self) -> int:
         return 2 * self.block_size * self.num_kv_heads * self.head_dim * self.torch_dtype.itemsize
 
+    def differences(self, other: "PageLayout") -> list[str]:
+        """The fields in which `other` differs from this layout (none: they pair)."""
+        return [f.name for f in dataclasses.fields(self) if getattr(self, f.name) != getattr(other, f.name)]
+
+    def describe(self) -> str:
+        """E.g. 'float8_e4m3fn pages [16, 2, 64] x 4 layers (weights=int8/online;kv_scales=...)'."""
+        return (f"{self.dtype} pages {list(self.wire_page)} x {self.num_layers} layers"
+                f" ({self.kv_format or 'format not given'})")
+
     def to_wire(self) -> dict[str, Any]:
-        return {"layers": self.num_layers, "page": list(self.wire_page), "dtype": self.dtype}
+        return {"layers": self.num_layers, "page": list(self.wire_page), "dtype": self.dtype, "format": self.kv_format}
 
     @classmethod
     def from_wire(cls, d: Any) -> "PageLayout":
@@ -151,7 +182,21 @@ class PageLayout:
         page = d.get("page")
         if not isinstance(page, list) or len(page) != 3:
             raise ValueError("layout.page: must be [block_size, num_kv_heads, head_dim]")
-        return cls(d.get("layers"), page[0], page[1], page[2], d.get("dtype"))
+        if not isinstance(d.get("format"), str):  # a layout that does not say what its pages mean pairs with none
+            raise ValueError("layout.format: must be a string")
+        return cls(d.get("layers"), page[0], page[1], page[2], d.get("dtype"), d["format"])
+
+
+class LayoutMismatch(ValueError):
+    """A prefill and a decode worker whose pages differ (dtype, shape or format): they
+    cannot pair, whichever request asks; a configuration error, not the request's."""
+
+    def __init__(self, what: str, theirs: PageLayout, ours: PageLayout, their_role: str, our_role: str) -> None:
+        differ = " and ".join(ours.differences(theirs))
+        super().__init__(f"{what}: {differ} differ: the {their_role} holds {theirs.describe()}, "
+                         f"the {our_role} {ours.describe()}; pages move as stored, never converted: start both "
+                         "with the same --dtype, --quantization, --kv-cache-dtype and checkpoint (its KV scales)")
+        self.theirs, self.ours = theirs, ours
 
 
 def prompt_digest(token_ids: Sequence[int]) -> bytes:
@@ -480,9 +525,10 @@ class Landing:
         return self._view if self._view is not None else as_bytes_view(self.tensor)
 
     def commit(self) -> None:
-        if self._staged:
+        if self._staged:  # as bytes: torch has no index_copy_ for float8 pages
             index = torch.tensor(list(self._ids), device=self._kv.device)
-            self._kv[self._layer].index_copy_(0, index, self.tensor.to(self._kv.device))
+            pages = self.tensor.to(self._kv.device).view(torch.uint8)
+            self._kv[self._layer].view(torch.uint8).index_copy_(0, index, pages)
 
 
 class Inbox:

@@ -6,7 +6,8 @@
       finished: final message, blocks held the first token goes with it if the plan
                                            says so (held until the receiver's ack)
       first token                       -> PrefillResponse right away (TTFT)
-      (a transfer that failed: UNAVAILABLE, so the router tries another prefill worker)
+      (a transfer that failed: UNAVAILABLE, so the router tries another prefill worker;
+       a decode worker whose pages are not ours: FAILED_PRECONDITION, naming what differs)
 
 Only the first token is sampled here (max_tokens=1); the decode worker checks it
 against stop conditions when the KV is committed, and samples everything after it.
@@ -24,7 +25,7 @@ from pdserve.engine.engine import TokenDelta
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kvtransfer.plan import TransferPlan
-from pdserve.kvtransfer.wire import TransferError
+from pdserve.kvtransfer.wire import LayoutMismatch, TransferError
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.services.common.convert import delta_logprob, params_from_options
 from pdserve.services.common.deadline import Deadline
@@ -60,6 +61,8 @@ class PrefillService:
                 stream = self.loop.submit(rid, list(request.token_ids), params, CALL_TIMEOUT, plan=plan)
             except TransferError as e:  # the receiver is out of reach: another prefill worker may do better
                 context.abort(grpc.StatusCode.UNAVAILABLE, f"request {rid!r}: KV transfer (start): {e}")
+            except LayoutMismatch as e:  # the pair's configurations differ: no request of theirs can pair
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"request {rid!r}: {e}")
         first, output = self._wait(stream, context, deadline)
         response = pb.PrefillResponse(num_cached_tokens=output.num_cached_tokens)
         if plan.sample_first_token:

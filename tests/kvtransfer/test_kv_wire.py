@@ -440,6 +440,79 @@ def test_page_layout_of_an_engine_tensor():
         PageLayout(1, 1, 1, 1, "int8")
 
 
+# FP8 pages (--kv-cache-dtype fp8*) travel as stored: a quarter of float32's bytes.
+FP8 = ("float8_e4m3fn", "float8_e5m2")
+
+
+def random_pages(layout: PageLayout, layers: int, blocks: int, seed: int) -> torch.Tensor:
+    """Pages of every byte value (NaN and infinity patterns included) as `layout`'s dtype."""
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (layers, blocks, *layout.page_shape), dtype=torch.uint8, generator=g)
+    return raw.view(layout.torch_dtype)
+
+
+def test_fp8_pages_are_a_quarter_of_float32_and_half_of_float16():
+    shape = (4, 16, 4, 32)
+    f32, f16 = PageLayout(*shape, "float32"), PageLayout(*shape, "float16")
+    for dtype in FP8:
+        fp8 = PageLayout(*shape, dtype)
+        assert fp8.page_bytes == 2 * 16 * 4 * 32 == f32.page_bytes // 4 == f16.page_bytes // 2
+
+
+@pytest.mark.parametrize("dtype", FP8)
+def test_layout_of_an_fp8_cache_round_trips_with_its_format(dtype):
+    kv = torch.zeros((3, 5, 2, 8, 2, 4), dtype=getattr(torch, dtype))
+    layout = PageLayout.of(kv, "weights=int8/online;kv_scales=0123456789abcdef")
+    assert layout == PageLayout(3, 8, 2, 4, dtype, "weights=int8/online;kv_scales=0123456789abcdef")
+    assert layout.page_bytes == 2 * 8 * 2 * 4
+    assert PageLayout.from_wire(layout.to_wire()) == layout
+    assert PageLayout.from_wire({**layout.to_wire(), "format": ""}) != layout  # the format is part of equality
+    with pytest.raises(ValueError, match="layout.format"):  # a plan that does not say what its pages mean
+        PageLayout.from_wire({k: v for k, v in layout.to_wire().items() if k != "format"})
+    with pytest.raises(ValueError, match="kv_format"):
+        PageLayout(3, 8, 2, 4, dtype, "x" * 1000)
+
+
+@pytest.mark.parametrize("dtype", FP8)
+def test_fp8_pages_land_byte_exactly(dtype):
+    """Straight landings (consecutive reserved blocks) and staged ones (scattered by
+    `commit` through byte views: torch has no index_copy_ for float8) keep every byte."""
+    layout = PageLayout(2, 4, 1, 8, dtype)
+    kv = torch.zeros((2, 8, *layout.page_shape), dtype=layout.torch_dtype)
+    inbox = Inbox(kv)
+    reserved, prompt = (4, 2, 3), [1] * 10  # 3 blocks of 4
+    inbox.expect("f", reserved, 0, len(prompt), prompt_digest(prompt), SECRET)
+    src = random_pages(layout, 2, 3, seed=5)
+    runs = ((0, 2), (2, 1))  # blocks 4, 2: staged; block 3: straight into the cache
+    for layer in range(2):
+        frames = [src[layer, f : f + c].contiguous().view(torch.uint8).numpy().tobytes() for f, c in runs]
+        header = PagesHeader("f", layer, layer, runs, tuple(c * layout.page_bytes for _, c in runs), dtype,
+                             layout.wire_page)
+        raw = encode(sign(header, SECRET))
+        assert decode(raw) == sign(header, SECRET)  # the header names the dtype
+        deliver(inbox, PEER, ListFrames([raw, *frames]))
+    deliver(inbox, PEER, ListFrames([encode(sign(FinalHeader("f", 2, len(prompt), prompt_digest(prompt), ()), SECRET))]))
+    (event,) = inbox.take_events()
+    assert event.ok and event.nbytes == 2 * 3 * layout.page_bytes
+    assert torch.equal(kv[:, list(reserved)].view(torch.uint8), src.view(torch.uint8))
+    untouched = [b for b in range(8) if b not in reserved]
+    assert not kv[:, untouched].view(torch.uint8).any()
+
+
+@pytest.mark.parametrize("sent", ["float8_e5m2", "float32", "bfloat16"])
+def test_pages_of_another_dtype_are_dropped_on_arrival(sent):
+    """The same byte count is not enough: e5m2 pages never land in an e4m3 cache."""
+    layout = PageLayout(1, 4, 1, 8, "float8_e4m3fn")
+    kv = torch.zeros((1, 4, *layout.page_shape), dtype=layout.torch_dtype)
+    inbox = Inbox(kv)
+    inbox.expect("x", (1,), 0, 4, prompt_digest([1] * 4), SECRET)
+    header = PagesHeader("x", 0, 0, ((0, 1),), (layout.page_bytes,), sent, layout.wire_page)
+    with pytest.raises(WireError, match="bad_layout") as err:
+        deliver(inbox, PEER, ListFrames([encode(sign(header, SECRET)), b"\x7f" * layout.page_bytes]))
+    assert "float8_e4m3fn" in str(err.value) and sent in str(err.value)
+    assert not kv.view(torch.uint8).any() and inbox.pending() == ["x"]
+
+
 # -- property: nothing a peer sends escapes its reservation ----------------------------
 
 _ints = st.one_of(st.integers(-2, 6), st.integers(-(2**63), 2**64 - 1), st.booleans(), st.floats(allow_nan=False), st.none())
