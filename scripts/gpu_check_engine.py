@@ -15,6 +15,10 @@ Checks (each prints PASS or FAIL with its detail):
   half       fp16 and bf16 engines: first token == transformers (same dtype) where its
              top-2 gap is clear
   blocks     every engine ends with all its KV blocks free
+  quant      --quantization int8/int4/fp8/fp4 and --kv-cache-dtype fp8 (bf16 model): the
+             device engine (Triton quantized GEMMs, FP8 pages) against the same scheme on
+             the CPU (torch's kernels), by vLLM's check_logprobs_close rule: greedy tokens
+             may differ only where each side's token is in the other's top-5
 Figures:
   decode     decode tokens/s of a batch, engine steps timed after the prefill step
   kernel     Triton paged decode attention: bytes of K/V read per second, as a fraction
@@ -285,6 +289,33 @@ def check_half(report: Report, path: Path, s: Shapes, args: argparse.Namespace, 
     report.check("blocks", blocks_free(llm.engine), f"{dtype_name} engine: all blocks free")
 
 
+def logprobs_close(a, b) -> tuple[bool, str]:
+    """vLLM's check_logprobs_close on one sequence: equal up to the first divergence,
+    where each side's token must be among the other's top logprobs; then stop."""
+    for i, (ta, tb) in enumerate(zip(a.token_ids, b.token_ids)):
+        if ta != tb:
+            ok = ta in b.logprobs[i] and tb in a.logprobs[i]
+            return ok, f"diverged at {i} ({'within' if ok else 'outside'} top-5)"
+    return True, "equal"
+
+
+def check_quant(report: Report, path: Path, s: Shapes, args: argparse.Namespace) -> None:
+    from pdserve.engine import LLM, SamplingParams
+
+    batch = prompts(s, s.vocab, args.seed + 8)
+    params = SamplingParams(max_tokens=s.new_tokens, temperature=0.0, ignore_eos=True, logprobs=5)
+    for quantization, kv in (("int8", "auto"), ("int4", "auto"), ("fp8", "auto"), ("fp4", "auto"), (None, "fp8")):
+        kwargs = dict(model=str(path), dtype="bfloat16", num_blocks=512, quantization=quantization, kv_cache_dtype=kv)
+        dev = LLM(device=args.device, **kwargs)
+        ref = LLM(device="cpu", **kwargs)
+        results = [logprobs_close(a.outputs[0], b.outputs[0])
+                   for a, b in zip(dev.generate(batch, params), ref.generate(batch, params))]
+        name = f"quant {quantization}" if quantization else f"quant kv {kv}"
+        report.check(name, all(ok for ok, _ in results) and blocks_free(dev.engine),
+                     f"{dev.engine.memory.weight_scheme}: " + ", ".join(d for _, d in results))
+        del dev, ref
+
+
 # -- figures ------------------------------------------------------------------------------
 
 
@@ -381,7 +412,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tie-tol", type=float, default=1e-3, help="logit gap below which a divergence is a tie")
     p.add_argument("--peak-gbps", type=float, default=None, help="device peak HBM bandwidth, GB/s (default: by name)")
-    p.add_argument("--skip", nargs="*", default=[], choices=["greedy", "parallel", "beam", "half", "decode", "kernel"])
+    p.add_argument("--skip", nargs="*", default=[], choices=["greedy", "parallel", "beam", "half", "quant", "decode", "kernel"])
     return p.parse_args(argv)
 
 
@@ -408,6 +439,8 @@ def main(argv: list[str] | None = None) -> int:
         if "half" not in args.skip:
             for dtype_name in ("float16", "bfloat16"):
                 check_half(report, path, shapes, args, dtype_name)
+        if "quant" not in args.skip:
+            check_quant(report, path, shapes, args)
         if "decode" not in args.skip:
             for dtype_name in ("float32", "bfloat16"):
                 decode_throughput(report, path, shapes, args, dtype_name)

@@ -45,7 +45,8 @@ def test_divergence_and_ties(script):
 def test_whole_script_on_cpu(script, capsys):
     assert script.main(["--device", "cpu"]) == 0
     out = capsys.readouterr().out
-    for name in ("greedy", "prefix", "parallel", "beam", "float16", "bfloat16"):
+    for name in ("greedy", "prefix", "parallel", "beam", "float16", "bfloat16", "quant int8", "quant int4",
+                 "quant fp8", "quant fp4", "quant kv fp8"):
         assert f"PASS {name}" in out
     assert "FAIL" not in out
     assert "tok/s" in out and "kernel" in out and "all checks passed" in out
