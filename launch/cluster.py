@@ -155,7 +155,9 @@ def render_worker(
 ) -> WorkerConfig:
     """One worker's settings, for every launcher: the template with what is decided
     per worker (PER_WORKER). `index` counts the workers started before this one (it
-    picks the worker's CPUs from --worker-cpus)."""
+    picks the worker's CPUs from --worker-cpus). The settings a pair's KV pages
+    depend on (--quantization, --kv-cache-dtype, --block-size, --dtype) are the
+    template's, the same for every role."""
     cpus = spec.launch.cpu_lists
     return replace(spec.worker, role=role, port=0, metrics_port=0, router=router, worker_id=worker_id,
                    kv_connector=kv_connector(spec.worker, role), credentials=credentials.for_role(role),

@@ -10,7 +10,9 @@ Each child's command line names its role (`python -m pdserve decode --router
 the worker template names a KV connector (`--kv-connector`; '' for none), prefill and
 decode workers get the ZeroMQ tcp one (KV pages travel from prefill to decode
 workers) and mixed workers none (they prefill what they decode themselves); decode
-and mixed workers get the template's --speculative-config, prefill workers none. The
+and mixed workers get the template's --speculative-config, prefill workers none;
+every worker gets the same --quantization and --kv-cache-dtype (the KV pages a
+prefill worker ships are read as stored by its decode worker). The
 router binds the port asked for (0: any) and writes its address to a file the
 launcher waits for; workers bind any free port and register with the router.
 Children watch their parent ($PDSERVE_LAUNCHER_PID) and shut down when the

@@ -88,6 +88,8 @@ class Worker:
             self.registrar = Registrar(self.config.router, self.info(), self._load, self.auth)
             self.registrar.register(self.config.register_timeout)
             self.registrar.start()
+        # weights, activation peak, KV bytes per token, blocks, max concurrency (what `pdserve plan` predicts)
+        log.info("%s worker %s %s", self.config.role, self.config.id, self.engine.memory.log_line())
         log.info("%s worker %s serving on %s", self.config.role, self.config.id, self.address)
         return self.address
 

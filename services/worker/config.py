@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.engine.config import DEFAULT_MODEL, CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine.quant.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS, parse_kv_cache_dtype
 from pdserve.engine.spec.config import SpeculativeConfig
 from pdserve.services.common.credentials import ClusterCredentials
 from pdserve.services.common.flags import check, flag
@@ -46,7 +47,10 @@ class WorkerConfig:
     # engine
     block_size: int = flag(16, "KV cache block size in tokens")
     num_blocks: int | None = flag(None, "KV cache blocks (default: sized from --kv-cache-memory)")
-    kv_cache_memory: int | None = flag(None, "KV cache bytes (default: 1 GiB on a CPU)")
+    kv_cache_memory: int | None = flag(None, "KV cache bytes (default: 1 GiB on a CPU; on a GPU what "
+                                             "--gpu-memory-utilization leaves)")
+    gpu_memory_utilization: float = flag(0.9, "share of the GPU's memory this worker may use (weights, activation "
+                                              "peak, KV cache: the KV cache gets what is left; vLLM's flag)")
     enable_prefix_caching: bool = flag(True, "reuse the KV of cached prompt prefixes")
     max_num_seqs: int = flag(256, "most sequences in a batch")
     max_num_batched_tokens: int = flag(2048, "token budget of one engine step")
@@ -54,6 +58,11 @@ class WorkerConfig:
     max_n: int = flag(8, "largest n and beam_width accepted")
     max_logprobs: int = flag(20, "largest logprobs and prompt_logprobs accepted")
     dtype: str = flag("float32", "float32 | float16 | bfloat16")
+    quantization: str | None = flag(None, f"quantize the full-precision checkpoint while loading it: "
+                                          f"{' | '.join(QUANTIZATION_METHODS)} (unset: the checkpoint's own format); "
+                                          "every role alike: a prefill and a decode worker must share it")
+    kv_cache_dtype: str = flag("auto", f"KV cache pages' dtype: {' | '.join(KV_CACHE_DTYPES)} (auto: the model's; "
+                                       "fp8 = fp8_e4m3); every role alike: KV moves between workers as stored")
     device: str = flag("cpu", "torch device")
     attention_backend: str = flag("auto", "auto | torch | triton")
     seed: int = flag(0, "seed of the sampler's shared generator")
@@ -95,6 +104,11 @@ class WorkerConfig:
               self.metrics_port)
         check(self.max_n >= 1, "max_n", "must be >= 1", self.max_n)
         check(self.max_logprobs >= 0, "max_logprobs", "must be >= 0", self.max_logprobs)
+        check(self.quantization is None or self.quantization in QUANTIZATION_METHODS, "quantization",
+              f"must be one of {QUANTIZATION_METHODS}", self.quantization)
+        parse_kv_cache_dtype(self.kv_cache_dtype)  # raises ValueError naming kv_cache_dtype
+        check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "must be in (0, 1]",
+              self.gpu_memory_utilization)
         check(self.torch_threads >= 0, "torch_threads", "must be >= 0", self.torch_threads)
         if self.cpu_affinity is not None:
             parse_cpus(self.cpu_affinity)  # raises ValueError naming the field
@@ -128,7 +142,9 @@ class WorkerConfig:
             cache=CacheConfig(self.block_size, self.num_blocks, self.kv_cache_memory, self.enable_prefix_caching),
             scheduler=SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len),
             attention_backend=self.attention_backend, seed=self.seed, max_n=self.max_n,
-            max_logprobs=self.max_logprobs,
+            max_logprobs=self.max_logprobs, gpu_memory_utilization=self.gpu_memory_utilization,
+            # Every role alike: the KV a prefill worker ships is read as stored by its decode worker.
+            quantization=self.quantization, kv_cache_dtype=self.kv_cache_dtype,
             # Only decoding speculates: a prefill worker would load a draft model for nothing.
             speculative=self.speculative if self.role != "prefill" else None,
         )

@@ -132,6 +132,7 @@ def every_option_values() -> dict:
     values["router"]["chatTemplate"] = CHAT_TEMPLATE
     values["prefill"]["config"] = {"cpuAffinity": "0-7"}
     values["decode"]["config"] = {"speculativeConfig": SPEC}
+    values["model"].update(quantization="int8", kvCacheDtype="fp8_e4m3")
     values["prefill"]["autoscaling"] = {"enabled": True, "minReplicas": 2, "maxReplicas": 6,
                                         "behavior": {"scaleDown": {"stabilizationWindowSeconds": 300}}}
     values["router"]["podDisruptionBudget"] = {"minAvailable": 1}
@@ -183,6 +184,12 @@ BAD_VALUES = {
                                      "'num_speculative_tokens'"),
     "unknown speculative key": ({"decode": {"config": {"speculativeConfig": {"method": "ngram", "k": 3,
                                                                              "num_speculative_tokens": 3}}}}, "'k'"),
+    "unknown quantization": ({"model": {"quantization": "int3"}}, "/model/quantization"),
+    "unknown KV cache dtype": ({"model": {"kvCacheDtype": "fp16"}}, "/model/kvCacheDtype"),
+    # the model's storage is the release's: no pool may differ (their KV pages must match)
+    "pool quantization": ({"decode": {"engine": {"quantization": "int8"}}}, "'quantization'"),
+    "pool KV cache dtype": ({"prefill": {"config": {"kvCacheDtype": "fp8"}}}, "'kvCacheDtype'"),
+    "GPU memory utilization above 1": ({"engine": {"gpuMemoryUtilization": 1.5}}, "/engine/gpuMemoryUtilization"),
 }
 
 
@@ -436,7 +443,8 @@ def test_every_values_key_reaches_the_cli(monkeypatch, capsys) -> None:
     samples = {"integer": 8589934592, "number": 2.5, "boolean": False}
     strings = {"dtype": "bfloat16", "attentionBackend": "triton", "logLevel": "DEBUG", "device": "cuda:1",
                "kvConnector": "zmq_ipc", "cpuAffinity": "0,2-3",
-               "prefillPolicy": "round_robin", "speculativeConfig": SPEC_JSON}
+               "prefillPolicy": "round_robin", "speculativeConfig": SPEC_JSON,
+               "gpuMemoryUtilization": 0.75}  # a number in (0, 1]
     blocks = {"engine": ("engine",), "router": ("router", "config"), "prefill": ("prefill", "config"),
               "decode": ("decode", "config")}
     settings: dict[str, dict] = {}
@@ -497,6 +505,24 @@ def test_decode_pods_speculate_with_the_speculative_config_value(given, tmp_path
     assert configs["decode"].engine_config().speculative == SpeculativeConfig.parse(SPEC)
     assert configs["prefill"].speculative_config is None
     assert "--speculative-config" not in pod_argv(objects, "prefill")[0]
+
+
+@pytest.mark.parametrize("model", [{}, {"quantization": "fp8", "kvCacheDtype": "fp8_e5m2"}], ids=["default", "fp8"])
+def test_both_pools_store_the_model_alike(model, tmp_path, monkeypatch, capsys) -> None:
+    """model.quantization and model.kvCacheDtype reach every pool as the same
+    --quantization and --kv-cache-dtype (a prefill and a decode worker exchange KV pages
+    as stored), and their engine configs take them; engine.gpuMemoryUtilization is a
+    shared engine flag a pool may override."""
+    objects = render({"model": model, "engine": {"gpuMemoryUtilization": 0.8},
+                      "decode": {"engine": {"gpuMemoryUtilization": 0.7}}})
+    configs = worker_configs(objects, tmp_path, monkeypatch, capsys)
+    for pool, config in configs.items():
+        engine = config.engine_config()
+        assert (engine.quantization, engine.kv_cache_dtype) == (model.get("quantization"),
+                                                                model.get("kvCacheDtype", "auto")), pool
+    assert configs["prefill"].engine_config().gpu_memory_utilization == 0.8
+    assert configs["decode"].engine_config().gpu_memory_utilization == 0.7
+    assert "--quantization" not in pod_argv(render({}), "router")[0]
 
 
 def test_curve_key_from_the_generated_secret_makes_one_cluster_key_pair(default, tmp_path, monkeypatch, capsys) -> None:

@@ -44,3 +44,32 @@ def test_up_without_the_flag_speculates_nowhere(tmp_path):
 def test_up_refuses_a_bad_speculative_config_naming_the_key():
     with pytest.raises(ValueError, match=r"^speculative_config\.num_speculative_tokens: "):
         up_spec("--speculative-config", '{"method": "ngram", "num_speculative_tokens": -1}')
+
+
+@pytest.mark.parametrize("flags,want", [
+    ([], (None, "auto", 0.9)),
+    (["--quantization", "int4", "--kv-cache-dtype", "fp8_e5m2", "--gpu-memory-utilization", "0.8"],
+     ("int4", "fp8_e5m2", 0.8)),
+], ids=["defaults", "given"])
+def test_up_gives_every_role_the_same_storage_flags(tmp_path, flags, want):
+    """`pdserve up --quantization Q --kv-cache-dtype D --gpu-memory-utilization F`: every
+    worker, prefill, mixed and decode alike, runs with them (a pair's KV pages are read
+    as stored), and its engine config takes them."""
+    spec = up_spec(*flags, "--mixed", "1")
+    credentials = generate(tmp_path / "secrets", spec.router.credentials)
+    for index, role in enumerate(("prefill", "mixed", "decode")):
+        argv = worker_argv(render_worker(spec, role, f"{role}-0", "127.0.0.1:1", credentials, index))
+        child = cli.build_parser().parse_args(argv)
+        engine = from_namespace(WorkerConfig, child, role=child.command).engine_config()
+        assert (engine.quantization, engine.kv_cache_dtype, engine.gpu_memory_utilization) == want, role
+
+
+@pytest.mark.parametrize("flag,value,field", [
+    ("--quantization", "int3", "quantization"),
+    ("--kv-cache-dtype", "fp16", "kv_cache_dtype"),
+    ("--gpu-memory-utilization", "0", "gpu_memory_utilization"),
+])
+def test_up_refuses_bad_storage_flags_naming_the_field(flag, value, field):
+    with pytest.raises(ValueError, match=rf"^{field}: "):
+        up_spec(flag, value)
+

@@ -19,6 +19,7 @@ worker finishes its streams); SIGTERM stops exactly what the launcher started.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -264,7 +265,9 @@ got = {}
 for index, role in enumerate(("prefill", "mixed", "decode")):
     config = render_worker(cluster.spec, role, f"{role}-0", "127.0.0.1:1", cluster.credentials, index)
     argv = actor_argv(config)
-    got[role] = {"argv": argv, "parsed": worker_config(argv).speculative_config}
+    parsed = worker_config(argv)
+    got[role] = {"argv": argv, "parsed": parsed.speculative_config,
+                 "storage": [parsed.quantization, parsed.kv_cache_dtype, parsed.gpu_memory_utilization]}
 print(json.dumps(got))
 """
 
@@ -273,7 +276,6 @@ def test_ray_actors_of_decoding_roles_get_the_speculative_config():
     """`pdserve up --launcher ray --speculative-config JSON`: the command line each decode
     and mixed actor is handed carries it, and the actor's own parser reads it back;
     prefill actors get none. In a child process, as the router's test above."""
-    import json
 
     spec = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
     proc = subprocess.run([sys.executable, "-c", WORKER_ARGV, "--launcher", "ray", "--mixed", "1",
@@ -286,6 +288,19 @@ def test_ray_actors_of_decoding_roles_get_the_speculative_config():
         assert argv[0] == role and argv[argv.index("--speculative-config") + 1] == spec
         assert got[role]["parsed"] == spec
     assert "--speculative-config" not in got["prefill"]["argv"] and got["prefill"]["parsed"] is None
+
+
+def test_ray_actors_of_every_role_get_the_same_storage_flags():
+    """`pdserve up --launcher ray --quantization Q --kv-cache-dtype D --gpu-memory-utilization F`:
+    every actor, prefill included, is handed them and parses them back (a pair's KV pages
+    are read as stored)."""
+    proc = subprocess.run([sys.executable, "-c", WORKER_ARGV, "--launcher", "ray", "--mixed", "1",
+                           "--quantization", "fp8", "--kv-cache-dtype", "fp8_e4m3", "--gpu-memory-utilization", "0.8"],
+                          cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    for role in ("prefill", "mixed", "decode"):
+        assert got[role]["storage"] == ["fp8", "fp8_e4m3", 0.8], role
 
 
 # -- on the cluster -----------------------------------------------------------------------------------------

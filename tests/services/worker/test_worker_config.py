@@ -1,6 +1,7 @@
 """A worker's settings (services/worker/config.py): --speculative-config from the flag
 or PDSERVE_SPECULATIVE_CONFIG, parsed into the engine's config; a bad value stops the
-worker at start, naming speculative_config.<key>."""
+worker at start, naming speculative_config.<key>. --quantization, --kv-cache-dtype and
+--gpu-memory-utilization likewise, for every role alike."""
 
 from __future__ import annotations
 
@@ -67,3 +68,47 @@ def test_a_worker_with_a_bad_speculative_config_stops_at_start_naming_the_key(ho
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2, run.stderr[-2000:]
     assert "pdserve: speculative_config.prompt_lookup_min: must be <= prompt_lookup_max (2), got 4" in run.stderr
+
+
+STORAGE = {"quantization": "int8", "kv_cache_dtype": "fp8_e4m3", "gpu_memory_utilization": 0.75}
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_storage_flags_reach_the_engine_of_every_role(role):
+    """Unlike --speculative-config, prefill workers take them too: the KV a prefill
+    worker ships is read as stored by its decode worker."""
+    argv = ["--quantization", "int8", "--kv-cache-dtype", "fp8_e4m3", "--gpu-memory-utilization", "0.75"]
+    config = parse_argv(WorkerConfig, argv, role=role)
+    engine = config.engine_config()
+    assert {name: getattr(engine, name) for name in STORAGE} == STORAGE
+    assert parse_argv(WorkerConfig, to_argv(config), role=role) == config  # what launchers hand their workers
+
+
+def test_storage_flags_default_to_the_checkpoints_own_format():
+    engine = WorkerConfig(role="decode").engine_config()
+    assert (engine.quantization, engine.kv_cache_dtype, engine.gpu_memory_utilization) == (None, "auto", 0.9)
+
+
+@pytest.mark.parametrize("field", STORAGE)
+def test_storage_flags_come_from_the_environment_too(monkeypatch, field):
+    monkeypatch.setenv(f"PDSERVE_{field.upper()}", str(STORAGE[field]))
+    assert getattr(parse_argv(WorkerConfig, [], role="prefill"), field) == STORAGE[field]
+
+
+@pytest.mark.parametrize("field, value", [("quantization", "int3"), ("quantization", "gptq"),
+                                          ("kv_cache_dtype", "fp16"), ("gpu_memory_utilization", 0.0),
+                                          ("gpu_memory_utilization", 1.01)])
+def test_a_bad_storage_flag_is_refused_naming_its_field(field, value):
+    for role in ROLES:
+        with pytest.raises(ValueError, match=rf"^{field}: "):
+            WorkerConfig(role=role, **{field: value})
+
+
+@pytest.mark.parametrize("how", ["flag", "env"])
+def test_a_worker_with_a_bad_kv_cache_dtype_stops_at_start_naming_the_field(how):
+    argv = ["--kv-cache-dtype", "fp16"] if how == "flag" else []
+    env = child_env() | ({"PDSERVE_KV_CACHE_DTYPE": "fp16"} if how == "env" else {})
+    run = subprocess.run([sys.executable, "-m", "pdserve", "prefill", "--port", "0", *argv], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert "pdserve: kv_cache_dtype: unknown 'fp16'" in run.stderr

@@ -153,6 +153,8 @@ the cluster shares, and the credentials mounted from Secrets.
 A worker's arguments: `pdserve prefill|decode` and its flags; dict "root" $ "pool"
 "prefill"|"decode". Its id is its pod's name, it advertises its pod IP, registers
 with the router's internal Service, serves metrics on its container's metrics port.
+The model's storage (model.quantization, model.kvCacheDtype) is the release's, never
+a pool's: both pools get the same --quantization and --kv-cache-dtype.
 */}}
 {{- define "pdserve.worker.args" -}}
 {{- $root := .root }}
@@ -165,6 +167,8 @@ with the router's internal Service, serves metrics on its container's metrics po
 {{- $set := dict
   "model" (include "pdserve.modelPath" $root)
   "servedModelName" $root.Values.model.servedModelName
+  "quantization" $root.Values.model.quantization
+  "kvCacheDtype" $root.Values.model.kvCacheDtype
   "host" "0.0.0.0"
   "port" $pool.ports.grpc
   "router" (include "pdserve.router.registryAddress" $root)
