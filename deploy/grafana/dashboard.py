@@ -130,6 +130,10 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                   "percentunit", (Query(f"max by (role) (pdserve:kv_cache_usage_perc{{{SEL}}})", "{{role}}"),)),
         PanelSpec("KV cache usage per worker", "Fraction of each worker's KV blocks in use.",
                   "percentunit", (Query(f"max by (worker) (pdserve:kv_cache_usage_perc{{{SEL}}})", "{{worker}}"),)),
+        PanelSpec("KV cache fragmentation per worker",
+                  "Allocated KV slots holding no token / allocated slots, per worker (0 with nothing allocated): "
+                  "the partly filled last block of each sequence, and blocks reserved for KV still on its way.",
+                  "percentunit", (Query(f"max by (worker) (pdserve:kv_cache_fragmentation{{{SEL}}})", "{{worker}}"),)),
         PanelSpec("Prefix cache hit rate", "Prompt tokens found in the prefix cache / tokens looked up, per role.",
                   "percentunit", (ratio("prefix_cache_hits_total", "prefix_cache_queries_total"),)),
         PanelSpec("KV transfer bandwidth", "KV page bytes per second: sent by prefill workers, received by decode workers.",

@@ -21,9 +21,9 @@ What is recorded where (one call per event, at the place it happens):
              EngineLoop._expire              reservation_expired
              KV sender poll                  kv_sent(seconds): final frame -> receiver's ack
              scrape time                     engine.stats() as of the loop's last iteration
-                                             (running, waiting, KV usage, prefix cache,
-                                             preemptions, speculative decoding) and the
-                                             KV connector's counters
+                                             (running, waiting, KV usage and fragmentation,
+                                             prefix cache, preemptions, speculative
+                                             decoding) and the KV connector's counters
 
 Counters that the engine and the connector keep anyway are read when Prometheus
 scrapes, so the hot path pays nothing for them. `--no-metrics` replaces the
@@ -119,6 +119,9 @@ METRICS: Mapping[str, Spec] = types.MappingProxyType({
     "num_requests_waiting": Spec("gauge_family", "Sequences waiting to be scheduled (preempted ones included)"),
     "kv_cache_usage_perc": Spec("gauge_family", "Fraction of KV blocks in use (1 = full)"),
     "num_kv_blocks": Spec("gauge_family", "KV cache blocks of this worker"),
+    "kv_cache_fragmentation": Spec(
+        "gauge_family", "Allocated KV slots holding no token / allocated KV slots (0 when none is allocated; "
+                        "blocks shared by a prefix or a fork count once)"),
     "prefix_cache_queries": Spec("counter_family", "Prompt tokens looked up in the prefix cache"),
     "prefix_cache_hits": Spec("counter_family", "Prompt tokens found in the prefix cache"),
     "num_preemptions": Spec("counter_family", "Sequences preempted (blocks freed, recomputed later)"),
@@ -163,7 +166,7 @@ WORKER_METRICS = (
 # WorkerStats / KVTransferStats field -> metric, read at scrape time
 ENGINE_GAUGES = {
     "num_requests_running": "num_requests_running", "num_requests_waiting": "num_requests_waiting",
-    "kv_cache_usage": "kv_cache_usage_perc", "num_blocks": "num_kv_blocks",
+    "kv_cache_usage": "kv_cache_usage_perc", "num_blocks": "num_kv_blocks", "kv_fragmentation": "kv_cache_fragmentation",
     "num_requests_held": "num_requests_held", "num_held_blocks": "num_held_blocks",
     "num_requests_reserved": "num_requests_reserved",
 }

@@ -253,6 +253,17 @@ def test_ttft_matches_the_clients(cluster, served):
         assert at_le <= count <= within_slack, (le, at_le, count, within_slack)
 
 
+def test_kv_fragmentation_gauge_per_worker(cluster, served):
+    """pdserve:kv_cache_fragmentation: one series per worker, in [0, 1] throughout the
+    run, and 0 once the workers are idle (no slot allocated)."""
+    _, prom = cluster
+    roles = {r["metric"]["worker"]: r["metric"]["role"] for r in prom.query("pdserve:kv_cache_fragmentation")}
+    assert sorted(roles.values()) == ["decode", "prefill"]
+    peaks = [float(r["value"][1]) for r in prom.query(f"max_over_time(pdserve:kv_cache_fragmentation[{WINDOW}])")]
+    assert len(peaks) == 2 and all(0.0 <= v <= 1.0 for v in peaks), peaks
+    wait_for(lambda: prom.value("pdserve:kv_cache_fragmentation") == 0.0, 30, "idle workers to report 0")
+
+
 def _substitute(expr: str, model_name: str) -> str:
     return expr.replace("$model_name", model_name).replace("$__rate_interval", WINDOW)
 

@@ -162,12 +162,14 @@ ZERO = dict.fromkeys((f.name for f in fields(EngineStats) if f.name != "spec_dec
 
 def test_worker_reads_engine_and_connector_counters_at_scrape_time():
     metrics = WorkerMetrics("m", "decode", "decode-0")
-    stats = [WorkerStats(**{**ZERO, "num_requests_running": 3, "kv_cache_usage": 0.25, "prefix_cache_queries": 10})]
+    stats = [WorkerStats(**{**ZERO, "num_requests_running": 3, "kv_cache_usage": 0.25, "prefix_cache_queries": 10,
+                            "kv_fragmentation": 0.125})]
     metrics.watch(lambda: stats[0], lambda: KVTransferStats(kv_transfer_bytes=4096))
     assert sample(metrics, "num_requests_running") == 3
     stats[0] = replace(stats[0], num_requests_running=1)  # read again on the next scrape
     assert sample(metrics, "num_requests_running") == 1
     assert sample(metrics, "kv_cache_usage_perc") == 0.25
+    assert sample(metrics, "kv_cache_fragmentation") == 0.125
     assert sample(metrics, "prefix_cache_queries", "_total") == 10
     assert sample(metrics, "kv_transfer_bytes", "_total") == 4096
 
