@@ -12,6 +12,10 @@
     pdserve scale --address ROUTER [--prefill N] [--decode M] [--mixed K]
                                          resize the pools of a cluster `pdserve up` runs
     pdserve bench [--addr A] [flags]     load generator + latency report (pdserve bench --help)
+    pdserve plan --model DIR --gpu-memory GiB --max-model-len N --concurrency C [--quantization Q]
+                 [--kv-cache-dtype D] [--prompt-len P --output-len O] [--kv-cache-memory B] [...]
+                                         memory per worker and workers needed, for the given and the
+                                         alternative weight and KV dtypes side by side (no weights read)
 
 Every flag also reads PDSERVE_<NAME> from the environment (e.g. PDSERVE_NUM_BLOCKS).
 """
@@ -55,6 +59,13 @@ def _worker(args: argparse.Namespace) -> int:
     from pdserve.services.node import run
 
     return run(from_namespace(WorkerConfig, args, role=args.command))
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from pdserve.launch.plan import PlanConfig, run
+    from pdserve.services.common.flags import from_namespace
+
+    return run(from_namespace(PlanConfig, args))
 
 
 def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
@@ -167,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     from pdserve.engine.config import DEFAULT_MODEL
     from pdserve.launch.cluster import PER_WORKER, LaunchConfig
     from pdserve.launch.credentials import LAUNCH_MADE
+    from pdserve.launch.plan import PlanConfig
     from pdserve.launch.ray_config import RayConfig
     from pdserve.services.common.flags import add_flags
     from pdserve.services.common.credentials import KV_CURVE_FIELDS, ClusterCredentials
@@ -235,6 +247,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds to wait for the live pools to match (exit 1 if they do not)")
     scale.add_argument("--timeout", type=float, default=10.0, help="deadline of each call in seconds")
     scale.set_defaults(func=_scale)
+    plan = sub.add_parser("plan", help="weights, KV blocks and workers needed for a load, for the given and the "
+                                       "alternative weight and KV dtypes side by side (reads no weights)")
+    add_flags(plan, PlanConfig)
+    plan.set_defaults(func=_plan)
     # Listed here for --help; main() hands everything after `bench` to bench.serving's own parser.
     sub.add_parser("bench", add_help=False,
                    help="open-loop load generator against a router: TTFT/TPOT/ITL, goodput (pdserve bench --help)")
