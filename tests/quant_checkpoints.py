@@ -35,6 +35,10 @@ from tests.hf_models import build_model
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+# GPTQ's act order follows the layer input's Hessian: layers reading the same input
+# (q/k/v, gate/up) get the same column order
+SAME_INPUT = {"self_attn.q_proj": 0, "self_attn.k_proj": 0, "self_attn.v_proj": 0, "self_attn.o_proj": 1,
+              "mlp.gate_proj": 2, "mlp.up_proj": 2, "mlp.down_proj": 3}
 # hidden 128 / intermediate 256: every layer's inputs divide a group of 128
 SIZES = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
 CALIBRATION = [[5, 17, 42, 99, 7, 3, 250, 64], list(range(10, 70, 2))]
@@ -241,7 +245,8 @@ def gptq_pack_spec(q: dict[str, torch.Tensor], v2: bool = False) -> dict[str, to
 
 def build_gptq_checkpoint(path: Path, arch: str, group_size: int = 128, desc_act: bool = False, sym: bool = True,
                           v2: bool = False, seed: int = 0, **overrides: Any) -> tuple[Any, dict[str, torch.Tensor]]:
-    """A random model in GPTQ's layout (lm_head full precision). Returns the
+    """A random model in GPTQ's layout (lm_head full precision; group_size -1: one group
+    per row). Returns the
     transformers model holding the dequantized weights (the reference) and those
     weights by checkpoint name."""
     from safetensors.torch import load_file, save_file
@@ -250,9 +255,11 @@ def build_gptq_checkpoint(path: Path, arch: str, group_size: int = 128, desc_act
     state = load_file(str(path / "model.safetensors"))
     dense = {}
     for i in range(model.config.num_hidden_layers):
-        for j, linear in enumerate(LINEARS):
+        for linear in LINEARS:
             name = f"model.layers.{i}.{linear}"
-            q = gptq_quantize(state.pop(f"{name}.weight").float(), group_size, desc_act, sym, seed * 100 + i * 7 + j)
+            w = state.pop(f"{name}.weight").float()
+            q = gptq_quantize(w, group_size if group_size > 0 else w.shape[1], desc_act, sym,
+                              seed * 100 + i * 7 + SAME_INPUT[linear])
             packed = gptq_pack_spec(q, v2)
             state.update({f"{name}.{field}": t.contiguous() for field, t in packed.items()})
             dense[name] = q["dense"]
