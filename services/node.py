@@ -54,7 +54,8 @@ class Worker:
             log.info("prefill worker %s: --speculative-config is not used here (only decoding speculates)", config.id)
         self.metrics = worker_metrics(config.metrics, config.model_name, config.role, config.id)
         kv = KVCredentials(self.auth.kv_curve(), self.auth.rendezvous_token)
-        context = TransportContext.from_env(config.role, config.id, self.engine.runner.kv_cache, kv)
+        context = TransportContext.from_env(config.role, config.id, self.engine.runner.kv_cache, kv,
+                                            kv_format=self.engine.runner.kv_format)
         self.connector: KVConnector = open_connector(config.kv_connector or "", context,
                                                      self.engine.model_config.vocab_size)
         self.loop = EngineLoop(self.engine, connector=self.connector, held_lease=config.held_lease,

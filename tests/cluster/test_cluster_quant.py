@@ -179,8 +179,6 @@ def test_fp8_and_model_dtype_workers_refuse_to_pair(clusters, tmp_path):
                      r".* the prefill worker float8_e4m3fn pages", message), message
 
 
-@pytest.mark.xfail(strict=True, reason="services/node.py does not yet hand the engine's kv_format to the connector "
-                                       "(TransportContext.from_env(..., kv_format=engine.runner.kv_format))")
 def test_workers_with_other_weights_refuse_to_pair(clusters, tmp_path):
     """The same KV dtype, other weights (so other K and V): refused all the same."""
     with joined(clusters["mismatch"], tmp_path, "prefill-int8", "--quantization", "int8") as prefill:
