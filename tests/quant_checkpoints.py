@@ -26,6 +26,7 @@ from its file): equal for v1, with and without act order, symmetric and not.
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -189,7 +190,10 @@ def hf_decompressed(path: Path) -> Any:
     layer to dense weights (the library's own dequantization)."""
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
-    return AutoModelForCausalLM.from_pretrained(path, quantization_config=CompressedTensorsConfig(dequantize=True)).eval()
+    with warnings.catch_warnings():  # "the config's quantization_config is used, dequantize= overrides": meant
+        warnings.simplefilter("ignore", UserWarning)
+        config = CompressedTensorsConfig(dequantize=True)
+        return AutoModelForCausalLM.from_pretrained(path, quantization_config=config).eval()
 
 
 # -- GPTQ --------------------------------------------------------------------------------
