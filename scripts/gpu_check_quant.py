@@ -108,7 +108,7 @@ class QuantWeight:
 
 def make_weight(scheme: str, n: int, k: int, device: str, gen: torch.Generator) -> QuantWeight:
     """Random codes and scales of the scheme's layout (values a real checkpoint could hold)."""
-    from pdserve.engine.quant import reference as ref
+    from pdserve.engine.quant import formats as ref
     from pdserve.engine.quant import triton_gemm as tg
 
     def rand(*shape):

@@ -22,6 +22,9 @@ from __future__ import annotations
 import torch
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+# Smallest per-token activation scale (vLLM's): a row of zeros quantizes to zeros
+# instead of dividing by zero.
+FP8_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
 FP4_MAX = 6.0  # largest E2M1 magnitude
 # E2M1 magnitudes by code (bits 0-2); bit 3 is the sign.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -47,8 +50,9 @@ def quantize_int8(w: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"weight": q, "weight_scale": scale}
 
 
-def dequantize_int8(t: dict[str, torch.Tensor]) -> torch.Tensor:
-    return t["weight"].float() * t["weight_scale"].float()[:, None]
+def dequantize_int8(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Symmetric per output channel: W = weight * scale[:, None]."""
+    return weight.float() * scale.float()[:, None]
 
 
 def quantize_int4(w: torch.Tensor, group_size: int) -> dict[str, torch.Tensor]:
@@ -65,13 +69,13 @@ def quantize_int4(w: torch.Tensor, group_size: int) -> dict[str, torch.Tensor]:
     return {"weight_packed": pack_nibbles(codes), "weight_scale": scale, "weight_zero": zero}
 
 
-def dequantize_int4(t: dict[str, torch.Tensor], group_size: int) -> torch.Tensor:
-    codes = unpack_nibbles(t["weight_packed"]).float()
-    n, k = codes.shape
-    s = t["weight_scale"].float().repeat_interleave(group_size, dim=1)
-    z = t["weight_zero"].float().repeat_interleave(group_size, dim=1)
+def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
+                    perm: torch.Tensor | None = None) -> torch.Tensor:
+    """Group-wise with zero points: W[n, k] = (c - zero[n, k // G]) * scale[n, k // G]."""
+    codes = unpack_nibbles(packed).float()
+    s = scale.float().repeat_interleave(group_size, dim=1)
+    z = zero.float().repeat_interleave(group_size, dim=1)
     w = (codes - z) * s
-    perm = t.get("perm")
     if perm is not None:  # act order: stored column j is input column perm[j]
         out = torch.empty_like(w)
         out[:, perm] = w
@@ -87,23 +91,26 @@ def quantize_fp8(w: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"weight": q, "weight_scale": scale}
 
 
-def dequantize_fp8(t: dict[str, torch.Tensor]) -> torch.Tensor:
-    return t["weight"].float() * t["weight_scale"].float()[:, None]
-
-
-def quantize_fp8_activation(x: torch.Tensor, input_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (E4M3 values, fp32 scale [M, 1]): per token, or the static scale."""
-    x = x.float()
+def quantize_fp8_activations(x: torch.Tensor, input_scale: torch.Tensor | None = None,
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (x_q float8_e4m3fn [M, K], s float32 [M]) with x ~ x_q * s[:, None]:
+    s = max|x_m| / 448 per row (at least FP8_MIN_SCALE), or the static `input_scale`."""
+    xf = x.float()
     if input_scale is None:
-        scale = (x.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_(min=1e-12)
+        s = (xf.abs().amax(dim=-1) / FP8_MAX).clamp(min=FP8_MIN_SCALE)
     else:
-        scale = input_scale.float().reshape(1, 1).expand(x.shape[0], 1).contiguous()
-    return (x / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+        s = input_scale.float().reshape(1).expand(x.shape[0]).contiguous()
+    return (xf / s[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), s
 
 
 def _e2m1_table(device: torch.device) -> torch.Tensor:
     mags = torch.tensor(E2M1_VALUES, device=device)
     return torch.cat((mags, -mags))
+
+
+def e2m1_to_float(codes: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes 0..15 -> float32 (bit 3 sign, bits 0-2 index E2M1_VALUES)."""
+    return _e2m1_table(codes.device)[codes.long()]
 
 
 def quantize_fp4(w: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -131,11 +138,11 @@ def quantize_fp4(w: torch.Tensor) -> dict[str, torch.Tensor]:
     }
 
 
-def dequantize_fp4(t: dict[str, torch.Tensor]) -> torch.Tensor:
-    codes = unpack_nibbles(t["weight_packed"]).long()
-    values = _e2m1_table(codes.device)[codes]
-    scale = t["weight_scale"].float().repeat_interleave(16, dim=1)
-    return values * scale / t["weight_global_scale"].float()[:, None]
+def dequantize_fp4(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """NVFP4: W[n, k] = e2m1(c) * block_scale[n, k // 16] / global_scale[n]."""
+    values = e2m1_to_float(unpack_nibbles(packed))
+    blocks = block_scale.float().repeat_interleave(16, dim=1)
+    return values * blocks / global_scale.float()[:, None]
 
 
 def quantize(method: str, w: torch.Tensor, group_size: int | None = None) -> dict[str, torch.Tensor]:
@@ -150,11 +157,31 @@ def quantize(method: str, w: torch.Tensor, group_size: int | None = None) -> dic
 
 
 def dequantize(method: str, t: dict[str, torch.Tensor], group_size: int | None = None) -> torch.Tensor:
-    if method == "int8":
-        return dequantize_int8(t)
+    """A layer's canonical tensors (by their names above) -> W in float32 [N, K]."""
+    if method in ("int8", "fp8"):
+        return dequantize_int8(t["weight"], t["weight_scale"])  # the same arithmetic for E4M3 values
     if method == "int4":
         assert group_size is not None
-        return dequantize_int4(t, group_size)
-    if method == "fp8":
-        return dequantize_fp8(t)
-    return dequantize_fp4(t)
+        return dequantize_int4(t["weight_packed"], t["weight_scale"], t["weight_zero"], group_size, t.get("perm"))
+    return dequantize_fp4(t["weight_packed"], t["weight_scale"], t["weight_global_scale"])
+
+
+# -- references the kernels are checked against (slow and simple on purpose) ----------
+
+
+def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight^T (+ bias) in float32, returned in x's dtype."""
+    y = x.float() @ weight.float().T
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                         input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """W8A8: y = (x_q @ weight^T) * s_m * weight_scale[n] (+ bias), in x's dtype."""
+    x_q, s = quantize_fp8_activations(x, input_scale)
+    y = (x_q.float() @ weight.float().T) * s[:, None] * weight_scale.float()[None, :]
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)

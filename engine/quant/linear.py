@@ -167,11 +167,12 @@ class QuantLinear(nn.Module):
                                                      self._scales_zeros).to(out_dtype)
         if m == "fp8":
             static = getattr(self, "input_scale", None)
-            xq, xs = formats.quantize_fp8_activation(x, static)
-            y = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self.weight_scale[None, :],
+            xq, xs = formats.quantize_fp8_activations(x, static)
+            y = torch._scaled_mm(xq, self.weight.t(), scale_a=xs[:, None], scale_b=self.weight_scale[None, :],
                                  out_dtype=torch.float32)
             return y.to(out_dtype)
-        return F.linear(x, formats.dequantize_fp4(self.canonical()).to(out_dtype))
+        w = formats.dequantize_fp4(self.weight_packed, self.weight_scale, self.weight_global_scale)
+        return F.linear(x, w.to(out_dtype))
 
     def _cuda(self, x: torch.Tensor) -> torch.Tensor:
         from pdserve.engine.quant import triton_gemm as tg

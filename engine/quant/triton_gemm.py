@@ -28,7 +28,7 @@ fp4's per-group scales are applied to the weight tile. An fp4 weight times its E
 block scale is exact in float16 and bfloat16, so fp4 rounds nothing before the dot;
 int4's (c - zero) * scale is rounded to x's dtype, like any dequantize-then-matmul.
 
-The references these kernels are checked against live in `quant.reference`.
+The references these kernels are checked against live in `quant.formats` (dequantize, linear_reference).
 Without CUDA, set TRITON_INTERPRET=1 before `triton` is first imported.
 """
 
@@ -42,7 +42,8 @@ import triton.language as tl
 
 # _dot: a float32 dot in IEEE precision (TF32 would drift from the reference), else tl.dot.
 from pdserve.engine.attention.triton_kernels import _dot
-from pdserve.engine.quant.reference import FP4_BLOCK, FP8_E4M3_MAX, FP8_MIN_SCALE
+from pdserve.engine.quant.config import FP4_BLOCK
+from pdserve.engine.quant.formats import FP8_MAX, FP8_MIN_SCALE
 
 __all__ = ["fp4_linear", "fp8_linear", "int4_linear", "int8_linear", "quantize_fp8_activations"]
 
@@ -377,7 +378,7 @@ def quantize_fp8_activations(x: torch.Tensor, input_scale: torch.Tensor | None =
         _fp8_quantize_rows_kernel[(m,)](
             x, x_q, s, input_scale if input_scale is not None else s,
             k, *x.stride(), *x_q.stride(),
-            STATIC=input_scale is not None, FP8_MAX=FP8_E4M3_MAX, MIN_SCALE=FP8_MIN_SCALE,
+            STATIC=input_scale is not None, FP8_MAX=FP8_MAX, MIN_SCALE=FP8_MIN_SCALE,
             BLOCK_K=min(1024, triton.next_power_of_2(max(k, 16))),
         )
     return x_q, s

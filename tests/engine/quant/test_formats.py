@@ -23,7 +23,7 @@ def test_int8_is_symmetric_per_output_channel():
     t = formats.quantize_int8(w)
     assert t["weight"].dtype == torch.int8 and t["weight_scale"].shape == (8,)
     assert t["weight"].abs().amax(dim=1).tolist() == [127] * 8
-    err = (formats.dequantize_int8(t) - w).abs()
+    err = (formats.dequantize("int8", t) - w).abs()
     assert (err <= t["weight_scale"][:, None] / 2 + 1e-6).all()
 
 
@@ -34,7 +34,7 @@ def test_int4_groups_have_their_own_scale_and_integer_zero():
     assert t["weight_packed"].shape == (4, 128) and t["weight_scale"].shape == (4, 2)
     assert torch.equal(t["weight_zero"], t["weight_zero"].round())
     assert (t["weight_zero"][:, 0] < t["weight_zero"][:, 1]).all()
-    err = (formats.dequantize_int4(t, 128) - w).abs()
+    err = (formats.dequantize("int4", t, 128) - w).abs()
     scale = t["weight_scale"].repeat_interleave(128, dim=1)
     assert (err <= scale / 2 + 1e-5).all()
 
@@ -44,7 +44,7 @@ def test_int4_act_order_permutation_puts_columns_back():
     perm = torch.randperm(64)
     t = formats.quantize_int4(w[:, perm], 32)  # stored column j is input column perm[j]
     t["perm"] = perm
-    assert torch.allclose(formats.dequantize_int4(t, 32), w, atol=0.3)
+    assert torch.allclose(formats.dequantize("int4", t, 32), w, atol=0.3)
 
 
 def test_fp8_clamps_to_the_format_range_before_casting():
@@ -53,12 +53,12 @@ def test_fp8_clamps_to_the_format_range_before_casting():
     assert t["weight"].dtype == torch.float8_e4m3fn
     assert t["weight"].float().abs().amax(dim=1).tolist() == [formats.FP8_MAX] * 4
     assert torch.isfinite(t["weight"].float()).all()
-    rel = ((formats.dequantize_fp8(t) - w).abs() / w.abs().clamp(min=1e-3)).median()
+    rel = ((formats.dequantize("fp8", t) - w).abs() / w.abs().clamp(min=1e-3)).median()
     assert rel < 0.04
     x = torch.tensor([[1e6, -1e6, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
-    xq, s = formats.quantize_fp8_activation(x, None)
+    xq, s = formats.quantize_fp8_activations(x, None)
     assert torch.isfinite(xq.float()).all() and torch.isfinite(s).all()
-    xq, s = formats.quantize_fp8_activation(x, torch.tensor(1.0))  # static: the big values saturate, not inf
+    xq, s = formats.quantize_fp8_activations(x, torch.tensor(1.0))  # static: the big values saturate, not inf
     assert xq.float().abs().max() == formats.FP8_MAX
 
 
@@ -71,7 +71,7 @@ def test_fp4_values_lie_on_the_e2m1_grid_with_fp8_block_scales():
     grid = torch.tensor(formats.E2M1_VALUES)
     assert set(grid.tolist()) >= set(torch.cat((grid, -grid))[codes].abs().unique().tolist())
     # each block's largest magnitude lands on (or next to) the grid's top
-    deq = formats.dequantize_fp4(t)
+    deq = formats.dequantize("fp4", t)
     assert ((deq - w).norm() / w.norm()) < 0.15
     # one global scale for the tensor: the largest block scale sits at E4M3's top
     assert t["weight_scale"].float().max() == pytest.approx(formats.FP8_MAX, rel=0.07)

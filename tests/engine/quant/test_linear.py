@@ -83,4 +83,4 @@ def test_static_fp8_input_scale_is_used():
     layer.fill({**t, "input_scale": scale})
     layer.prepare()
     xq = (x / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale
-    assert rel(layer(x), xq @ formats.dequantize_fp8(t).T) < 1e-5
+    assert rel(layer(x), xq @ formats.dequantize("fp8", t).T) < 1e-5

@@ -1,5 +1,5 @@
 """Quantized GEMM Triton kernels (engine/quant/triton_gemm.py) vs. their
-dequantize-then-matmul references (engine/quant/reference.py).
+dequantize-then-matmul references (engine/quant/formats.py).
 
 Without CUDA the kernels run in Triton's interpreter, which must be enabled before
 `triton` is first imported (tests/conftest.py sets it for the session; it is set here
@@ -21,7 +21,7 @@ import pytest  # noqa: E402
 
 triton = pytest.importorskip("triton")
 
-from pdserve.engine.quant import reference as ref  # noqa: E402
+from pdserve.engine.quant import formats as ref  # noqa: E402  (the references)
 from pdserve.engine.quant import triton_gemm as tg  # noqa: E402
 
 if not _HAS_CUDA:
