@@ -41,6 +41,9 @@ _FUSED = {
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
 }
 _KV_SCALES = ("self_attn.k_scale", "self_attn.v_scale")
+# Older compressed-tensors checkpoints name them after the projection's output.
+_OLD_KV_SCALES = {"self_attn.k_proj.output_scale": "self_attn.k_scale",
+                  "self_attn.v_proj.output_scale": "self_attn.v_scale"}
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -87,6 +90,9 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, devi
     kv_scales: dict[str, float] = {}
     for name, tensor in iter_tensors(model_dir):
         bare = name.removeprefix("model.")
+        for old, new in _OLD_KV_SCALES.items():
+            if bare.endswith(old):
+                bare = bare.removesuffix(old) + new
         if bare.endswith(_KV_SCALES):
             kv_scales[bare] = float(tensor.float().reshape(-1)[0])
             continue

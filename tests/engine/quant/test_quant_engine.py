@@ -89,13 +89,14 @@ def test_checkpoint_kv_scales_are_used_and_bad_ones_refused(tmp_path, caplog):
     tensors = load_file(tmp_path / "model.safetensors")
     for i in range(2):
         tensors[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(0.5 + i)
-        tensors[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(0.25)
+        # an older compressed-tensors name for the same scale
+        tensors[f"model.layers.{i}.self_attn.v_proj.output_scale"] = torch.tensor([0.25])
     save_file(tensors, tmp_path / "model.safetensors")
     llm = LLM(str(tmp_path), kv_cache_dtype="fp8", num_blocks=8)
     assert [layer.self_attn.kv_scales for layer in llm.engine.runner.model.layers] == [(0.5, 0.25), (1.5, 0.25)]
     assert llm.engine.runner.kv_format != LLM(str(tmp_path), kv_cache_dtype="fp8", num_blocks=8,
                                               quantization="int8").engine.runner.kv_format
-    tensors["model.layers.1.self_attn.v_scale"] = torch.tensor(-1.0)
+    tensors["model.layers.1.self_attn.v_proj.output_scale"] = torch.tensor([-1.0])
     save_file(tensors, tmp_path / "model.safetensors")
     with pytest.raises(ValueError, match=r"layers.1.self_attn.v_scale must be a positive finite number"):
         LLM(str(tmp_path), kv_cache_dtype="fp8", num_blocks=8)
