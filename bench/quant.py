@@ -103,7 +103,7 @@ class QuantBenchConfig:
 QUICK = QuantBenchConfig(model=QUICK_MODEL, workload=QUICK_WORKLOAD, kv_cache_memory=4 * MIB, decode_batch=4,
                          decode_prompt=32, decode_steps=4, transfer_prompt=128, transfer_reps=3,
                          gemm_min_seconds=0.01, repeats=2, quick=True)
-GPU = QuantBenchConfig(model=GPU_MODEL, workload=replace(WorkloadSpec(), num_requests=64), kv_cache_memory=8 << 30,
+GPU = QuantBenchConfig(model=GPU_MODEL, workload=replace(WorkloadSpec(), num_requests=64), kv_cache_memory=4 << 30,
                        decode_batch=32, decode_prompt=64, decode_steps=16, transfer_prompt=2000, device="cuda",
                        dtype="bfloat16")
 
