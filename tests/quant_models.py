@@ -14,6 +14,7 @@ divergence the sequences' contexts differ, so nothing later is compared.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 # One greedy sample: its tokens and, per position, {token id: logprob} of its top k.
 Sample = tuple[Sequence[int], Sequence[Mapping[int, float]]]
@@ -38,3 +39,34 @@ def first_divergence(outputs_0: Sequence[Sample], outputs_1: Sequence[Sample]) -
     """Per prompt, the first position where the two runs' tokens differ (None: never)."""
     return [next((i for i, (a, b) in enumerate(zip(x[0], y[0])) if a != b), None)
             for x, y in zip(outputs_0, outputs_1)]
+
+
+def dequantized_hf(model: Any, method: str) -> Any:
+    """`model` (transformers, in place) with every layer the online scheme `method`
+    covers replaced by its quantized-then-dequantized weight, shards the engine fuses
+    (q/k/v, gate/up) quantized together as the loader fuses them: the weights the
+    engine's quantized model computes with, for transformers to run as the reference."""
+    import torch
+
+    from pdserve.engine.quant import formats
+    from pdserve.engine.quant.config import online_scheme
+    from pdserve.engine.quant.linear import layer_group_size
+
+    scheme = online_scheme(method)
+
+    def replace(modules: list[Any]) -> None:
+        fused = torch.cat([m.weight.detach().float() for m in modules])
+        group = layer_group_size(scheme, fused.shape[1])
+        deq = formats.dequantize(method, formats.quantize(method, fused, group), group)
+        for m, w in zip(modules, deq.split([m.weight.shape[0] for m in modules])):
+            m.weight.copy_(w)
+
+    with torch.no_grad():
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            for group in ([attn.q_proj, attn.k_proj, attn.v_proj], [attn.o_proj], [mlp.gate_proj, mlp.up_proj],
+                          [mlp.down_proj]):
+                replace(group)
+        if scheme.quantize_lm_head:  # a tied table is the same tensor: both ends change
+            replace([model.lm_head])
+    return model
