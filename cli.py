@@ -37,7 +37,8 @@ API_KEY_ENV = "PDSERVE_API_KEY"  # `generate`: the key, kept off the command lin
 def _offline(args: argparse.Namespace) -> int:
     from pdserve.engine import LLM, SamplingParams
 
-    llm = LLM(model=args.model, dtype=args.dtype, device=args.device)
+    llm = LLM(model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
+              kv_cache_dtype=args.kv_cache_dtype)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     for out in llm.generate(args.prompts, params):
         print(out.prompt + out.outputs[0].text)
@@ -176,6 +177,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from pdserve.engine.config import DEFAULT_MODEL
+    from pdserve.engine.quant.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS
     from pdserve.launch.cluster import PER_WORKER, LaunchConfig
     from pdserve.launch.credentials import LAUNCH_MADE
     from pdserve.launch.plan import PlanConfig
@@ -198,6 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--seed", type=int, default=None)
     off.add_argument("--dtype", default="float32")
     off.add_argument("--device", default="cpu")
+    off.add_argument("--quantization", default=None, choices=QUANTIZATION_METHODS, help="quantize while loading")
+    off.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     off.set_defaults(func=_offline)
 
     up = sub.add_parser("up", help="start router + workers (local processes or Ray actors); "
