@@ -7,7 +7,9 @@ client (the bench extra, which `make` installs), its reply printed; the KV bytes
 each worker moved, then a clean shutdown. Last, speculative decoding on the engine:
 one input-grounded prompt (a standard-library function, to be written again with a
 name changed) without speculation, with n-gram prompt lookup and with the embedded
-draft model, the same tokens each time, with their TPOT and acceptance."""
+draft model, the same tokens each time, with their TPOT and acceptance. And quantization
+on the engine: each weight scheme and the FP8 KV cache, with the weight bytes, the KV
+blocks the same memory holds, and how many greedy tokens agree with full precision."""
 
 from __future__ import annotations
 
@@ -106,6 +108,24 @@ def speculation(model: str, draft: str) -> None:
     print(prompt.splitlines()[-1] + "\n" + "\n".join(out.outputs[0].text.splitlines()[:4]))
 
 
+def quantization(model: str) -> None:
+    """Each scheme's memory and its greedy tokens against full precision's."""
+    prompt = "def read_config(path):\n"
+    params = SamplingParams(max_tokens=32, temperature=0.0)
+    print("=" * 60)
+    print("quantization (engine, one greedy request; KV memory 64 MiB for each)")
+    baseline: list[int] = []
+    for quant, kv in ((None, "auto"), ("int8", "auto"), ("int4", "auto"), ("fp8", "auto"), ("fp4", "auto"),
+                      (None, "fp8")):
+        llm = LLM(model=model, kv_cache_memory=64 << 20, max_model_len=512, quantization=quant, kv_cache_dtype=kv)
+        tokens = llm.generate(prompt, params)[0].outputs[0].token_ids
+        baseline = baseline or tokens
+        same = next((i for i, (a, b) in enumerate(zip(tokens, baseline)) if a != b), len(tokens))
+        memory = llm.engine.memory
+        print(f"  {quant or 'full':5s} kv {memory.kv_cache_dtype:14s} weights {memory.weight_bytes / 2**20:5.1f} MiB, "
+              f"{memory.num_blocks:5d} KV blocks, first {same}/{len(tokens)} tokens as full precision's")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default=DEFAULT_MODEL)
@@ -151,6 +171,7 @@ def main() -> None:
                 print(f"{worker.worker_id}: received {kv}")
     print("cluster stopped")
     speculation(args.model, args.draft_model)
+    quantization(args.model)
 
 
 if __name__ == "__main__":
