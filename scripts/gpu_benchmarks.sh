@@ -11,7 +11,7 @@
 set -u
 PY=${PY:-python}
 OUT=${1:-gpu-bench}
-ONLY=${ONLY:-"offline kvtransfer serving disagg prefix spec"}
+ONLY=${ONLY:-"offline kvtransfer serving disagg prefix spec quant"}
 LIMIT=${LIMIT:-300}
 mkdir -p "$OUT/pkg"
 OUT=$(cd "$OUT" && pwd)
@@ -45,6 +45,7 @@ for name in $ONLY; do
     disagg) run disagg -m pdserve.bench.disagg --gpu --json "$OUT/disagg.json" --plot "$OUT/disagg.png" ;;
     prefix) run prefix -m pdserve.bench.prefix --gpu --json "$OUT/prefix.json" --plot "$OUT/prefix.png" ;;
     spec) run spec "$(dirname "$0")/gpu_bench_spec.py" --json "$OUT/spec.json" --plot "$OUT/spec.png" ;;
+    quant) run quant -m pdserve.bench.quant --device cuda ;;
     *) echo "unknown benchmark $name" ;;
     esac
 done
