@@ -1,10 +1,11 @@
 #!/usr/bin/env python
 """GPU check of the quantization kernels (issue 20): correctness + timing.
 
-  gemm   int8_linear, int4_linear (group 128), fp4_linear (NVFP4), fp8_linear (W8A8,
+  gemm   int8_linear (per channel, and per group of 128: compressed-tensors' W8A16),
+         int4_linear (group 128), fp4_linear (NVFP4), fp8_linear (W8A8,
          per-token and static activation scales) at M in --m (decode 1, 16; a prefill
          chunk 128), N = --n, K = --k, in bf16 and fp16: each against its
-         dequantize-then-matmul reference (engine/quant/reference.py, float32, TF32
+         dequantize-then-matmul reference (engine/quant/formats.py, float32, TF32
          off), timed against torch's bf16 matmul of the same shape (median of --iters
          runs), with the weight bandwidth the kernel reached.
   kv     the Triton attention backend on a float8 cache (e4m3 and e5m2, non-unit
@@ -37,16 +38,17 @@ import torch
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-SCHEMES = ("int8", "int4", "fp4", "fp8", "fp8-static")
+SCHEMES = ("int8", "int8-g128", "int4", "fp4", "fp8", "fp8-static")
 KV_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 # Max error relative to the reference's largest |y|: the kernels differ from the
 # float32 reference by summation order, one rounding of the output (bf16 2**-9,
-# fp16 2**-12 relative, half an ulp) and, for int4, one rounding of each
-# dequantized weight to x's dtype.
+# fp16 2**-12 relative, half an ulp) and, for int4 and grouped int8, one rounding of
+# each dequantized weight to x's dtype.
 GEMM_TOL = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 1.6e-2}
 # Attention outputs (|o| <~ 3) against the torch backend reading the same float8 values.
 KV_TOL = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 INT4_GROUP = 128
+INT8_GROUP = 128
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -120,6 +122,12 @@ def make_weight(scheme: str, n: int, k: int, device: str, gen: torch.Generator) 
         scale = rand(n) * 0.004 + 0.001
         dq = ref.dequantize_int8(w, scale)
         return QuantWeight(lambda x: tg.int8_linear(x, w, scale, bias.to(x.dtype)),
+                           lambda x: ref.linear_reference(x, dq, bias.to(x.dtype)), w.numel() + scale.numel() * 4)
+    if scheme == "int8-g128":
+        w = torch.randint(-128, 128, (n, k), generator=gen, device=device, dtype=torch.int8)
+        scale = rand(n, k // INT8_GROUP) * 0.004 + 0.001
+        dq = ref.dequantize_int8(w, scale, INT8_GROUP)
+        return QuantWeight(lambda x: tg.int8_linear(x, w, scale, bias.to(x.dtype), group_size=INT8_GROUP),
                            lambda x: ref.linear_reference(x, dq, bias.to(x.dtype)), w.numel() + scale.numel() * 4)
     if scheme == "int4":
         packed = torch.randint(0, 256, (n, k // 2), generator=gen, device=device, dtype=torch.uint8)

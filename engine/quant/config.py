@@ -26,12 +26,16 @@ FP4_BLOCK = 16  # NVFP4: one FP8 scale per 16 weights
 class WeightScheme:
     """How one model's linear layers are stored.
 
-    method:        int8 (W8A16, per output channel, symmetric), int4 (W4A16, group-wise,
-                   zero points), fp8 (W8A8: E4M3 weights with a scale per output channel,
-                   activations per token, or per tensor when `static_input_scale`), fp4
-                   (NVFP4 weight-only: E2M1, an FP8 scale per 16, a global scale)
+    method:        int8 (W8A16, symmetric, per output channel or per group), int4 (W4A16,
+                   group-wise, zero points), fp8 (W8A8: E4M3 weights with a scale per
+                   output channel, activations per token, or per tensor when
+                   `static_input_scale`), fp4 (NVFP4 weight-only: E2M1, an FP8 scale per
+                   16, a global scale)
     source:        "online" (quantized while loading), "compressed-tensors", "gptq"
-    group_size:    int4: weights per (scale, zero) group along the input dim
+    group_size:    int4: weights per (scale, zero) group along the input dim; int8: weights
+                   per scale group along the input dim, None = one scale per output
+                   channel (the online int8 scheme's; compressed-tensors' W8A16 preset
+                   has groups of 128)
     act_order:     int4 from GPTQ with desc_act: input columns are permuted into groups
     ignore:        module names (ours, after the loader's renames, e.g. "lm_head") that stay
                    in full precision

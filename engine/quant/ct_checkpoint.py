@@ -8,10 +8,13 @@ columns: input features K):
 
     format               weights             activations        module tensors
     int-quantized,       int8 per channel    16-bit             weight int8 [N, K], weight_scale [N, 1] | [1]
-      naive-quantized    int4 per group      16-bit             weight int8 (values -8..7), weight_scale [N, K/G]
+      naive-quantized    int8 per group      16-bit             weight int8 [N, K], weight_scale [N, K/G]
+                         int4 per group      16-bit             weight int8 (values -8..7), weight_scale [N, K/G]
                                                                 (+ weight_zero_point [N, K/G] if asymmetric)
-    pack-quantized       int8 per channel,   16-bit             weight_packed int32 [N, K*bits/32], weight_scale,
-                         int4 per group                         weight_shape [2]
+    pack-quantized       int8 per channel    16-bit             weight_packed int32 [N, K*bits/32], weight_scale,
+                         or per group (the                      weight_shape [2]
+                         W8A16 preset: 128),
+                         int4 per group
                          or per channel                         (+ weight_zero_point int32 [N*4/32, K/G],
                                                                  + weight_g_idx [K] with actorder "group")
     float-quantized      fp8 per channel     fp8 per token      weight float8_e4m3fn [N, K], weight_scale [N, 1] | [1]
@@ -30,8 +33,9 @@ compressors/nvfp4/helpers.py, quantization/lifecycle/forward_helpers.py):
 
 Refused, each with a ValueError naming quantization_config and what it has: other
 formats (marlin-24, sparse-*, mixed schemes), int8/int4 weights with quantized input
-activations (W8A8, W4A8), other bit widths and strategies (block, group int8), sparsity
-and transforms, output activations, and a KV cache scheme other than FP8.
+activations (W8A8, W4A8), asymmetric or act-ordered int8, other bit widths and
+strategies (block), sparsity and transforms, output activations, and a KV cache scheme
+other than FP8.
 """
 
 from __future__ import annotations
@@ -58,7 +62,7 @@ class _Storage:
 
     format: str
     method: str  # ours: int8 | int4 | fp8 | fp4
-    group_size: int | None = None  # int4: None = one group per row (strategy channel)
+    group_size: int | None = None  # int4, int8: None = one group per row (strategy channel or tensor)
     symmetric: bool = True
     g_idx: bool = False  # int4 with actorder "group": weight_g_idx
     static_input: bool = False  # fp8: input_scale
@@ -117,7 +121,13 @@ class CompressedTensorsFormat(ModuleTensors):
 
     def _int8(self, tensors: dict[str, torch.Tensor], module: str) -> dict[str, torch.Tensor]:
         q = (self._values(tensors, 8, module) - 128).to(torch.int8)
-        return {"weight": q, "weight_scale": per_row(tensors["weight_scale"], q.shape[0], module, "weight_scale")}
+        if self.storage.group_size is None:
+            return {"weight": q, "weight_scale": per_row(tensors["weight_scale"], q.shape[0], module, "weight_scale")}
+        n, k = q.shape
+        scale = tensors["weight_scale"].float().reshape(n, -1)
+        if k % scale.shape[1]:
+            raise ValueError(f"model: {module}.weight_scale has {scale.shape[1]} groups for {k} inputs")
+        return {"weight": q, "weight_scale": scale}
 
     def _int4(self, tensors: dict[str, torch.Tensor], module: str) -> dict[str, torch.Tensor]:
         codes = self._values(tensors, 4, module)
@@ -218,8 +228,8 @@ def _group_storage(name: str, group: Any, default_format: str | None) -> _Storag
         if act:
             raise _refuse(f"{desc} with {act.get('type')} {act.get('num_bits')}-bit input activations "
                           f"(W{bits}A{act.get('num_bits')}; weight-only int8/int4 is served)")
-        if bits == 8 and strategy in ("channel", "tensor") and symmetric:
-            return _Storage(fmt, "int8")
+        if bits == 8 and strategy in ("channel", "tensor", "group") and symmetric:
+            return _int8(fmt, desc, strategy, w)
         if bits == 4 and strategy in ("group", "channel"):
             actorder = w.get("actorder")
             if actorder not in (None, "weight", "group", "dynamic", True):
@@ -229,9 +239,21 @@ def _group_storage(name: str, group: Any, default_format: str | None) -> _Storag
             if g_idx and group_size is None:
                 raise _refuse(f"{desc} with actorder {actorder!r} and no groups")
             return _Storage(fmt, "int4", group_size=group_size, symmetric=bool(symmetric), g_idx=g_idx)
-        raise _refuse(f"{desc}, symmetric {symmetric} (int8: symmetric per channel or tensor; int4: per group "
-                      "or channel)")
+        raise _refuse(f"{desc}, symmetric {symmetric} (int8: symmetric per channel, tensor or group; int4: per "
+                      "group or channel)")
     raise _refuse(desc)
+
+
+def _int8(fmt: str, desc: str, strategy: str, w: dict[str, Any]) -> _Storage:
+    """Symmetric int8: per channel or tensor (one scale per row, as we store it) or per
+    group (llm-compressor's W8A16 preset). No act order: its g_idx would permute int8
+    groups, which nothing here serves."""
+    group_size = w.get("group_size") if strategy == "group" else None
+    if strategy == "group" and not (isinstance(group_size, int) and group_size > 0):
+        raise _refuse(f"{desc}, group_size {group_size!r}")
+    if w.get("actorder") not in (None, "weight"):
+        raise _refuse(f"{desc} with actorder {w.get('actorder')!r} (int8: no act order)")
+    return _Storage(fmt, "int8", group_size=group_size)
 
 
 def _fp8(desc: str, strategy: str | None, symmetric: bool, act: dict[str, Any] | None) -> _Storage:

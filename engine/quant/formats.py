@@ -4,6 +4,7 @@ Every scheme's canonical storage, per linear layer of N outputs and K inputs (ro
 output channels, so fused layers are their shards' rows stacked):
 
     int8   weight int8 [N, K]             weight_scale fp32 [N]          W = q * s
+           (per group of G inputs:        weight_scale fp32 [N, K/G]     W = q * s[n, k // G])
     int4   weight_packed uint8 [N, K/2]   weight_scale fp32 [N, K/G]     W = (c - z) * s
            (code c of column k: low nibble of byte k/2 when k is even, high when odd)
                                           weight_zero fp32 [N, K/G]      (integer-valued)
@@ -42,17 +43,22 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((lo, hi), dim=-1).flatten(-2)
 
 
-def quantize_int8(w: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Symmetric, one scale per output channel."""
+def quantize_int8(w: torch.Tensor, group_size: int | None = None) -> dict[str, torch.Tensor]:
+    """Symmetric, one scale per output channel, or per group of `group_size` inputs."""
     w = w.float()
-    scale = (w.abs().amax(dim=1) / 127.0).clamp_(min=1e-12)
-    q = torch.round(w / scale[:, None]).clamp_(-128, 127).to(torch.int8)
-    return {"weight": q, "weight_scale": scale}
+    n, k = w.shape
+    g = w.view(n, 1 if group_size is None else k // group_size, -1)
+    scale = (g.abs().amax(dim=-1) / 127.0).clamp_(min=1e-12)
+    q = torch.round(g / scale[..., None]).clamp_(-128, 127).to(torch.int8).view(n, k)
+    return {"weight": q, "weight_scale": scale.view(n) if group_size is None else scale}
 
 
-def dequantize_int8(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Symmetric per output channel: W = weight * scale[:, None]."""
-    return weight.float() * scale.float()[:, None]
+def dequantize_int8(weight: torch.Tensor, scale: torch.Tensor, group_size: int | None = None) -> torch.Tensor:
+    """Symmetric per output channel, W = weight * scale[:, None]; or per group of
+    `group_size` inputs (scale [N, K/G]), W[n, k] = weight[n, k] * scale[n, k // G]."""
+    if group_size is None:
+        return weight.float() * scale.float()[:, None]
+    return weight.float() * scale.float().repeat_interleave(group_size, dim=1)
 
 
 def quantize_int4(w: torch.Tensor, group_size: int) -> dict[str, torch.Tensor]:
@@ -147,7 +153,7 @@ def dequantize_fp4(packed: torch.Tensor, block_scale: torch.Tensor, global_scale
 
 def quantize(method: str, w: torch.Tensor, group_size: int | None = None) -> dict[str, torch.Tensor]:
     if method == "int8":
-        return quantize_int8(w)
+        return quantize_int8(w, group_size)
     if method == "int4":
         assert group_size is not None  # set by the layer, not by a user
         return quantize_int4(w, group_size)
@@ -158,7 +164,9 @@ def quantize(method: str, w: torch.Tensor, group_size: int | None = None) -> dic
 
 def dequantize(method: str, t: dict[str, torch.Tensor], group_size: int | None = None) -> torch.Tensor:
     """A layer's canonical tensors (by their names above) -> W in float32 [N, K]."""
-    if method in ("int8", "fp8"):
+    if method == "int8":
+        return dequantize_int8(t["weight"], t["weight_scale"], group_size)
+    if method == "fp8":
         return dequantize_int8(t["weight"], t["weight_scale"])  # the same arithmetic for E4M3 values
     if method == "int4":
         assert group_size is not None

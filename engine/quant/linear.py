@@ -6,6 +6,10 @@ by the loader (from a checkpoint, or by quantizing a full-precision layer), then
 
     CPU   int8  torch._weight_int8pack_mm (decode-sized batches) or a bf16 GEMM of the
                 int8 weight (larger ones), 16-bit activations: W8A16
+                per group: the weight regrouped once to [K/G, N, G] (same bytes), then
+                torch._weight_int8pack_mm per group, its [M, N] sums scaled and added
+                in fp32 (decode-sized batches), or W dequantized to bf16 per call and
+                one GEMM (larger ones)
           int4  torch._weight_int4pack_mm_for_cpu, its own packed layout, bf16 activations
           fp8   torch._scaled_mm on E4M3 activations (per token or static) and weights
           fp4   dequantized to the activations' dtype, then one GEMM (FP4 is storage here)
@@ -32,7 +36,14 @@ CPU_ACT_DTYPE = torch.bfloat16
 
 
 def layer_group_size(scheme: WeightScheme, in_features: int) -> int | None:
-    """int4's group along the inputs: the scheme's, or the whole row when the row is shorter."""
+    """The group along the inputs: int4's (the scheme's, or the whole row when the row is
+    shorter); int8's when it has groups (the same rule); else None."""
+    if scheme.method == "int8" and scheme.group_size:
+        group = min(scheme.group_size, in_features)
+        if in_features % group:
+            raise ValueError(f"quantization: int8 per group of {scheme.group_size} needs in_features divisible "
+                             f"by it; a layer has {in_features}")
+        return group
     if scheme.method != "int4":
         return None
     group = min(scheme.group_size or in_features, in_features)
@@ -46,7 +57,8 @@ def canonical_shapes(scheme: WeightScheme, n: int, k: int) -> dict[str, tuple[tu
     """The canonical buffers (formats.py) of an n x k layer: name -> (shape, dtype)."""
     m = scheme.method
     if m == "int8":
-        return {"weight": ((n, k), torch.int8), "weight_scale": ((n,), torch.float32)}
+        g = layer_group_size(scheme, k)
+        return {"weight": ((n, k), torch.int8), "weight_scale": ((n,) if g is None else (n, k // g), torch.float32)}
     if m == "int4":
         g = layer_group_size(scheme, k)
         assert g is not None
@@ -133,9 +145,22 @@ class QuantLinear(nn.Module):
             del self.weight_scale, self.weight_zero
             self.register_buffer("_scales_zeros", sz)
         if self.method == "int8" and not cuda:
-            self.register_buffer("_ones", torch.ones(self.out_features, dtype=CPU_ACT_DTYPE,
-                                                     device=self.weight.device))
+            device = self.weight.device
+            if self.group_size is not None:
+                self._regroup_int8()
+            self.register_buffer("_ones", torch.ones(self.out_features, dtype=CPU_ACT_DTYPE, device=device))
         self._kernel = "cuda" if cuda else "cpu"
+
+    def _regroup_int8(self) -> None:
+        """Grouped int8 on a CPU: weight [N, K] -> [K/G, N, G] and scales [N, K/G] -> [K/G, N],
+        so each group's weight is one contiguous [N, G] matrix for torch's int8 kernel. The
+        same bytes, and done on the meta device too: a memory plan counts what is loaded."""
+        n, k, g = self.out_features, self.in_features, self.group_size
+        weight = self.weight.view(n, k // g, g).transpose(0, 1).contiguous()
+        scales = self.weight_scale.t().contiguous()
+        del self.weight, self.weight_scale
+        self.register_buffer("_weight_groups", weight)
+        self.register_buffer("_group_scales", scales)
 
     def _device(self) -> torch.device:
         return next(iter(self.buffers())).device
@@ -154,6 +179,8 @@ class QuantLinear(nn.Module):
         m, out_dtype = self.method, x.dtype
         if m == "int8":
             xa = x.to(CPU_ACT_DTYPE)
+            if self.group_size is not None:
+                return self._int8_groups_cpu(xa).to(out_dtype)
             if x.shape[0] <= INT8PACK_MAX_ROWS:
                 y = torch._weight_int8pack_mm(xa, self.weight, self._ones)
             else:
@@ -174,12 +201,29 @@ class QuantLinear(nn.Module):
         w = formats.dequantize_fp4(self.weight_packed, self.weight_scale, self.weight_global_scale)
         return F.linear(x, w.to(out_dtype))
 
+    def _int8_groups_cpu(self, xa: torch.Tensor) -> torch.Tensor:
+        """Grouped int8, bf16 x [M, K] -> fp32 y [M, N] = sum over groups i of
+        (x_i @ W_i^T) * s_i. Decode-sized batches: torch's int8 kernel per group (it reads
+        int8 only), the partial sums stacked, scaled and summed in fp32 in one step;
+        larger ones: W dequantized to bf16 per call, then one GEMM. Measured on this
+        2-core CPU, G=128, 1 row: N=4096, K=768 0.16 ms per group vs 0.9-4 ms dequantized
+        (the bf16 copy leaves the cache); N=768, K=4096 0.24 ms (32 kernel calls of
+        ~5 us; per channel 0.1 ms, fp32 F.linear 0.23 ms); 8 rows 0.6-0.7 ms vs 0.9-4;
+        by 16-32 rows the dequantized GEMM wins on smaller layers (N=2304: 0.5 vs 0.6 ms)."""
+        g, n = self.group_size, self.out_features
+        if xa.shape[0] <= INT8PACK_MAX_ROWS:
+            partial = torch.stack([torch._weight_int8pack_mm(x_i, w_i, self._ones)
+                                   for x_i, w_i in zip(xa.split(g, dim=1), self._weight_groups)])  # [K/G, M, N]
+            return (partial.float() * self._group_scales[:, None, :]).sum(0)
+        w = self._weight_groups.to(CPU_ACT_DTYPE) * self._group_scales.to(CPU_ACT_DTYPE)[..., None]
+        return F.linear(xa, w.transpose(0, 1).reshape(n, self.in_features))
+
     def _cuda(self, x: torch.Tensor) -> torch.Tensor:
         from pdserve.engine.quant import triton_gemm as tg
 
         m = self.method
         if m == "int8":
-            return tg.int8_linear(x, self.weight, self.weight_scale)
+            return tg.int8_linear(x, self.weight, self.weight_scale, group_size=self.group_size)
         if m == "int4":
             if self.scheme.act_order:
                 x = x.index_select(1, self.perm)
@@ -198,8 +242,8 @@ class QuantEmbedding(nn.Module):
 
     def __init__(self, head: QuantLinear, dtype: torch.dtype) -> None:
         super().__init__()
-        if head.method != "int8":
-            raise ValueError("quantization: only an int8 LM head can serve as the embedding table")
+        if head.method != "int8" or head.group_size is not None:
+            raise ValueError("quantization: only an int8 LM head with per-row scales can serve as the embedding table")
         self.head = [head]  # a list: not a submodule, so its buffers are counted once
         self.dtype = dtype
 

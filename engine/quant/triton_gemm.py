@@ -2,6 +2,7 @@
 registers, float32 accumulation, y in x's dtype (float16, bfloat16 or float32).
 
     int8_linear  weight int8 [N, K], scale [N]                 W = weight * scale[n]
+                 or per group: scale [N, K/G]                  W = weight * scale[n, k // G]
     int4_linear  packed uint8 [N, K/2], scale/zero [N, K/G]    W = (c - zero) * scale
     fp4_linear   packed uint8 [N, K/2] (NVFP4: E2M1 codes),    W = e2m1(c) * bs / gs[n]
                  block_scale e4m3 [N, K/16], global_scale [N]
@@ -23,10 +24,11 @@ k // 2 when k is even, the high nibble when odd; the weight tile loads byte k //
 for every k and shifts by 4 * (k % 2).
 
 Scales that are constant along a row (int8's, fp4's global scale, fp8's) and the
-activation scale are applied to the accumulator once, after the K loop; int4's and
-fp4's per-group scales are applied to the weight tile. An fp4 weight times its E4M3
-block scale is exact in float16 and bfloat16, so fp4 rounds nothing before the dot;
-int4's (c - zero) * scale is rounded to x's dtype, like any dequantize-then-matmul.
+activation scale are applied to the accumulator once, after the K loop; int4's,
+grouped int8's and fp4's per-group scales are applied to the weight tile. An fp4 weight
+times its E4M3 block scale is exact in float16 and bfloat16, so fp4 rounds nothing
+before the dot; int4's (c - zero) * scale and grouped int8's q * scale are rounded to
+x's dtype, like any dequantize-then-matmul.
 
 The references these kernels are checked against live in `quant.formats` (dequantize, linear_reference).
 Without CUDA, set TRITON_INTERPRET=1 before `triton` is first imported.
@@ -166,9 +168,13 @@ def _weight_tile(w_ptr, a_ptr, b_ptr, offs_n, k, k0, N, K, GROUP,
                  stride_wn, stride_wk, stride_an, stride_ak, stride_bn, stride_bk,
                  SCHEME: tl.constexpr, GROUP_PER_TILE: tl.constexpr):
     """Rows offs_n, columns k of the stored weight, [BN, BK], as far as it is dequantized
-    before the dot: int8 / fp8 as stored, int4 (c - zero) * scale, fp4 e2m1(c) * block
-    scale (row-constant scales come after the dot, in _scaled)."""
-    if SCHEME == "int4":
+    before the dot: int8 / fp8 as stored, int8_group q * scale, int4 (c - zero) * scale,
+    fp4 e2m1(c) * block scale (row-constant scales come after the dot, in _scaled)."""
+    if SCHEME == "int8_group":
+        q = tl.load(w_ptr + offs_n[:, None] * stride_wn + k[None, :] * stride_wk,
+                    mask=_weight_mask(offs_n, k, N, K), other=0)
+        w = q.to(tl.float32) * _group_values(a_ptr, offs_n, k, k0, N, K, GROUP, stride_an, stride_ak, GROUP_PER_TILE)
+    elif SCHEME == "int4":
         c = _nibbles(w_ptr, offs_n, k, N, K, stride_wn, stride_wk)
         scale = _group_values(a_ptr, offs_n, k, k0, N, K, GROUP, stride_an, stride_ak, GROUP_PER_TILE)
         zero = _group_values(b_ptr, offs_n, k, k0, N, K, GROUP, stride_bn, stride_bk, GROUP_PER_TILE)
@@ -210,6 +216,7 @@ def _gemm_kernel(
     of w and of the operands a and b:
 
         int8  w int8 [N, K]           a scale [N]                  (b unused)
+        int8_group  w int8 [N, K]     a scale [N, K/G]             (b unused)
         int4  w uint8 [N, K/2]        a scale [N, K/G]             b zero [N, K/G]
         fp4   w uint8 [N, K/2]        a block_scale e4m3 [N, K/16] b global_scale [N]
         fp8   w e4m3 [N, K]           a weight_scale [N]           b x_scale [M]
@@ -306,17 +313,23 @@ def _strides_2d(t: torch.Tensor) -> tuple[int, int]:
 
 
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """W8A16: y = x @ (weight * scale[:, None])^T (+ bias).
+                bias: torch.Tensor | None = None, group_size: int | None = None) -> torch.Tensor:
+    """W8A16: y = x @ (weight * scale[:, None])^T (+ bias); with `group_size` G, one scale
+    per group of G inputs: W[n, k] = weight[n, k] * scale[n, k // G].
 
-    x [..., K] float16/bfloat16/float32; weight int8 [N, K]; scale float32 [N];
-    bias [N] or None. Returns [..., N] in x's dtype."""
+    x [..., K] float16/bfloat16/float32; weight int8 [N, K]; scale float32 [N], or
+    [N, K // G] with groups (G divides K); bias [N] or None. Returns [..., N] in x's dtype."""
     n, k = _weight_2d("weight", weight, torch.int8)
+    if group_size is not None and (group_size <= 0 or k % group_size):
+        raise ValueError(f"group_size: must be a positive divisor of K={k}, got {group_size}")
     x2 = _as_2d(x, k)
     _check("weight", weight, (n, k), (torch.int8,), x.device)
-    _check("scale", scale, (n,), (torch.float32,), x.device)
+    _check("scale", scale, (n,) if group_size is None else (n, k // group_size), (torch.float32,), x.device)
     _check_bias(bias, n, x.device)
-    y = _launch("int8", x2, weight, scale, scale, bias)
+    if group_size is None:
+        y = _launch("int8", x2, weight, scale, scale, bias)
+    else:
+        y = _launch("int8_group", x2, weight, scale, scale, bias, group=group_size)
     return y.reshape(*x.shape[:-1], n)
 
 

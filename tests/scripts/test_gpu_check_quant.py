@@ -31,7 +31,7 @@ def script():
 def test_arguments(script):
     args = script.parse_args([])
     assert args.m == [1, 16, 128] and args.n == args.k == 4096 and args.dtypes == ["bf16", "fp16"]
-    assert set(args.schemes) == {"int8", "int4", "fp4", "fp8", "fp8-static"}
+    assert set(args.schemes) == {"int8", "int8-g128", "int4", "fp4", "fp8", "fp8-static"}
     with pytest.raises(SystemExit):
         script.parse_args(["--k", "100"])  # not a multiple of the int4 group
     with pytest.raises(SystemExit):
@@ -42,7 +42,7 @@ def test_arguments(script):
 def test_whole_script_on_cpu(script, capsys):
     assert script.main(["--device", "cpu", "--dtypes", "fp16", "fp32", *TINY]) == 0
     lines = capsys.readouterr().out.splitlines()
-    for scheme in ("int8", "int4", "fp4", "fp8", "fp8-static"):
+    for scheme in ("int8", "int8-g128", "int4", "fp4", "fp8", "fp8-static"):
         assert sum(line.startswith(f"gemm {scheme} ") for line in lines) == 4, scheme
     assert sum(line.startswith("kv   fp8_") for line in lines) == 4
     assert all(line.endswith("PASS") for line in lines if line.startswith(("gemm", "kv")))

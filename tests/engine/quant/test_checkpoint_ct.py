@@ -16,9 +16,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from compressed_tensors.quantization import preset_name_to_scheme
 from safetensors import safe_open
 
 from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.memory import plan_memory
 from pdserve.engine.quant import formats
 from pdserve.engine.quant.checkpoint import detect_format
 from pdserve.engine.quant.linear import QuantLinear, layer_group_size
@@ -26,6 +28,8 @@ from tests.quant_checkpoints import build_ct_checkpoint, engine_greedy, hf_decom
 from tests.quant_models import check_logprobs_close
 
 W8_CHANNEL = dict(num_bits=8, type="int", strategy="channel", symmetric=True)
+W8A16 = preset_name_to_scheme("W8A16", ["Linear"]).weights.model_dump()  # the library's: int8 per group of 128
+W8_GROUP32 = dict(num_bits=8, type="int", strategy="group", group_size=32, symmetric=True)
 W4_GROUP = dict(num_bits=4, type="int", strategy="group", group_size=128, symmetric=True)
 W4_ASYM = dict(num_bits=4, type="int", strategy="group", group_size=128, symmetric=False)
 W4_CHANNEL = dict(num_bits=4, type="int", strategy="channel", symmetric=True)
@@ -37,7 +41,8 @@ NVFP4 = dict(num_bits=4, type="float", strategy="tensor_group", group_size=16, s
              scale_dtype=torch.float8_e4m3fn, zp_dtype=torch.float8_e4m3fn)  # the library's NVFP4A16 preset
 
 # name: (architecture, weights, input activations, forced format, the format written,
-#        q_proj's tensors in the file, our scheme's label)
+#        q_proj's tensors in the file, our scheme's label); a case's seed is its place in
+#        the sorted names, so a new name sorts after the others
 CASES = {
     "w8a16-int-quantized-llama": ("llama", W8_CHANNEL, None, "int-quantized", "int-quantized",
                                   {"weight", "weight_scale"}, "int8/compressed-tensors"),
@@ -62,6 +67,14 @@ CASES = {
                          {"weight_packed", "weight_scale", "weight_global_scale"}, "fp4/compressed-tensors"),
     "nvfp4a16-llama": ("llama", NVFP4, None, None, "nvfp4-pack-quantized",
                        {"weight_packed", "weight_scale", "weight_global_scale"}, "fp4/compressed-tensors"),
+    # W8A16 as llm-compressor writes it today: 8-bit pack-quantized, groups of 128 (one
+    # group in q_proj's 128 inputs, two in down_proj's 256); g32 has four to eight
+    "w8g128-llama": ("llama", W8A16, None, None, "pack-quantized",
+                     {"weight_packed", "weight_scale", "weight_shape"}, "int8/compressed-tensors/g128"),
+    "w8g128-qwen2": ("qwen2", W8A16, None, None, "pack-quantized",
+                     {"weight_packed", "weight_scale", "weight_shape"}, "int8/compressed-tensors/g128"),
+    "w8g32-int-quantized-mistral": ("mistral", W8_GROUP32, None, "int-quantized", "int-quantized",
+                                    {"weight", "weight_scale"}, "int8/compressed-tensors/g32"),
 }
 PROMPTS = [[5, 17, 42, 99, 7, 3, 250, 64], [200, 13, 77, 8, 150, 31], list(range(10, 40, 3))]
 MAX_TOKENS = 12
@@ -127,6 +140,21 @@ def test_engine_layers_hold_the_checkpoint_scheme(tmp_path: Path) -> None:
     assert {m.scheme.label for m in quantized.values()} == {"int4/compressed-tensors/g128"}
     assert quantized["layers.0.self_attn.qkv_proj"].bias is not None  # Qwen2's biases stay full precision
     assert not isinstance(model.lm_head, QuantLinear)
+
+
+def test_w8a16_groups_load_as_planned(tmp_path: Path) -> None:
+    """The library's W8A16 (int8 per group of 128): the layers keep one scale per group
+    of 128 (two in down_proj), and the memory plan, built on the meta device, counts
+    exactly the loaded model's bytes."""
+    build_ct_checkpoint(tmp_path, "llama", W8A16)
+    llm = LLM(model=str(tmp_path), num_blocks=16)
+    model = llm.engine.runner.model
+    down = model.layers[0].mlp.down_proj
+    assert isinstance(down, QuantLinear) and down.scheme.label == "int8/compressed-tensors/g128"
+    assert down.group_size == 128 and down._group_scales.shape == (2, 128)  # [K/G, N] once prepared for the CPU
+    plan = plan_memory(str(tmp_path), num_blocks=16)
+    loaded = {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()]}.values()
+    assert plan.weight_bytes == llm.engine.memory.weight_bytes == sum(t.numel() * t.element_size() for t in loaded)
 
 
 def test_ignored_layers_stay_full_precision(tmp_path: Path) -> None:

@@ -32,7 +32,6 @@ LIBRARY_REFUSALS = {
     "W8A8": ("int-quantized", "W8A8"),
     "W4A8": ("pack-quantized", "W4A8"),
     "W4AFP8": ("float 8-bit input activations",),
-    "W8A16": ("strategy 'group'",),  # the preset is int8 per group of 128: ours is per channel
     "W3A16": ("num_bits 3",),
     "FP8_BLOCK": ("strategy 'block'",),
     "MXFP4A16": ("mxfp4-pack-quantized",),
@@ -51,6 +50,13 @@ def test_library_presets_we_do_not_serve_are_refused(preset: str) -> None:
 def ct(**changes: Any) -> dict[str, Any]:
     """A served config (W4A16) with some fields changed."""
     return {**library_config("W4A16"), **changes}
+
+
+def w8a16_weights(**changes: Any) -> dict[str, Any]:
+    """The library's W8A16 config (int8 per group of 128, served) with its weights' args changed."""
+    qc = library_config("W8A16")
+    group = qc["config_groups"]["group_0"]
+    return {**qc, "config_groups": {"group_0": {**group, "weights": {**group["weights"], **changes}}}}
 
 
 HAND_REFUSALS = {
@@ -72,6 +78,8 @@ HAND_REFUSALS = {
         "output_activations": QuantizationArgs(num_bits=8, type="float").model_dump(mode="json")}}),
         "output activations"),
     "kv-int8": (library_config("W4A16", kv_cache_scheme=QuantizationArgs(num_bits=8, type="int")), "kv_cache_scheme"),
+    "int8-asymmetric": (w8a16_weights(symmetric=False), "symmetric False"),
+    "int8-act-order": (w8a16_weights(actorder="group"), "actorder 'group'"),
     "fp8-weight-only": (ct(format="float-quantized", config_groups={"group_0": json.loads(QuantizationScheme(
         targets=["Linear"], weights=QuantizationArgs(num_bits=8, type="float", strategy="channel"),
         format="float-quantized").model_dump_json())}), "16-bit activations"),
@@ -123,6 +131,9 @@ def test_served_configs_are_detected() -> None:
     assert detect_format({"compression_config": library_config("W4A16")}).scheme.label == "int4/compressed-tensors/g128"
     assert detect_format({"quantization_config": library_config("W4A16_ASYM")}).scheme.label == \
         "int4/compressed-tensors/g128"
+    w8a16 = detect_format({"quantization_config": library_config("W8A16")})  # int8 per group of 128
+    assert (w8a16.scheme.label, w8a16.fields) == ("int8/compressed-tensors/g128",
+                                                  {"weight_packed", "weight_scale", "weight_shape"})
     assert detect_format({"quantization_config": library_config("FP8")}).scheme.label == \
         "fp8/compressed-tensors/static"
     assert detect_format({"quantization_config": library_config("FP8_DYNAMIC")}).scheme.label == "fp8/compressed-tensors"

@@ -27,6 +27,20 @@ def test_int8_is_symmetric_per_output_channel():
     assert (err <= t["weight_scale"][:, None] / 2 + 1e-6).all()
 
 
+def test_int8_groups_have_their_own_symmetric_scale():
+    w = torch.randn(4, 256)
+    w[:, 128:] *= 50  # a loud group must not cost the quiet one its precision
+    t = formats.quantize_int8(w, 128)
+    assert t["weight"].shape == (4, 256) and t["weight_scale"].shape == (4, 2)
+    assert t["weight"].view(4, 2, 128).abs().amax(dim=-1).tolist() == [[127, 127]] * 4
+    err = (formats.dequantize("int8", t, 128) - w).abs()
+    assert (err <= t["weight_scale"].repeat_interleave(128, dim=1) / 2 + 1e-5).all()
+    assert err[:, :128].max() < 0.02
+    # one group the row's width is per channel
+    per_row = formats.quantize_int8(w, 256)
+    assert torch.equal(per_row["weight"], formats.quantize_int8(w)["weight"])
+
+
 def test_int4_groups_have_their_own_scale_and_integer_zero():
     w = torch.randn(4, 256)
     w[:, :128] += 3.0  # a shifted group: the zero point moves, the other group's does not
@@ -77,8 +91,8 @@ def test_fp4_values_lie_on_the_e2m1_grid_with_fp8_block_scales():
     assert t["weight_scale"].float().max() == pytest.approx(formats.FP8_MAX, rel=0.07)
 
 
-@pytest.mark.parametrize("method", ["int8", "int4", "fp8", "fp4"])
-def test_a_zero_weight_quantizes_to_zero_without_nan(method):
-    t = formats.quantize(method, torch.zeros(4, 128), 128 if method == "int4" else None)
-    deq = formats.dequantize(method, t, 128 if method == "int4" else None)
+@pytest.mark.parametrize("method,group", [("int8", None), ("int8", 32), ("int4", 128), ("fp8", None), ("fp4", None)])
+def test_a_zero_weight_quantizes_to_zero_without_nan(method, group):
+    t = formats.quantize(method, torch.zeros(4, 128), group)
+    deq = formats.dequantize(method, t, group)
     assert torch.equal(deq, torch.zeros(4, 128))

@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from pdserve.engine.quant import formats
+from pdserve.engine.quant import apply, formats
 from pdserve.engine.quant.config import WeightScheme, online_scheme
-from pdserve.engine.quant.linear import INT8PACK_MAX_ROWS, QuantLinear
+from pdserve.engine.quant.linear import INT8PACK_MAX_ROWS, QuantEmbedding, QuantLinear
 
 METHODS = ["int8", "int4", "fp8", "fp4"]
 # Relative error of the kernel against x @ dequantized(W)^T: the 16-bit activations of the
@@ -84,3 +84,55 @@ def test_static_fp8_input_scale_is_used():
     layer.prepare()
     xq = (x / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale
     assert rel(layer(x), xq @ formats.dequantize("fp8", t).T) < 1e-5
+
+
+INT8_GROUPS = WeightScheme("int8", source="compressed-tensors", group_size=64)
+
+
+@pytest.mark.parametrize("rows", [1, 5, INT8PACK_MAX_ROWS + 7])
+def test_grouped_int8_kernel_matches_its_dequantized_weight(rows):
+    """Both CPU paths (torch's int8 kernel per group; the bf16 dequantized GEMM) against
+    x @ W^T with W = q * s[n, k // G], in fp32 and bf16 activations."""
+    torch.manual_seed(4)
+    lin = nn.Linear(256, 96, bias=True)
+    with torch.no_grad():
+        lin.weight[:, 64:128] *= 30  # a loud group: its scale must stay its own
+    layer = QuantLinear.from_float(lin, INT8_GROUPS)
+    assert layer.weight_scale.shape == (96, 4) and layer.extra_repr().endswith("int8/compressed-tensors/g64")
+    w = layer.dequantized()
+    torch.testing.assert_close(w, formats.dequantize_int8(layer.weight, layer.weight_scale, 64))
+    layer.prepare()
+    x = torch.randn(rows, 256)
+    assert rel(layer(x), x @ w.T + lin.bias) < TOLERANCE["int8"]
+    assert rel(layer(x), lin(x)) < 0.02
+    xb = x.to(torch.bfloat16)
+    assert rel(layer(xb).float(), xb.float() @ w.T + lin.bias) < 0.02
+
+
+def test_grouped_int8_prepared_on_meta_holds_the_bytes_loaded():
+    """The memory plan prepares a meta skeleton and sums its buffers: the same as the
+    loaded, prepared layer's."""
+    with torch.device("meta"):
+        skeleton = QuantLinear(256, 96, True, INT8_GROUPS)
+    skeleton.prepare()
+    real = QuantLinear.from_float(nn.Linear(256, 96), INT8_GROUPS)
+    real.prepare()
+
+    def layout(m):
+        return sorted((n, tuple(t.shape), t.dtype) for n, t in [*m.named_buffers(), *m.named_parameters()])
+
+    assert layout(skeleton) == layout(real)
+    assert apply.weight_bytes(skeleton) == apply.weight_bytes(real) == 96 * 256 + 96 * 4 * 4 + 96 * 2 + 96 * 4
+
+
+def test_grouped_int8_groups_follow_the_int4_rule():
+    assert QuantLinear(32, 8, False, INT8_GROUPS).group_size == 32  # a short row: one group
+    assert QuantLinear(32, 8, False, online_scheme("int8")).group_size is None  # online int8: per channel
+    with pytest.raises(ValueError, match="int8 per group of 64 needs in_features divisible"):
+        QuantLinear(96, 8, False, INT8_GROUPS)
+
+
+def test_a_grouped_int8_head_is_no_embedding_table():
+    head = QuantLinear.from_float(nn.Linear(64, 16), INT8_GROUPS)
+    with pytest.raises(ValueError, match="per-row scales"):
+        QuantEmbedding(head, torch.float32)

@@ -69,6 +69,29 @@ def test_int8_matches_reference(dtype, m, n, k, bias):
 @pytest.mark.parametrize("group_size", [32, 64], ids=lambda g: f"g{g}")
 @pytest.mark.parametrize("m,n,k,bias", SHAPES[:3])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_grouped_int8_matches_reference(dtype, m, n, k, bias, group_size):
+    """compressed-tensors' W8A16 (int8 per group): each group's own scale, no zero points;
+    g32 looks a group up per column, g64 with fp32's 64-wide K tile once per tile."""
+    gen, x, b = _inputs(m, n, k, bias, dtype, seed=m * 5 + k + group_size)
+    weight = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8).to(DEVICE)
+    scale = (torch.rand(n, k // group_size, generator=gen) * 0.02 + 0.002).to(DEVICE)
+    expected = ref.linear_reference(x, ref.dequantize_int8(weight, scale, group_size), b)
+    _close(tg.int8_linear(x, weight, scale, b, group_size=group_size), expected, dtype)
+
+
+def test_grouped_int8_groups_are_not_interchangeable():
+    """One group's scale zeroed: only that group's columns stop counting."""
+    gen, x, _ = _inputs(3, 32, 128, False, torch.float32, seed=3)
+    weight = torch.randint(-128, 128, (32, 128), generator=gen, dtype=torch.int8).to(DEVICE)
+    scale = torch.full((32, 4), 0.01, device=DEVICE)
+    scale[:, 2] = 0.0
+    expected = x[:, :64] @ (weight[:, :64].float() * 0.01).T + x[:, 96:] @ (weight[:, 96:].float() * 0.01).T
+    _close(tg.int8_linear(x, weight, scale, group_size=32), expected, torch.float32)
+
+
+@pytest.mark.parametrize("group_size", [32, 64], ids=lambda g: f"g{g}")
+@pytest.mark.parametrize("m,n,k,bias", SHAPES[:3])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_int4_matches_reference(dtype, m, n, k, bias, group_size):
     """g32: every column looks its group up (group smaller than the K tile); g64 with
     fp32's 64-wide K tile: one group per tile."""
@@ -166,6 +189,8 @@ def _bad_calls():
         (lambda: tg.int8_linear(x[:, :48], w8, s), "x: last dim"),
         (lambda: tg.int8_linear(x.long(), w8, s), "x: dtype"),
         (lambda: tg.int8_linear(x, w8, s[:31]), "scale: expected shape"),
+        (lambda: tg.int8_linear(x, w8, s, group_size=32), "scale: expected shape"),
+        (lambda: tg.int8_linear(x, w8, g, group_size=48), "group_size"),
         (lambda: tg.int8_linear(x, w8, s.double()), "scale: dtype"),
         (lambda: tg.int8_linear(x, w8, s, bias=torch.zeros(5, device=DEVICE)), "bias"),
         (lambda: tg.int4_linear(x, p, g, g, group_size=48), "group_size"),
