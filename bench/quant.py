@@ -1,9 +1,10 @@
 """Quantization benchmark (issue 20): what each weight scheme and KV dtype buys in memory,
-speed and transfer bytes, against full precision, in one process and one run.
+speed and transfer bytes, against full precision, in one run.
 
     python -m pdserve.bench.quant                 # ~100M Llama, 3 repetitions (CPU: ~10 minutes)
     python -m pdserve.bench.quant --quick         # tiny model, 2 repetitions (well under a minute)
     python -m pdserve.bench.quant --device cuda   # one GPU, bf16 baseline, ~1B Llama (under 5 minutes)
+    python -m pdserve.bench.quant --transfer-only # the two KV transfer parts alone
 
     bench.offline's random Llama (fp32 on a CPU, bf16 on a GPU), saved once
       configurations: base (full precision), int8, int4, fp8, fp4 weights; base
@@ -19,8 +20,13 @@ speed and transfer bytes, against full precision, in one process and one run.
     GEMMs           one linear layer per scheme at the model's shapes: decode-sized
                     inputs (the decode step's rows, the workload's widest batch) and a
                     full prefill step's, against the base dtype's F.linear
-    KV transfer     bench/quant_transfer.py: a prompt's KV from a prefill engine to a
-                    decode engine through the ZeroMQ connector, per KV dtype
+    KV transfer     bench/quant_cluster.py: per KV dtype a 1P+1D cluster (router, prefill
+                    and decode worker processes, the launcher's ZeroMQ connector with
+                    CURVE), every prompt prefilled remotely: KV bytes per prompt token
+                    from the workers' Stats, the prefill worker's transfer time
+                    (kv_transfer_seconds) and the router's TTFT; and
+                    bench/quant_transfer.py: the transport alone, a prompt's KV from a
+                    prefill engine to a decode engine in this process
 
 Ratios are taken within a repetition and reported as the median [min, max]. On a CPU
 the int8 and int4 kernels take bf16 activations (W8A16 / W4A16, engine/quant/linear.py);
@@ -31,7 +37,9 @@ every call (memory only), so its throughput is skipped on a CPU unless
 The last line:
 `weight_bytes_ratio_int8=A kv_blocks_ratio_fp8=B transfer_bytes_ratio_fp8=C throughput_ratio_int8=D`
 A = base weight bytes / int8's, B = fp8_e4m3 KV blocks / base KV blocks (same budget),
-C = base KV bytes shipped / fp8_e4m3's (same prompt), D = int8 throughput / base's.
+C = base KV bytes shipped / fp8_e4m3's (the same prompts through the 1P+1D clusters, the
+decode workers' Stats), D = int8 throughput / base's. With --transfer-only it is
+`transfer_bytes_ratio_fp8=C` alone.
 """
 
 from __future__ import annotations
@@ -84,8 +92,9 @@ class QuantBenchConfig:
     decode_batch: int = 16
     decode_prompt: int = 120  # decode_batch * decode_prompt <= max_num_batched_tokens: one prefill step
     decode_steps: int = 8
-    transfer_prompt: int = 1008
-    transfer_reps: int = 5  # per repetition
+    transfer_prompt: int = 1008  # tokens: 63 whole blocks, within the model's 1024 positions
+    transfer_reps: int = 5  # per repetition, the engine pair
+    cluster_prompts: int = 4  # per repetition, through the 1P+1D cluster
     gemm_min_seconds: float = 0.2
     max_num_batched_tokens: int = 2048
     block_size: int = 16
@@ -94,6 +103,7 @@ class QuantBenchConfig:
     device: str = "cpu"
     dtype: str = "float32"  # the base; bfloat16 on a GPU
     fp4_throughput: bool = False  # on a CPU: fp4 dequantizes every weight on every call
+    transfer_only: bool = False  # only the KV transfer parts (engine pair, cluster)
     quick: bool = False
 
     def throughput_of(self, variant: Variant) -> bool:
@@ -102,7 +112,7 @@ class QuantBenchConfig:
 
 QUICK = QuantBenchConfig(model=QUICK_MODEL, workload=QUICK_WORKLOAD, kv_cache_memory=4 * MIB, decode_batch=4,
                          decode_prompt=32, decode_steps=4, transfer_prompt=128, transfer_reps=3,
-                         gemm_min_seconds=0.01, repeats=2, quick=True)
+                         cluster_prompts=2, gemm_min_seconds=0.01, repeats=2, quick=True)
 GPU = QuantBenchConfig(model=GPU_MODEL, workload=replace(WorkloadSpec(), num_requests=64), kv_cache_memory=4 << 30,
                        decode_batch=32, decode_prompt=64, decode_steps=16, transfer_prompt=2000, device="cuda",
                        dtype="bfloat16")
@@ -295,48 +305,69 @@ def print_gemms(cfg: QuantBenchConfig) -> None:
 
 
 def run(cfg: QuantBenchConfig) -> str:
-    """The whole benchmark; returns the last line."""
-    from pdserve.bench import quant_transfer
-
+    """The whole benchmark (or its transfer parts); returns the last line."""
     torch.manual_seed(cfg.seed)
-    workloads = [make_workload(cfg.workload, cfg.model.vocab_size, rep) for rep in range(cfg.repeats)]
-    warmup = make_warmup(cfg.model.vocab_size, cfg.seed)
     m = cfg.model
     log(f"model: llama hidden={m.hidden_size} layers={m.num_layers} heads={m.num_heads} kv_heads={m.num_kv_heads} "
         f"intermediate={m.intermediate_size} vocab={m.vocab_size} params={m.total_params / 1e6:.1f}M base {cfg.dtype}")
-    log(f"workload: {cfg.workload.num_requests} requests, prompt_len {cfg.workload.prompt_len} new_tokens "
-        f"{cfg.workload.new_tokens}, {output_tokens(workloads[0])} output tokens (repetition 1)")
     log(f"torch {torch.__version__} device={cfg.device} threads={torch.get_num_threads()} repeats={cfg.repeats} "
         f"{machine_load()}")
-    report = Report()
     with temporary_dir("pdserve-bench-quant-") as model_dir:
         with phase("save random checkpoint"):
             save_random_model(cfg.model, model_dir, cfg.seed)
-        with phase(f"load {len(cfg.variants)} engines and warm them up"):
-            engines = {}
-            for v in cfg.variants:
-                engines[v.name] = load_engine(model_dir, v, cfg)
-                report.memory[v.name] = engines[v.name].engine.memory
-                run_workload(engines[v.name], warmup, cfg.device)
-        systems = {v.name: (lambda rep, v=v: measure(engines[v.name], v, cfg, workloads[rep], rep)) for v in cfg.variants}
-        with phase(f"{cfg.repeats} interleaved repetitions of {len(systems)} engines"):
-            report.passes = interleaved(systems, cfg.repeats, log)
-        del engines, systems
-        gc.collect()
-        print_memory(report, cfg)
-        print_speed(report, cfg)
-        with phase("GEMMs"):
-            print_gemms(cfg)
-        with phase("KV transfer"):
-            transfer = quant_transfer.run(model_dir, cfg, log)
-    return last_line(report, transfer)
+        report = None if cfg.transfer_only else run_engines(model_dir, cfg)
+        return last_line(report, run_transfers(model_dir, cfg))
 
 
-def last_line(report: Report, transfer) -> str:
+def run_engines(model_dir: Path, cfg: QuantBenchConfig) -> Report:
+    """Memory, speed and GEMMs: one engine per variant, interleaved repetitions."""
+    workloads = [make_workload(cfg.workload, cfg.model.vocab_size, rep) for rep in range(cfg.repeats)]
+    warmup = make_warmup(cfg.model.vocab_size, cfg.seed)
+    log(f"workload: {cfg.workload.num_requests} requests, prompt_len {cfg.workload.prompt_len} new_tokens "
+        f"{cfg.workload.new_tokens}, {output_tokens(workloads[0])} output tokens (repetition 1)")
+    report = Report()
+    with phase(f"load {len(cfg.variants)} engines and warm them up"):
+        engines = {}
+        for v in cfg.variants:
+            engines[v.name] = load_engine(model_dir, v, cfg)
+            report.memory[v.name] = engines[v.name].engine.memory
+            run_workload(engines[v.name], warmup, cfg.device)
+    systems = {v.name: (lambda rep, v=v: measure(engines[v.name], v, cfg, workloads[rep], rep)) for v in cfg.variants}
+    with phase(f"{cfg.repeats} interleaved repetitions of {len(systems)} engines"):
+        report.passes = interleaved(systems, cfg.repeats, log)
+    del engines, systems
+    gc.collect()
+    print_memory(report, cfg)
+    print_speed(report, cfg)
+    with phase("GEMMs"):
+        print_gemms(cfg)
+    return report
+
+
+def run_transfers(model_dir: Path, cfg: QuantBenchConfig):
+    """The KV transfer through 1P+1D clusters, then the transport alone (an engine
+    pair); the same prompt length, so the same bytes per prompt (checked). The
+    clusters' report."""
+    from pdserve.bench import quant_cluster, quant_transfer
+
+    with phase("KV transfer through 1P+1D clusters"):
+        cluster = quant_cluster.run(model_dir, cfg, log)
+    with phase("KV transfer, engine pair"):
+        pair = quant_transfer.run(model_dir, cfg, log)
+    for kv, shipped in pair.bytes.items():
+        if cluster.bytes(kv) != cfg.cluster_prompts * shipped:
+            raise RuntimeError(f"{kv}: the cluster shipped {cluster.bytes(kv)} bytes for {cfg.cluster_prompts} "
+                               f"prompts, the engine pair {shipped} for one")
+    return cluster
+
+
+def last_line(report: Report | None, cluster) -> str:
+    c = cluster.bytes("auto") / cluster.bytes("fp8_e4m3")
+    if report is None:
+        return f"transfer_bytes_ratio_fp8={c:.3f}"
     base, int8, fp8 = (report.memory[n] for n in ("base", "int8", "kv_fp8_e4m3"))
     a = base.weight_bytes / int8.weight_bytes
     b = fp8.num_blocks / base.num_blocks
-    c = transfer.bytes["auto"] / transfer.bytes["fp8_e4m3"]
     d = report.ratio("int8", "throughput").median
     return f"weight_bytes_ratio_int8={a:.3f} kv_blocks_ratio_fp8={b:.3f} transfer_bytes_ratio_fp8={c:.3f} " \
            f"throughput_ratio_int8={fmt(d)}"
@@ -349,6 +380,8 @@ def parse_args(argv: Sequence[str] | None) -> QuantBenchConfig:
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--fp4-throughput", action="store_true", help="run fp4 through the workload on a CPU too")
+    parser.add_argument("--transfer-only", action="store_true",
+                        help="only the KV transfer parts (1P+1D clusters, engine pair); last line: C alone")
     args = parser.parse_args(argv)
     cuda = args.device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
@@ -362,7 +395,7 @@ def parse_args(argv: Sequence[str] | None) -> QuantBenchConfig:
     if cuda and args.quick:
         base = replace(QUICK, device=args.device, dtype="bfloat16")
     return replace(base, device=args.device, repeats=args.repeats or base.repeats, seed=args.seed,
-                   fp4_throughput=args.fp4_throughput)
+                   fp4_throughput=args.fp4_throughput, transfer_only=args.transfer_only)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,5 +1,6 @@
-"""The KV transfer part of the quantization benchmark (bench/quant.py): what one prompt's
-KV costs to ship from prefill to decode, per KV dtype.
+"""The transport alone, the second KV transfer table of the quantization benchmark
+(bench/quant.py; the first, through a 1P+1D cluster, is bench/quant_cluster.py): what
+one prompt's KV costs to ship from a prefill engine to a decode engine, per KV dtype.
 
     per KV dtype (auto = the base dtype, fp8_e4m3, fp8_e5m2), in this process:
       prefill engine --prefill_and_hold--> the prompt's pages, held for the whole run
@@ -13,10 +14,12 @@ KV costs to ship from prefill to decode, per KV dtype.
 Bytes are what the decode side's connector counted as received (page bytes only: the
 prompt's blocks, every layer's K and V); per prompt token they are the MemoryPlan's KV
 bytes per token, rounded up to whole blocks. The pages move as stored: an FP8 cache
-ships a quarter of float32's bytes, half of bfloat16's. Not a cluster: the router, gRPC
-and the layer-wise overlap with the prefill (bench/kvtransfer.py measures that) are
-left out, so the time is the transport's alone, with receiver and sender sharing one
-process (and its GIL) here.
+ships a quarter of float32's bytes, half of bfloat16's. The router, gRPC and the
+layer-wise overlap with the prefill (bench/kvtransfer.py measures that) are left out on
+purpose: every page is sent after the prefill, so the time is the whole transport's,
+every byte of it, with receiver and sender sharing one process (and its GIL) here. In
+a cluster most pages leave while the prefill's later layers compute, and the workers
+time only what is left after it (bench/quant_cluster.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """Smoke test of the quantization benchmark: `python -m pdserve.bench.quant --quick` end
-to end (about 15 s). Its figures are in docs/benchmarks.md; here only the form of its
+to end (about 15 s on an idle machine, 6 s of it three 1P+1D clusters of the tiny model,
+one per KV dtype). Its figures are in docs/benchmarks.md; here only the form of its
 report and the ratios that are exact by construction (KV blocks in the same budget,
-KV bytes shipped for the same prompt) are checked, never a timing."""
+KV bytes shipped for the same prompts, counted by the clusters' workers) are checked,
+never a timing."""
 
 from __future__ import annotations
 
@@ -34,6 +36,16 @@ def test_quick_quant_benchmark_reports_exact_byte_ratios() -> None:
     assert order[: 2 * len(variants)] == [(r, v) for r in "12" for v in variants], order
     assert re.search(r"^kv_fp8_e4m3 +float32 +\d+ +1\.000 +float8_e4m3fn +128 +2048 +4\.000$", proc.stdout,
                      re.MULTILINE), proc.stdout
+    # through the clusters: 2 prompts of 128 tokens (8 blocks each), 2 layers, K and V of
+    # 2 KV heads x 16 dims: 512 bytes per token in float32, 128 in FP8 (C comes from these)
+    for kv, total, per_token, ratio in (("auto", 131072, "512.0", "1.000"), ("fp8_e4m3", 32768, "128.0", "4.000"),
+                                        ("fp8_e5m2", 32768, "128.0", "4.000")):
+        assert re.search(rf"^{kv} +{total} bytes +{per_token} bytes/prompt token +\(auto / this {ratio}\)$",
+                         proc.stdout, re.MULTILINE), proc.stdout
+    for name in ("transfer tail", "TTFT", "prefill", "rest"):  # the workers' and the router's timings
+        assert len(re.findall(rf"^ +{name} ms +\S+ \(min \S+, max \S+, k=2\)", proc.stdout, re.MULTILINE)) == 3, \
+            proc.stdout
+    # the engine pair: one prompt, the same bytes per token
     assert re.search(r"^fp8_e5m2 +float8_e5m2 +16384 bytes +128\.0 bytes/prompt token +\(auto / this 4\.000\)",
                      proc.stdout, re.MULTILINE), proc.stdout
     assert re.search(r"^int8 +throughput tok/s \S+ \(min \S+, max \S+, k=2\)$", proc.stdout, re.MULTILINE)
