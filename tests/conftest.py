@@ -33,7 +33,6 @@ ONE_CHILD_AT_A_TIME = (  # after the in-process files: single-threaded, but a pr
     "test_bench_offline.py",
     "test_bench_sampled.py",
     "test_bench_spec.py",
-    "test_bench_quant.py",
     "test_kv_fp8.py",
     "test_packaging.py",
 )
@@ -42,6 +41,7 @@ CLUSTERS_LONGEST_FIRST = (
     "test_faults.py",
     "test_cluster_pd.py",
     "test_cluster_quant.py",
+    "test_bench_quant.py",
     "test_cluster.py",
     "test_http_errors.py",
     "test_security.py",
