@@ -54,7 +54,7 @@ from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from pdserve.services.router.client import Client, collect
 
 if TYPE_CHECKING:  # torch: only when the clusters start
-    from pdserve.bench.quant import QuantBenchConfig
+    from pdserve.bench.quant_config import QuantBenchConfig
     from pdserve.launch.local import LocalCluster
 
 KV_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")

@@ -44,7 +44,7 @@ from pdserve.services.worker.events import FailedEvent, FinishedEvent
 from pdserve.services.worker.requests import RequestTable
 
 if TYPE_CHECKING:
-    from pdserve.bench.quant import QuantBenchConfig
+    from pdserve.bench.quant_config import QuantBenchConfig
 
 KV_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
 WAIT_S = 120.0
