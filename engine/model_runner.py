@@ -102,6 +102,11 @@ class ModelRunner:
             text += f";kv_scales={hashlib.sha256(scales.encode()).hexdigest()[:16]}"
         return text
 
+    @property
+    def kv_layout(self) -> str:
+        """The pages' dtype and `kv_format`: what two workers exchanging KV must share."""
+        return f"{str(self.kv_dtype).removeprefix('torch.')};{self.kv_format}"
+
     def allocate_kv_cache(self, num_blocks: int) -> None:
         cfg = self.cfg
         shape = (cfg.num_layers, num_blocks, 2, self.block_size, cfg.num_kv_heads, cfg.head_dim)

@@ -100,6 +100,7 @@ class Worker:
             model=self.config.model_name, kv_endpoint=self.connector.endpoint,
             block_size=self.config.block_size, max_model_len=self.engine.max_model_len,
             num_blocks=self.engine.pool.num_blocks, pid=os.getpid(), metrics_port=self.metrics_port,
+            kv_layout=self.engine.runner.kv_layout,
         )
 
     def drain(self, grace: float) -> tuple[bool, int]:

@@ -133,6 +133,15 @@ class WorkerRegistry:
             raise ValueError(f"worker.block_size: {info.block_size}, the router hashes blocks of {self.config.block_size}")
         if info.max_model_len < self.max_model_len:
             raise ValueError(f"worker.max_model_len: {info.max_model_len} < the router's {self.max_model_len}")
+        if info.kv_layout:
+            with self._lock:
+                others = {h.info.kv_layout for h in self._workers.values()
+                          if h.worker_id != info.worker_id and h.info.kv_layout}
+            if others and info.kv_layout not in others:
+                raise ValueError(
+                    f"worker.kv_layout: {info.kv_layout!r}, the registered workers hold {sorted(others)[0]!r}: KV "
+                    "pages move as stored, never converted; start every worker with the same --dtype, "
+                    "--quantization, --kv-cache-dtype and checkpoint")
 
     def heartbeat(self, worker_id: str, load: pb.Load) -> bool:
         """False when the worker is unknown (it must register again)."""
