@@ -47,6 +47,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from pdserve.engine.detokenizer import Decoder
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.services.common.deadline import Deadline
 from pdserve.services.common.errors import FAILURE_METADATA, status_of_rpc
@@ -55,7 +56,7 @@ from pdserve.services.common.status import ServeError, Status
 from pdserve.services.router import policy
 from pdserve.services.router.cancel import Cancellation
 from pdserve.services.router.config import RouterConfig
-from pdserve.services.router.migration import Progress, continuation, rebase, unmigratable
+from pdserve.services.router.migration import Progress, StopWatch, continuation, rebase, unmigratable
 from pdserve.services.router.registry import WorkerHandle, WorkerRegistry
 from pdserve.services.router.validate import Job
 
@@ -114,10 +115,14 @@ class Attempt:
 
 
 class Dispatcher:
-    def __init__(self, registry: WorkerRegistry, config: RouterConfig, metrics: RouterMetrics) -> None:
+    def __init__(
+        self, registry: WorkerRegistry, config: RouterConfig, metrics: RouterMetrics, tokenizer: Decoder | None = None,
+    ) -> None:
+        """`tokenizer`: to match stop strings across a migration (none: no stop strings)."""
         self.registry = registry
         self.config = config
         self.metrics = metrics
+        self.tokenizer = tokenizer
 
     def run(
         self, job: Job, deadline: Deadline, cancel: Cancellation, note_cached: Callable[[int], None]
@@ -134,6 +139,7 @@ class Dispatcher:
         failures: list[str] = []
         busy = 0  # attempts refused for want of capacity
         progress = Progress()
+        stops: StopWatch | None = None  # after a migration, with stop strings
         current = job  # what the workers are asked: the request, or its continuation
         admission = Deadline.after(min(self.config.admission_timeout, deadline.remaining()))
         while attempts < self.config.max_attempts:
@@ -152,8 +158,12 @@ class Dispatcher:
                     for message in self._on(decode, current, attempt, deadline, cancel, cached):
                         if progress.migrations:
                             rebase(message, job, progress)
+                        cut = stops is not None and stops.cut(message)
                         progress.record(message, job.params.max_tokens)
                         yield message
+                        if cut:  # a stop string spanning the migration ended it
+                            yield progress.final_message()
+                            return
                     return
                 except ValueError as e:  # "Channel closed": the registry dropped it just now
                     if not decode.dropped:
@@ -166,6 +176,8 @@ class Dispatcher:
                         yield progress.final_message()
                         return
                     current = self._migration(job, progress, decode, e, deadline)
+                    if job.params.stop and self.tokenizer is not None:
+                        stops = StopWatch(self.tokenizer, job, progress.token_ids)
                     attempts, failures, busy = 0, [], 0
                     admission = Deadline.after(min(self.config.admission_timeout, deadline.remaining()))
                     continue

@@ -22,6 +22,11 @@ from one prompt; a continued sample would need its own sample index on the
 wire), presence and frequency penalties (they count output tokens only, and S
 would become prompt), and a request past its deadline.
 
+Stop strings: the new worker's text starts after its prompt, so it cannot see a
+stop string that began in the tokens sent before. `StopWatch` runs the engine's
+`SequenceText` over the whole output on the router and ends the sequence where the
+uninterrupted run would have (the new worker's call is then cancelled).
+
 `Progress` records what the client has; `continuation` builds the request that
 carries on from it.
 """
@@ -30,7 +35,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from pdserve.engine.detokenizer import Decoder
 from pdserve.engine.hashing import hash_blocks
+from pdserve.engine.text import SequenceText
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.services.router.validate import Job
 
@@ -106,3 +113,33 @@ def rebase(message: pb.DecodeResponse, original: Job, progress: Progress) -> Non
     message.num_cached_tokens = min(message.num_cached_tokens, len(original.prompt))
     if len(message.prompt_logprobs) > len(original.prompt):
         del message.prompt_logprobs[len(original.prompt):]
+
+
+class StopWatch:
+    """Stop strings over the whole output of a migrated sequence (engine/text.py, as
+    the engine matches them): what a continuation's worker cannot see."""
+
+    def __init__(self, tokenizer: Decoder, job: Job, sent: list[int]) -> None:
+        self._text = SequenceText(tokenizer, job.prompt, job.params.stop, job.params.min_tokens)
+        for token in sent:
+            self._text.append(token)
+
+    def cut(self, message: pb.DecodeResponse) -> bool:
+        """True when `message` completes a stop string its worker did not end at: the
+        message is cut after the token that completes it, which ends the sequence
+        ("stop"), and is no longer the worker's final one."""
+        for delta in message.deltas:
+            if delta.index != 0:
+                continue
+            for i, token in enumerate(delta.token_ids):
+                if not self._text.append(token):
+                    continue
+                if i == len(delta.token_ids) - 1 and delta.finish_reason:
+                    return False  # the worker ended there too
+                del delta.token_ids[i + 1:]
+                del delta.logprobs[i + 1:]
+                delta.finish_reason = "stop"
+                message.finished = False
+                del message.results[:]
+                return True
+        return False

@@ -110,3 +110,54 @@ def test_rebase_makes_the_final_message_the_uninterrupted_runs():
     assert final.results[0].cumulative_logprob == -3.5
     assert final.num_cached_tokens == len(PROMPT)
     assert len(final.prompt_logprobs) == len(PROMPT)
+
+
+# -- stop strings spanning the cut: the router sees the whole output --------------------
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from pdserve.engine.config import DEFAULT_MODEL
+    from pdserve.engine.tokenizer import Tokenizer
+
+    tok = Tokenizer(DEFAULT_MODEL)
+    tok.load()
+    return tok
+
+
+def stop_job(tokenizer, stop):
+    validator = Validator(Limits("tiny", vocab_size=4096, max_model_len=256, max_n=4,
+                                 block_size=BLOCK), tokenizer)
+    return validator.validate(Request(text="def f(x):", sampling=Sampling(max_tokens=100, stop=stop)))
+
+
+def test_a_stop_string_begun_before_the_cut_ends_the_continuation_where_the_uninterrupted_run_would(tokenizer):
+    from pdserve.services.router.migration import StopWatch
+
+    output = tokenizer.encode("    return x + 1\n\nprint(f(2))", add_special_tokens=False)
+    text = tokenizer.decode(output)
+    stop = "x + 1\n\npr"
+    original = stop_job(tokenizer, (stop,))
+    # Cut after the token holding "x": the stop string began before the cut.
+    k = next(i for i in range(1, len(output)) if "x" in tokenizer.decode(output[:i]))
+    assert stop not in tokenizer.decode(output[:k])
+    watch = StopWatch(tokenizer, original, output[:k])
+    rest = output[k:]
+    message = delta(rest, [-0.1] * len(rest))
+    assert watch.cut(message)
+    kept = list(message.deltas[0].token_ids)
+    end = k + len(kept)  # the uninterrupted run ends with the token completing the stop string
+    assert stop in tokenizer.decode(output[:end]) and stop not in tokenizer.decode(output[:end - 1])
+    assert len(message.deltas[0].logprobs) == len(kept) and message.deltas[0].finish_reason == "stop"
+    assert not message.finished and text.startswith(tokenizer.decode(output[:end]))
+
+
+def test_a_stop_the_worker_saw_too_passes_through(tokenizer):
+    from pdserve.services.router.migration import StopWatch
+
+    output = tokenizer.encode("    return x + 1\n", add_special_tokens=False)
+    watch = StopWatch(tokenizer, stop_job(tokenizer, ("\n",)), output[:2])
+    message = delta(output[2:], finish="stop")
+    assert not watch.cut(message) and list(message.deltas[0].token_ids) == output[2:]
+    other = StopWatch(tokenizer, stop_job(tokenizer, ("zzz",)), output[:2])
+    assert not other.cut(delta(output[2:]))
