@@ -20,8 +20,9 @@
         else:
             D.Decode(local_prefill=true) -> D's token stream
     A worker failure before any token reached the client: next attempt.
-    After a token: UNAVAILABLE. Caller gone (its Cancellation fired) or deadline:
-    Abort on the workers.
+    After a token: migrate (migration.py): the same loop, with the prompt plus the
+    tokens sent, at most --max-migrations times; else UNAVAILABLE saying why.
+    Caller gone (its Cancellation fired) or deadline: Abort on the workers.
 
 Each try is an `Attempt` record: decode attempt number, prefill try, path. The
 worker request id is derived from it in one place (`Attempt.worker_request_id`),
