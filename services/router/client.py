@@ -31,7 +31,6 @@ other gRPC clients are given):
 
 from __future__ import annotations
 
-import ipaddress
 import itertools
 import json
 import random
@@ -47,6 +46,7 @@ import grpc
 
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from pdserve.services.common.addresses import is_ip, join_host_port, lookup
 from pdserve.services.common.keepalive import with_keepalive
 
 _OPTIONS = pb.SamplingOptions.DESCRIPTOR.fields_by_name
@@ -113,17 +113,6 @@ def _seconds(duration: str) -> float:
 Lookup = Callable[[str, int], list[str]]
 
 
-def lookup(host: str, port: int) -> list[str]:
-    """Every address of `host`: its A records if it has any (so that `localhost` is
-    one router, not two), else its AAAA records; sorted. The rule workers' --router
-    follows (services/worker/registration.py). Raises OSError if it does not resolve."""
-    try:
-        infos = socket.getaddrinfo(host, port, socket.AF_INET, socket.SOCK_STREAM)
-    except socket.gaierror:
-        infos = socket.getaddrinfo(host, port, socket.AF_INET6, socket.SOCK_STREAM)
-    return sorted({str(info[4][0]) for info in infos})
-
-
 def resolve(target: str | Sequence[str], lookup: Lookup = lookup) -> list[str]:
     """Every router address `target` names: a "host:port", a comma-separated list of
     them, or a sequence; a host that is a DNS name stands for each of its addresses
@@ -143,21 +132,13 @@ def _resolved(target: str | Sequence[str], lookup: Lookup) -> dict[str, str | No
 
 def _resolve_one(target: str, lookup: Lookup) -> list[tuple[str, str | None]]:
     host, sep, port = target.rpartition(":")
-    if target.startswith(_SCHEMES) or not sep or not port.isdigit() or _is_ip(host.strip("[]")):
+    if target.startswith(_SCHEMES) or not sep or not port.isdigit() or is_ip(host.strip("[]")):
         return [(target, None)]
     try:
         ips = lookup(host, int(port))
     except OSError:
         return [(target, None)]
-    return [(f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}", host) for ip in ips] or [(target, None)]
-
-
-def _is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
+    return [(join_host_port(ip, port), host) for ip in ips] or [(target, None)]
 
 
 class CallFailed(grpc.RpcError):

@@ -23,9 +23,7 @@ draining before it stops) never registers again, with any router.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -34,6 +32,7 @@ import grpc
 
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from pdserve.services.common.addresses import is_ip, join_host_port, lookup
 from pdserve.services.common.credentials import ClusterAuth
 
 log = logging.getLogger(__name__)
@@ -60,28 +59,6 @@ def parse_routers(text: str) -> list[tuple[str, int]]:
     if not entries:
         raise ValueError(f"router: expected HOST:PORT[,HOST:PORT...], got {text!r}")
     return entries
-
-
-def join_host_port(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
-
-
-def lookup(host: str, port: int) -> list[str]:
-    """Every address of `host`, IPv4 if it has any (so that `localhost` is one router,
-    not two), else IPv6; sorted. Raises OSError when the name does not resolve."""
-    try:
-        infos = socket.getaddrinfo(host, port, socket.AF_INET, socket.SOCK_STREAM)
-    except socket.gaierror:
-        infos = socket.getaddrinfo(host, port, socket.AF_INET6, socket.SOCK_STREAM)
-    return sorted({str(info[4][0]) for info in infos})
 
 
 def resolve(entries: list[tuple[str, int]],
