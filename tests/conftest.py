@@ -43,7 +43,7 @@ CLUSTERS_LONGEST_FIRST = (
     "test_cluster_quant.py",
     "test_bench_quant.py",
     "test_cluster.py",
-    "test_migration.py",
+    "test_cluster_migration.py",
     "test_http_errors.py",
     "test_security.py",
     "test_router_replicas.py",
