@@ -223,7 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="stream a completion from a running router")
     gen.add_argument("prompt")
-    gen.add_argument("--addr", default="127.0.0.1:50051")
+    gen.add_argument("--addr", default="127.0.0.1:50051",
+                     help="router host:port; several, comma-separated, or a DNS name whose every address is a "
+                          "router: a refused call is retried on another (README: Retrying clients)")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--n", type=int, default=1)

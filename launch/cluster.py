@@ -1,7 +1,7 @@
-"""What every launcher shares: the router process, the workers' configs, waiting for
+"""What every launcher shares: the router processes, the workers' configs, waiting for
 registration, pool sizes, `pdserve up`.
 
-    Cluster (this file)        router as a child process; render_worker(); start();
+    Cluster (this file)        routers as child processes; render_worker(); start();
        |                       wait_registered(); reconcile() pool sizes; stop(); up()
        +-- LocalCluster        workers as child processes         (launch/local.py)
        +-- RayCluster          workers as Ray actors, placed by   (launch/ray.py)
@@ -22,10 +22,18 @@ router its public security flags (API keys, TLS) as given. The router serves the
 public API on its port and the Registry on its internal one; workers register with
 the internal one, and the launcher dials it with the launch's credentials.
 
-Pool sizes: the launcher tells the router its sizes at start and then reads the
-router's targets every POLL_TARGETS seconds (`Registry.Scale` with `manager` set);
-`pdserve scale --address REGISTRY --cluster-token-file F --decode 3` changes a target, and the launcher starts
-workers or drains and stops its newest ones to match. A worker being removed first
+Router replicas (--routers N): N router processes, each on its own ports (with fixed
+ports, router i takes --port + 2i, and --internal-port, --http-port and
+--metrics-port + i where given; 0 stays any free port). Every worker is given every
+router's Registry (`--router A,B`) and registers with each; `up` prints one `ready`
+line per router, the first router's first (`self.address` and `self.internal_address`
+are the first router's).
+
+Pool sizes: the launcher tells every router its sizes at start and then reads the
+routers' targets every POLL_TARGETS seconds (`Registry.Scale` with `manager` set);
+`pdserve scale --address REGISTRY --cluster-token-file F --decode 3` changes a target at any router, and the
+launcher starts workers or drains and stops its newest ones to match (and tells the
+other routers the new target). A worker being removed first
 leaves the router's pools (no new requests) and finishes what it has within
 `--drain-grace` seconds (`Worker.Drain`).
 
@@ -97,6 +105,8 @@ class LaunchConfig:
     supervise: bool = flag(True, "restart the router and workers that die (with backoff), as Kubernetes or Ray would")
     restart_backoff: float = flag(0.5, "seconds before restarting a child that died; doubles while it keeps dying")
     restart_backoff_max: float = flag(10.0, "longest wait before restarting a child that died")
+    routers: int = flag(1, "routers (replicas serving the same workers, each on its own ports; every worker "
+                           "registers with each)")
     worker_cpus: str = flag("", "pin workers to CPUs, one CPU list per worker in start order (prefill, mixed, "
                                 "decode), separated by ';', e.g. '0;1' (cycled if shorter; '': not pinned)")
 
@@ -105,6 +115,7 @@ class LaunchConfig:
         for role in POOLS:
             check(getattr(self, role) >= 0, role, "must be >= 0", getattr(self, role))
         check(self.decode + self.mixed >= 1, "decode", "need at least one decode or mixed worker", self.decode)
+        check(self.routers >= 1, "routers", "must be >= 1", self.routers)
         check(self.startup_timeout > 0, "startup_timeout", "must be > 0", self.startup_timeout)
         check(self.drain_grace >= 0, "drain_grace", "must be >= 0", self.drain_grace)
         check(self.restart_backoff > 0, "restart_backoff", "must be > 0", self.restart_backoff)
@@ -145,9 +156,36 @@ def speculative_config(template: WorkerConfig, role: str) -> str | None:
     return template.speculative_config if role != "prefill" else None
 
 
-def render_router(spec: ClusterSpec, address_file: Path, credentials: LaunchCredentials) -> RouterConfig:
-    """The router's settings, for every launcher."""
-    return replace(spec.router, address_file=str(address_file), credentials=credentials.for_router())
+def render_router(spec: ClusterSpec, address_file: Path, credentials: LaunchCredentials, index: int = 0) -> RouterConfig:
+    """Router `index`'s settings, for every launcher: the template's, on ports of its
+    own (module docstring)."""
+    config = spec.router
+    ports = {}
+    if config.port:
+        ports["port"] = config.port + 2 * index
+        if config.internal_port is None:
+            ports["internal_port"] = config.port + 2 * index + 1
+    for name in ("internal_port", "http_port", "metrics_port"):
+        value = getattr(config, name)
+        if value:  # None or 0 (any free port) stays as it is
+            ports[name] = value + index
+    return replace(config, address_file=str(address_file), credentials=credentials.for_router(), **ports)
+
+
+def router_name(index: int) -> str:
+    """A router's child process name: `router` for the first, `router-1`, ... after."""
+    return "router" if index == 0 else f"router-{index}"
+
+
+@dataclass(frozen=True)
+class RouterEndpoint:
+    """One router as it bound its ports."""
+
+    name: str  # its child process
+    address: str  # public API
+    internal: str  # Registry
+    http: str  # OpenAI-compatible HTTP API ("" without --http-port)
+    for_workers: str  # its Registry as workers dial it
 
 
 def render_worker(
@@ -178,11 +216,12 @@ class Cluster(ABC):
         self.spec = spec
         self.python = python
         self.log_dir = Path(log_dir) if log_dir else None
-        self.processes: dict[str, subprocess.Popen] = {}  # "router" (and a LocalCluster's workers)
-        self.address = ""  # the router's public address, as it bound it (what `ready` prints)
+        self.processes: dict[str, subprocess.Popen] = {}  # the routers (and a LocalCluster's workers)
+        self.routers: list[RouterEndpoint] = []  # as they bound their ports
+        self.address = ""  # the first router's public address, as it bound it (what `ready` prints)
         self.internal_address = ""  # its Registry, as it bound it
         self.http_address = ""  # its OpenAI-compatible HTTP API, as it bound it ("" without --http-port)
-        self.router_for_workers = ""  # its Registry, as workers dial it
+        self.router_for_workers = ""  # every router's Registry, as workers dial it (--router A,B)
         self.manager_id = f"{self.name}-{os.getpid()}"
         self.pools: dict[str, list[str]] = {role: [] for role in POOLS}  # held worker ids, oldest first
         self._tmp = tempfile.TemporaryDirectory(prefix="pdserve-")
@@ -197,6 +236,7 @@ class Cluster(ABC):
         self._argv: dict[str, list[str]] = {}  # each child's command line, to restart it
         self.backoff = Backoff(spec.launch.restart_backoff, spec.launch.restart_backoff_max)
         self._retell_sizes = False  # a restarted router has forgotten the pool sizes
+        self._told: dict[str, int] = {}  # the pool sizes last told to every router
 
     # -- what a launcher provides -------------------------------------------------------
 
@@ -232,10 +272,11 @@ class Cluster(ABC):
         if self.spec.launch.prefill and not kv_connector(self.spec.worker, "prefill"):
             log.warning("prefill workers without a KV connector get no requests (--kv-connector, or --prefill 0)")
         try:
-            self.address, self.internal_address = self._start_router(deadline, stop)
-            host, _, port = self.internal_address.rpartition(":")
-            self.router_for_workers = f"{self._this_host() if is_wildcard(host) else host}:{port}"
-            self._scale({role: getattr(self.spec.launch, role) for role in POOLS})
+            self.routers = self._start_routers(deadline, stop)
+            first = self.routers[0]
+            self.address, self.internal_address, self.http_address = first.address, first.internal, first.http
+            self.router_for_workers = ",".join(r.for_workers for r in self.routers)
+            self._tell_sizes({role: getattr(self.spec.launch, role) for role in POOLS})
             ids = [self._add(role) for role in START_ORDER for _ in range(getattr(self.spec.launch, role))]
             self.wait_registered(ids, deadline, stop)
         except BaseException:
@@ -279,57 +320,79 @@ class Cluster(ABC):
         return list(self._list_workers(timeout).workers)
 
     def metrics_targets(self, timeout: float = RPC_TIMEOUT) -> list[str]:
-        """host:port of every service's /metrics: the router's, then each live worker's."""
+        """host:port of every service's /metrics: the routers', then each live worker's."""
+        replies = [self._list_workers(timeout, router.internal) for router in self.routers[1:]]
         reply = self._list_workers(timeout)
         endpoints = [(self.internal_address, reply.router_metrics_port)]
+        endpoints += [(r.internal, other.router_metrics_port) for r, other in zip(self.routers[1:], replies)]
         endpoints += [(w.address, w.metrics_port) for w in reply.workers]
         return [f"{address.rsplit(':', 1)[0]}:{port}" for address, port in endpoints if port]
 
-    def openai_url(self) -> str:
-        """The OpenAI base URL of the router's HTTP API (https with the public TLS)."""
+    def openai_url(self, router: RouterEndpoint | None = None) -> str:
+        """The OpenAI base URL of a router's HTTP API (the first router's by default;
+        https with the public TLS)."""
         scheme = "https" if self.spec.router.tls_cert else "http"
-        return f"{scheme}://{self.http_address}/v1"
+        return f"{scheme}://{router.http if router else self.http_address}/v1"
 
-    def _list_workers(self, timeout: float) -> pb.ListWorkersResponse:
-        with self._router_channel() as channel:
+    def _list_workers(self, timeout: float, registry: str | None = None) -> pb.ListWorkersResponse:
+        with self._channel(registry or self.internal_address) as channel:
             return pb_grpc.RegistryStub(channel).ListWorkers(pb.ListWorkersRequest(), timeout=timeout)
 
     def reload_api_keys(self) -> None:
-        """Have the router read its --api-keys-file again (it reloads on SIGHUP)."""
-        router = self.processes.get("router")
-        if router is not None and router.poll() is None:
-            router.send_signal(signal.SIGHUP)
+        """Have every router read its --api-keys-file again (they reload on SIGHUP)."""
+        for router in self.routers:
+            process = self.processes.get(router.name)
+            if process is not None and process.poll() is None:
+                process.send_signal(signal.SIGHUP)
 
     def wait_registered(self, ids: list[str], deadline: float, stop: threading.Event | None = None) -> None:
-        waiting = set(ids)
+        """Until every worker in `ids` is registered with every router."""
+        waiting = {(router.internal, worker_id) for router in self.routers for worker_id in ids}
         while waiting:
-            self._check_startup(deadline, stop, waiting)
-            try:
-                waiting -= {w.worker_id for w in self.live_workers(timeout=max(0.1, min(2.0, deadline - time.monotonic())))}
-            except grpc.RpcError:
-                pass
+            self._check_startup(deadline, stop, {worker_id for _, worker_id in waiting})
+            for registry in {registry for registry, _ in waiting}:
+                try:
+                    live = self._list_workers(max(0.1, min(2.0, deadline - time.monotonic())), registry).workers
+                except grpc.RpcError:
+                    continue
+                waiting -= {(registry, w.worker_id) for w in live}
             if waiting:
                 time.sleep(POLL)
 
     # -- pool sizes ---------------------------------------------------------------------
 
     def reconcile(self) -> None:
-        """Read the router's targets; start workers or retire the newest to match."""
+        """Read the routers' targets; start workers or retire the newest to match. A
+        target that differs from what every router was last told is a change (`pdserve
+        scale` at that router): the other routers are told it too."""
         if self._retell_sizes:
             try:
-                self._scale({role: len(self.pools[role]) for role in POOLS})
+                self._tell_sizes({role: len(self.pools[role]) for role in POOLS})
                 self._retell_sizes = False
             except grpc.RpcError:
-                return  # the restarted router is not serving yet
-        try:
-            target = self._scale({}).target
-        except grpc.RpcError as e:
-            log.warning("reading the pool targets failed: %s", e.code().name)
-            return
+                return  # a restarted router is not serving yet
+        targets = []
+        for router in self.routers:
+            try:
+                targets.append(self._scale({}, router.internal).target)
+            except grpc.RpcError as e:
+                log.warning("reading the pool targets of %s failed: %s", router.name, e.code().name)
+        changed = {}
         for role in POOLS:
-            if not target.HasField(role):
+            told = self._told.get(role)
+            wants = [getattr(t, role) for t in targets if t.HasField(role)]
+            changed[role] = next((w for w in wants if w != told), told)
+        if changed != self._told and len(self.routers) == 1:
+            self._told = changed  # the one router holds it already
+        elif changed != self._told:
+            try:
+                self._tell_sizes({role: n for role, n in changed.items() if n is not None})
+            except grpc.RpcError as e:
+                log.warning("telling the routers the new pool targets failed: %s", e.code().name)
+        for role in POOLS:
+            want = changed[role]
+            if want is None:
                 continue
-            want = getattr(target, role)
             while len(self.pools[role]) < want:
                 log.info("scaling %s up to %d: starting %s", role, want, self._add(role))
             while len(self.pools[role]) > want:
@@ -354,16 +417,19 @@ class Cluster(ABC):
             log.warning("draining %s failed (%s): stopping it", worker_id, e.code().name)
         self._stop_worker(worker_id, grace=5.0)
 
-    def _scale(self, target: dict[str, int]) -> pb.ScaleResponse:
-        with self._router_channel() as channel:
+    def _tell_sizes(self, target: dict[str, int]) -> None:
+        """Set these pool targets at every router (raises grpc.RpcError if one fails)."""
+        for router in self.routers:
+            self._scale(target, router.internal)
+        self._told = dict(target)
+
+    def _scale(self, target: dict[str, int], registry: str | None = None) -> pb.ScaleResponse:
+        with self._channel(registry or self.internal_address) as channel:
             return pb_grpc.RegistryStub(channel).Scale(
                 pb.ScaleRequest(target=pb.PoolSizes(**target), manager=self.manager_id), timeout=RPC_TIMEOUT,
             )
 
     # -- children -----------------------------------------------------------------------
-
-    def _router_channel(self) -> grpc.Channel:
-        return self._channel(self.internal_address)
 
     def _channel(self, address: str) -> grpc.Channel:
         """The one place the launcher dials an internal service of its cluster (the
@@ -383,21 +449,28 @@ class Cluster(ABC):
         self._start_worker(worker_id, config)
         return worker_id
 
-    def _start_router(self, deadline: float, stop: threading.Event | None) -> tuple[str, str]:
-        """Its public and internal (Registry) addresses, once it serves both."""
-        address_file = Path(self._tmp.name) / "router.address"
-        self._spawn("router", ["router", *to_argv(render_router(self.spec, address_file, self.credentials))])
-        while not address_file.is_file():
-            self._check_startup(deadline, stop, {"router"})
-            time.sleep(POLL)
-        public, internal, *http = address_file.read_text().split()
-        self.http_address = http[0] if http else ""
-        ports = dict(port=int(public.rpartition(":")[2]), internal_port=int(internal.rpartition(":")[2]))
-        if http:
-            ports["http_port"] = int(http[0].rpartition(":")[2])
-        restart = replace(render_router(self.spec, address_file, self.credentials), **ports)
-        self._argv["router"] = ["router", *to_argv(restart)]  # a restart keeps the ports workers know
-        return public, internal
+    def _start_routers(self, deadline: float, stop: threading.Event | None) -> list[RouterEndpoint]:
+        """Start every router at once; their addresses once each serves its surfaces."""
+        configs = {}
+        for index in range(self.spec.launch.routers):
+            name = router_name(index)
+            configs[name] = render_router(self.spec, Path(self._tmp.name) / f"{name}.address", self.credentials, index)
+            self._spawn(name, ["router", *to_argv(configs[name])])
+        routers = []
+        for name, config in configs.items():
+            address_file = Path(config.address_file)
+            while not address_file.is_file():
+                self._check_startup(deadline, stop, {name})
+                time.sleep(POLL)
+            public, internal, *http = address_file.read_text().split()
+            ports = dict(port=int(public.rpartition(":")[2]), internal_port=int(internal.rpartition(":")[2]))
+            if http:
+                ports["http_port"] = int(http[0].rpartition(":")[2])
+            self._argv[name] = ["router", *to_argv(replace(config, **ports))]  # a restart keeps the ports workers know
+            host, _, port = internal.rpartition(":")
+            for_workers = f"{self._this_host() if is_wildcard(host) else host}:{port}"
+            routers.append(RouterEndpoint(name, public, internal, http[0] if http else "", for_workers))
+        return routers
 
     def _spawn(self, name: str, args: list[str]) -> None:
         """`python -m pdserve ARGS` as a child that exits when this process is gone."""
@@ -431,7 +504,7 @@ class Cluster(ABC):
     def serve(self, stop: threading.Event, prometheus: "Prometheus | None" = None, result: IO[str] | None = None) -> int:
         """`pdserve up` after `ready`: restart children that die (--supervise), keep the
         pools at their targets (and Prometheus' list of endpoints current) until
-        `stop`; 1 if the router exits and is not restarted."""
+        `stop`; 1 if every router has exited and none is restarted."""
         reported: set[str] = set()
         next_targets = time.monotonic() + TARGETS_REFRESH
         while not stop.wait(POLL_TARGETS):
@@ -442,8 +515,9 @@ class Cluster(ABC):
                 self.supervise(result)
             else:
                 dead = self.exited()
-                if "router" in dead:
-                    log.error("router exited with %s: stopping the cluster", dead["router"])
+                if all(router.name in dead for router in self.routers):
+                    log.error("every router exited (%s): stopping the cluster",
+                              {router.name: dead[router.name] for router in self.routers})
                     return 1
                 for name in dead.keys() - reported:
                     log.warning("%s exited with %s", name, dead[name])
@@ -473,7 +547,7 @@ class Cluster(ABC):
             log.warning("restarted %s (restart %d of it, %d in all)", name, count, self.backoff.total)
             if result is not None:
                 print(f"restarted {name} {count}", file=result, flush=True)
-            if name == "router":
+            if name in {router.name for router in self.routers}:
                 self._retell_sizes = True
 
 
@@ -517,8 +591,9 @@ def stop_processes(processes: dict[str, subprocess.Popen], grace: float) -> None
 
 
 def up(cluster: Cluster) -> int:
-    """`pdserve up`: start, print `ready <address> internal <registry address>` (then
-    `openai http://HOST:PORT/v1` with --http-port, once the HTTP API answers, and
+    """`pdserve up`: start, print `ready <address> internal <registry address>`, one line
+    per router (then `openai http://HOST:PORT/v1` per router with --http-port, once its
+    HTTP API answers, and
     `prometheus <url>` with --prometheus), serve until SIGINT/SIGTERM, then SIGTERM
     every child (each drains within --drain-timeout); SIGHUP reloads the router's API
     keys."""
@@ -532,12 +607,14 @@ def up(cluster: Cluster) -> int:
         cluster.connect()  # first: Ray installs signal handlers of its own, ours replace them
         stop = shutdown_event()
         signal.signal(signal.SIGHUP, lambda _signum, _frame: cluster.reload_api_keys())
-        address = cluster.start(stop)
-        print(f"ready {address} internal {cluster.internal_address}", file=result, flush=True)
-        if cluster.http_address:
-            url = cluster.openai_url()
-            wait_http(url, cluster.spec.launch.startup_timeout, stop)
-            print(f"openai {url}", file=result, flush=True)
+        cluster.start(stop)
+        for router in cluster.routers:
+            print(f"ready {router.address} internal {router.internal}", file=result, flush=True)
+        for router in cluster.routers:
+            if router.http:
+                url = cluster.openai_url(router)
+                wait_http(url, cluster.spec.launch.startup_timeout, stop)
+                print(f"openai {url}", file=result, flush=True)
         if cluster.spec.launch.prometheus:
             prometheus = _start_prometheus(cluster, result)
         return cluster.serve(stop, prometheus, result)

@@ -1,7 +1,8 @@
 """A worker process of any role: the shared worker core (services/worker) put
 together with the role services (services/prefill, services/decode), the KV
 connector named by --kv-connector (kvtransfer/registry.py), the Worker gRPC service
-(+ health, reflection), registered with the router when one is given.
+(+ health, reflection), registered with every router --router names
+(services/worker/registration.py).
 
     Worker(config).start()  ->  address;   .drain(grace);   .stop()   (in-process, for tests too)
     run(config)             ->  serve until SIGINT/SIGTERM (the `pdserve decode` CLI)
@@ -34,7 +35,7 @@ from pdserve.services.decode.service import DecodeService
 from pdserve.services.prefill.service import PrefillService
 from pdserve.services.worker.config import WorkerConfig
 from pdserve.services.worker.engine_loop import EngineLoop
-from pdserve.services.worker.registration import Registrar
+from pdserve.services.worker.registration import Routers
 from pdserve.services.worker.servicer import WorkerServicer
 
 log = logging.getLogger(__name__)
@@ -72,7 +73,7 @@ class Worker:
         self.servicer = WorkerServicer(config, self.loop, prefill, decode, self.connector.stats, self.drain,
                                        max_calls=calls)
         pb_grpc.add_WorkerServicer_to_server(self.servicer, self.server.grpc)
-        self.registrar: Registrar | None = None
+        self.routers: Routers | None = None
         self.address = ""
         self.metrics_port = 0
 
@@ -86,9 +87,9 @@ class Worker:
         self.address = f"{self.config.advertise_host or self.config.host}:{port}"
         self.server.set_serving()
         if self.config.router:
-            self.registrar = Registrar(self.config.router, self.info(), self._load, self.auth)
-            self.registrar.register(self.config.register_timeout)
-            self.registrar.start()
+            self.routers = Routers(self.config.router, self.info(), self._load, self.auth,
+                                   self.config.router_resolve_interval)
+            self.routers.start(self.config.register_timeout)  # every router, each on its own from here on
         # weights, activation peak, KV bytes per token, blocks, max concurrency (what `pdserve plan` predicts)
         log.info("%s worker %s %s", self.config.role, self.config.id, self.engine.memory.log_line())
         log.info("%s worker %s serving on %s", self.config.role, self.config.id, self.address)
@@ -104,13 +105,13 @@ class Worker:
         )
 
     def drain(self, grace: float) -> tuple[bool, int]:
-        """Leave the router's pools, then wait until nothing is left here (no call in
+        """Leave every router's pools, then wait until nothing is left here (no call in
         flight, no request running, waiting, reserved or held) or `grace` seconds
         pass. Returns (drained, what remained). Idle must hold across two looks
         DRAIN_SETTLE apart: a request the router picked just before it saw us leave
         is still on its way."""
-        if self.registrar is not None:
-            self.registrar.leave()
+        if self.routers is not None:
+            self.routers.leave()
         self.server.set_not_serving()
         give_up = time.monotonic() + grace
         idle_looks = 0
@@ -137,8 +138,8 @@ class Worker:
     def stop(self, grace: float = 2.0) -> None:
         """Stop at once: requests still open fail with UNAVAILABLE (the engine loop
         ends them before the server stops, so their streams can say so)."""
-        if self.registrar is not None:
-            self.registrar.stop()
+        if self.routers is not None:
+            self.routers.stop()
         self.engine.kv_events.close()  # ends KvEvents streams, which would hold server.stop for its grace
         self.loop.close()  # and the KV connector
         self.server.stop(grace)

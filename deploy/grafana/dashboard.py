@@ -103,9 +103,11 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                   "short", (Query(f"sum(pdserve:num_requests_inflight{{{SEL}}})", "in flight"),
                             Query(f"sum by (pool) (pdserve:num_live_workers{{{SEL}}})", "live {{pool}} workers"))),
         PanelSpec("Routing", "Where prompts were prefilled (remote: a prefill worker; local: the decode worker; "
-                  "fallback: no prefill worker could) and retries on another worker.",
+                  "fallback: no prefill worker could), retries on another worker, and streams migrated to another "
+                  "decode worker after theirs failed mid-stream.",
                   "reqps", (rate_by("router_prefill_path_total", "path"),
-                            rate_by("router_retries_total", "kind", "retry {{kind}}")), has_data=True),
+                            rate_by("router_retries_total", "kind", "retry {{kind}}"),
+                            rate_by("request_migrations_total", "reason", "migrated {{reason}}")), has_data=True),
     )),
     ("Where the time goes", (
         PanelSpec("Queue time", "Arrival at a worker's engine to first scheduled, per role: p50/p90/p99.",

@@ -12,7 +12,7 @@ What is recorded where (one call per event, at the place it happens):
     router   FrontEnd.generate               request_started / request_ended(code)
              ResponseBuilder                 first_token, tokens, sequence_finished,
                                              request_finished
-             Dispatcher                      prefill_path, local_prefill_fallback, retry,
+             Dispatcher                      prefill_path, local_prefill_fallback, retry, migration,
                                              worker_chosen
              KvSubscriber (per worker)       kv_event(kind): batch, snapshot, gap
              scrape time                     live workers per pool (the registry)
@@ -102,6 +102,9 @@ METRICS: Mapping[str, Spec] = types.MappingProxyType({
                    "no_prefill_worker, draining, queue_full, prefill_failed, no_reservation (before the first token); "
                    "kv_transfer (the KV failed after the first token was sent)", ("reason",)),
     "router_retries": Spec("counter", "Attempts moved to another worker after one failed", ("kind",)),
+    "request_migrations": Spec(
+        "counter", "Requests continued on another decode worker after theirs failed mid-stream, by reason: "
+                   "stream_broken (its stream failed), dropped (the registry dropped the worker)", ("reason",)),
     "router_worker_selected": Spec("counter", "Workers chosen for request attempts", ("target", "target_role")),
     "num_live_workers": Spec("gauge_family", "Workers registered and alive, per pool", ("pool",)),
     "router_kv_events": Spec(
@@ -156,7 +159,7 @@ ROUTER_METRICS = (
     "time_to_first_token_seconds", "inter_token_latency_seconds", "request_time_per_output_token_seconds",
     "e2e_request_latency_seconds", "prompt_tokens", "generation_tokens", "request_success", "request_failure",
     "num_requests_inflight", "http_requests", "router_prefill_path", "router_local_prefill_fallbacks", "router_retries",
-    "router_worker_selected", "router_kv_events", "stream_write_cutoffs",
+    "request_migrations", "router_worker_selected", "router_kv_events", "stream_write_cutoffs",
 )
 WORKER_METRICS = (
     "request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
@@ -354,6 +357,9 @@ class RouterMetrics(_Recorder):
 
     def retry(self, kind: str) -> None:
         self.child("router_retries", kind).inc()
+
+    def migration(self, reason: str) -> None:
+        self.child("request_migrations", reason).inc()
 
     def worker_chosen(self, worker_id: str, role: str) -> None:
         self.child("router_worker_selected", worker_id, role).inc()

@@ -58,6 +58,8 @@ class RouterConfig:
                                                "comes as KV events)")
     request_timeout: float = flag(600.0, "deadline of requests whose client set none")
     max_attempts: int = flag(3, "workers tried for a request that has produced no token yet")
+    max_migrations: int = flag(3, "times a request whose decode worker failed after tokens were sent continues on "
+                                  "another worker (from the prompt plus the tokens sent; 0: it fails UNAVAILABLE)")
     max_concurrent_requests: int = flag(256, "Generate calls in flight; more wait in the admission queue")
     max_queued_requests: int = flag(64, "Generate calls waiting for a slot; more get RESOURCE_EXHAUSTED with a "
                                         "retry hint (0: no queue)")
@@ -105,6 +107,7 @@ class RouterConfig:
         check(self.prefill_policy in PREFILL_POLICIES, "prefill_policy", f"must be one of {PREFILL_POLICIES}",
               self.prefill_policy)
         check(self.max_attempts >= 1, "max_attempts", "must be >= 1", self.max_attempts)
+        check(self.max_migrations >= 0, "max_migrations", "must be >= 0", self.max_migrations)
         check(self.max_concurrent_requests >= 1, "max_concurrent_requests", "must be >= 1", self.max_concurrent_requests)
         check(self.max_queued_requests >= 0, "max_queued_requests", "must be >= 0", self.max_queued_requests)
         check(self.max_queue_wait >= 0, "max_queue_wait", "must be >= 0", self.max_queue_wait)

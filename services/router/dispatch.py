@@ -20,8 +20,9 @@
         else:
             D.Decode(local_prefill=true) -> D's token stream
     A worker failure before any token reached the client: next attempt.
-    After a token: UNAVAILABLE. Caller gone (its Cancellation fired) or deadline:
-    Abort on the workers.
+    After a token: migrate (migration.py): the same loop, with the prompt plus the
+    tokens sent, at most --max-migrations times; else UNAVAILABLE saying why.
+    Caller gone (its Cancellation fired) or deadline: Abort on the workers.
 
 Each try is an `Attempt` record: decode attempt number, prefill try, path. The
 worker request id is derived from it in one place (`Attempt.worker_request_id`),
@@ -47,6 +48,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from pdserve.engine.detokenizer import Decoder
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.services.common.deadline import Deadline
 from pdserve.services.common.errors import FAILURE_METADATA, status_of_rpc
@@ -55,6 +57,7 @@ from pdserve.services.common.status import ServeError, Status
 from pdserve.services.router import policy
 from pdserve.services.router.cancel import Cancellation
 from pdserve.services.router.config import RouterConfig
+from pdserve.services.router.migration import Progress, StopWatch, continuation, rebase, unmigratable
 from pdserve.services.router.registry import WorkerHandle, WorkerRegistry
 from pdserve.services.router.validate import Job
 
@@ -113,10 +116,14 @@ class Attempt:
 
 
 class Dispatcher:
-    def __init__(self, registry: WorkerRegistry, config: RouterConfig, metrics: RouterMetrics) -> None:
+    def __init__(
+        self, registry: WorkerRegistry, config: RouterConfig, metrics: RouterMetrics, tokenizer: Decoder | None = None,
+    ) -> None:
+        """`tokenizer`: to match stop strings across a migration (none: no stop strings)."""
         self.registry = registry
         self.config = config
         self.metrics = metrics
+        self.tokenizer = tokenizer
 
     def run(
         self, job: Job, deadline: Deadline, cancel: Cancellation, note_cached: Callable[[int], None]
@@ -128,12 +135,16 @@ class Dispatcher:
 
         Every worker call is registered with `cancel` (cancelled when the caller goes
         or the request ends). Raises ServeError; CANCELLED once `cancel` fired."""
-        tried: list[WorkerHandle] = []
+        tried: list[WorkerHandle] = []  # every decode worker tried (never asked again)
+        attempts = 0  # of the current run (the request, or its latest continuation)
         failures: list[str] = []
         busy = 0  # attempts refused for want of capacity
+        progress = Progress()
+        stops: StopWatch | None = None  # after a migration, with stop strings
+        current = job  # what the workers are asked: the request, or its continuation
         admission = Deadline.after(min(self.config.admission_timeout, deadline.remaining()))
-        while len(tried) < self.config.max_attempts:
-            decode = self.registry.acquire_decode(job.block_hashes, tried)
+        while attempts < self.config.max_attempts:
+            decode = self.registry.acquire_decode(current.block_hashes, tried)
             if decode is None:
                 if self.registry.wait_for_decode(tried, admission.remaining()) and not cancel.cancelled:
                     continue
@@ -141,33 +152,72 @@ class Dispatcher:
             self.metrics.worker_chosen(decode.worker_id, decode.role)
             attempt = Attempt(job.worker_request_id, len(tried))
             tried.append(decode)
+            attempts += 1
             try:
                 try:
-                    yield from self._on(decode, job, attempt, deadline, cancel, note_cached)
+                    cached = note_cached if current is job else lambda n: note_cached(min(n, len(job.prompt)))
+                    for message in self._on(decode, current, attempt, deadline, cancel, cached):
+                        if progress.migrations:
+                            rebase(message, job, progress)
+                        cut = stops is not None and stops.cut(message)
+                        progress.record(message, job.params.max_tokens)
+                        yield message
+                        if cut:  # a stop string spanning the migration ended it
+                            yield progress.final_message()
+                            return
                     return
                 except ValueError as e:  # "Channel closed": the registry dropped it just now
                     if not decode.dropped:
                         raise
                     raise WorkerFailed(f"worker {decode.worker_id} dropped ({e})") from None
             except WorkerFailed as e:
-                if attempt.produced:
-                    log.warning("request %s: %s mid-stream; failing it", job.request_id, e)
-                    self.registry.probe_soon()
-                    message = f"decode worker {decode.worker_id} failed mid-stream: {e}"
-                    raise ServeError(Status.UNAVAILABLE, message) from None
+                self.registry.probe_soon()
+                if attempt.produced or progress.token_ids:
+                    if progress.finish_reason is not None and unmigratable(job) is None:  # only the final message was lost
+                        yield progress.final_message()
+                        return
+                    current = self._migration(job, progress, decode, e, deadline)
+                    if job.params.stop and self.tokenizer is not None:
+                        stops = StopWatch(self.tokenizer, job, progress.token_ids)
+                    attempts, failures, busy = 0, [], 0
+                    admission = Deadline.after(min(self.config.admission_timeout, deadline.remaining()))
+                    continue
                 failures.append(f"{decode.worker_id}: {e}")
                 busy += e.busy
                 log.warning("request %s: %s; retrying on another worker", job.request_id, e)
                 self.metrics.retry("decode")
-                self.registry.probe_soon()
             finally:
                 self.registry.release(decode)
         if cancel.cancelled:
             raise ServeError(Status.CANCELLED, GONE)
         detail = "; ".join(failures) if failures else "no decode worker is registered"
+        if progress.migrations:
+            detail = f"{detail}; after {len(progress.token_ids)} tokens and {progress.migrations} migrations"
         if busy:  # a worker is up but full (the others tried failed): back off and retry
             raise ServeError(Status.RESOURCE_EXHAUSTED, f"the decode workers are full ({detail})")
         raise ServeError(Status.UNAVAILABLE, f"no decode worker could serve the request ({detail})")
+
+    def _migration(
+        self, job: Job, progress: Progress, decode: WorkerHandle, error: WorkerFailed, deadline: Deadline
+    ) -> Job:
+        """The continuation of `job` after its decode worker failed mid-stream
+        (migration.py), counted by reason; raises UNAVAILABLE, naming why, when it
+        cannot or may not migrate (--max-migrations)."""
+        sent = len(progress.token_ids)
+        failed = f"decode worker {decode.worker_id} failed mid-stream after {sent} tokens: {error}"
+        why = unmigratable(job)
+        if why is None and progress.migrations >= self.config.max_migrations:
+            why = f"--max-migrations {self.config.max_migrations} reached"
+        if why is None and deadline.remaining() <= 0:
+            why = "the deadline passed"
+        if why is not None:
+            log.warning("request %s: %s; failing it (not migrated: %s)", job.request_id, failed, why)
+            raise ServeError(Status.UNAVAILABLE, f"{failed}; not migrated: {why}") from None
+        progress.migrations += 1
+        self.metrics.migration("dropped" if decode.dropped else "stream_broken")
+        log.warning("request %s: %s; migrating it (%d of at most %d)", job.request_id, failed,
+                    progress.migrations, self.config.max_migrations)
+        return continuation(job, progress.token_ids, self.config.block_size)
 
     def _on(
         self, decode: WorkerHandle, job: Job, attempt: Attempt, deadline: Deadline, cancel: Cancellation,

@@ -67,7 +67,7 @@ class Router:
         # are refused at once (and gRPC's own limit bounds what waits for a thread).
         threads = config.max_concurrent_requests + config.max_queued_requests + SPARE_THREADS
         self.server = GrpcServer(threads=threads, max_concurrent_rpcs=2 * threads, interceptors=public_checks)
-        dispatcher = Dispatcher(self.registry, config, self.metrics)
+        dispatcher = Dispatcher(self.registry, config, self.metrics, tokenizer)
         self.front_end = FrontEnd(config, self.limits, tokenizer, dispatcher, self.metrics, self.api_keys)
         self.generation = GenerationServicer(self.front_end, config.stream_write_timeout, self.metrics)
         pb_grpc.add_GenerationServicer_to_server(self.generation, self.server.grpc)

@@ -98,8 +98,17 @@ class WorkerRegistry:
 
     def register(self, info: pb.WorkerInfo) -> None:
         """Add (or replace) a worker after checking it fits and answers. Raises
-        ValueError naming the mismatching field, or ConnectionError."""
+        ValueError naming the mismatching field, or ConnectionError.
+
+        The same process registering again (same address and pid: a worker that
+        re-joins every router it lost touch with) keeps its handle: replacing it would
+        close the channel, and with it the calls in flight."""
         self._check_compatible(info)
+        with self._lock:
+            same = self._workers.get(info.worker_id)
+            if same is not None and not same.dropped and same.info == info:
+                same.last_seen = time.monotonic()
+                return
         channel = self.auth.channel(info.address)
         stub = pb_grpc.WorkerStub(channel)
         try:

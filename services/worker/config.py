@@ -12,6 +12,7 @@ from pdserve.engine.quant.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS, p
 from pdserve.engine.spec.config import SpeculativeConfig
 from pdserve.services.common.credentials import ClusterCredentials
 from pdserve.services.common.flags import check, flag
+from pdserve.services.worker.registration import parse_routers
 
 ROLES = ("prefill", "decode", "mixed")
 # KV pages over ZeroMQ tcp (kvtransfer/registry.py): what `pdserve up` gives prefill
@@ -40,7 +41,11 @@ class WorkerConfig:
     served_model_name: str | None = flag(None, "model name clients use (default: the directory's name)")
     host: str = flag("127.0.0.1", "address to listen on")
     port: int = flag(0, "port to listen on (0: any free port)")
-    router: str | None = flag(None, "the router's internal (Registry) address to register with (none: standalone)")
+    router: str | None = flag(None, "the routers' internal (Registry) addresses to register with, comma-separated; "
+                                    "a DNS name stands for every address it resolves to (a headless Service), "
+                                    "looked up every --router-resolve-interval (none: standalone)")
+    router_resolve_interval: float = flag(2.0, "seconds between lookups of --router's DNS names (routers added "
+                                               "are joined, routers gone are let be)")
     worker_id: str | None = flag(None, "unique worker id (default: role-pid)")
     advertise_host: str | None = flag(None, "host the router should dial (default: --host)")
     address_file: str | None = flag(None, "write the bound address to this file when serving")
@@ -80,7 +85,8 @@ class WorkerConfig:
     reservation_timeout: float = flag(30.0, "decode: longest wait for a reservation's KV")
     held_lease: float = flag(30.0, "prefill: longest time exported blocks wait to be shipped")
     request_timeout: float = flag(600.0, "longest a request may run when its caller set no deadline")
-    register_timeout: float = flag(60.0, "how long to keep trying to register with the router")
+    register_timeout: float = flag(60.0, "how long to keep trying to register with a router: the worker exits if "
+                                         "none accepted it by then (the others are retried while it serves)")
     stream_write_timeout: float = flag(10.0, "decode: cut off a token stream whose reader takes longer than this "
                                              "to accept one message (it stopped reading); its blocks are freed")
     drain_timeout: float = flag(30.0, "on SIGTERM: leave the router's pools, finish requests in flight for up to "
@@ -113,7 +119,10 @@ class WorkerConfig:
         if self.cpu_affinity is not None:
             parse_cpus(self.cpu_affinity)  # raises ValueError naming the field
         check(self.grpc_threads is None or self.grpc_threads >= 4, "grpc_threads", "must be >= 4", self.grpc_threads)
-        for name in ("reservation_timeout", "held_lease", "request_timeout", "register_timeout", "stream_write_timeout"):
+        if self.router is not None:
+            parse_routers(self.router)  # raises ValueError naming router
+        for name in ("reservation_timeout", "held_lease", "request_timeout", "register_timeout", "stream_write_timeout",
+                     "router_resolve_interval"):
             check(getattr(self, name) > 0, name, "must be > 0", getattr(self, name))
         check(self.drain_timeout >= 0, "drain_timeout", "must be >= 0", self.drain_timeout)
         if self.speculative_config is not None:

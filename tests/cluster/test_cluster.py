@@ -300,7 +300,10 @@ def pair(tmp_path_factory):
     up.stop()
 
 
-def test_killed_worker_fails_its_stream_and_retries_the_queued(pair, llm):
+def test_killed_worker_s_stream_migrates_and_the_queued_are_retried(pair, llm):
+    """The stream the killed worker was decoding continues on the other worker
+    (router stream migration, issue 21): every stream ends with the uninterrupted
+    run's tokens, none duplicated, none missing."""
     params = dict(max_tokens=400, temperature=0.0, ignore_eos=True)
     want = llm.generate([PROMPTS[5]], SamplingParams(**params))[0].outputs[0].token_ids
     workers = pair.list_workers()
@@ -311,20 +314,16 @@ def test_killed_worker_fails_its_stream_and_retries_the_queued(pair, llm):
         wait_for(lambda: sum(bool(s.tokens) for s in streams) >= 2, 60, "both workers to stream")
         victim = workers[0]
         assert pair.stats(victim.address).num_running == 1
-        killed_at = time.monotonic()
+        cut = sorted(len(s.tokens) for s in streams)[-2:]  # the two running streams' progress
         subprocess.run(["kill", "-9", str(victim.pid)], check=True)
         for s in streams:
             s.join(180)
-    failed = [s for s in streams if s.error is not None]
-    assert len(failed) == 1, [s.error for s in failed]
-    assert failed[0].error.code() == grpc.StatusCode.UNAVAILABLE
-    assert failed[0].ended_at - killed_at < 10
-    assert 0 < len(failed[0].tokens) < 400
-    for s in streams:
-        if s.error is None:
-            assert s.tokens == want  # including the one that was queued on the victim
+    assert [s.error for s in streams] == [None] * 4
+    assert all(s.tokens == want for s in streams)  # including the migrated one and the one queued on the victim
+    assert 0 < min(cut) < 400
     wait_for(lambda: [w.worker_id for w in pair.list_workers()] == [workers[1].worker_id], 10,
              "the router to drop the killed worker")
+    wait_for(lambda: victim.pid not in pair.children(), 15, "the launcher to reap the killed worker")
 
 
 def test_a_worker_joins_while_serving(pair, tmp_path):

@@ -354,17 +354,20 @@ def test_a_killed_prefill_worker_is_replaced_by_the_other(pd2, client2, llm):
     assert f"prefill on {victim.worker_id} failed" in Path(pd2.log.name).read_text()
 
 
-def test_a_killed_decode_worker_fails_its_stream_quickly(pd2, client2):
+def test_a_killed_decode_worker_s_stream_migrates_through_prefill_and_decode(pd2, client2, llm):
+    """The decode worker dies mid-stream: the router continues the request on the other
+    decode worker (its prompt plus the tokens sent, prefilled remotely, speculating),
+    and the client's stream is the uninterrupted greedy run, token for token."""
     stream = Stream(client2, LONG[2], max_tokens=600, temperature=0.0, ignore_eos=True)
     wait_for(lambda: len(stream.tokens) > 3 or stream.error, 60, "the stream to start")
     assert stream.error is None, stream.error
     (victim,) = [w for w in workers(pd2, pb.ROLE_DECODE) if pd2.stats(w.address).num_running == 1]
-    killed_at = time.monotonic()
     os.kill(victim.pid, signal.SIGKILL)
-    stream.join(30)
-    assert stream.error is not None and stream.error.code() == grpc.StatusCode.UNAVAILABLE
-    assert stream.ended_at - killed_at < 10
-    assert 0 < len(stream.tokens) < 600
+    stream.join(120)
+    assert stream.error is None, stream.error
+    want = [o.outputs[0].token_ids for o in llm.generate(
+        [LONG[2]], SamplingParams(max_tokens=600, temperature=0.0, ignore_eos=True))][0]
+    assert stream.tokens == want
     wait_for(lambda: victim.worker_id not in {w.worker_id for w in pd2.list_workers()}, 15,
              "the router to drop the killed decode worker")
 

@@ -146,7 +146,8 @@ def every_option_values() -> dict:
 BAD_VALUES = {
     "negative replicas": ({"prefill": {"replicas": -1}}, "/prefill/replicas"),
     "no decode worker": ({"decode": {"replicas": 0}}, "/decode/replicas"),
-    "two routers": ({"router": {"replicas": 2}}, "/router/replicas"),
+    "no router": ({"router": {"replicas": 0}}, "/router/replicas"),
+    "negative router min ready": ({"router": {"minReadySeconds": -1}}, "/router/minReadySeconds"),
     "GPU count not a number": ({"decode": {"resources": {"limits": {"nvidia.com/gpu": "two"}}}}, "/decode/resources/limits/nvidia.com~1gpu"),
     "fractional GPU": ({"prefill": {"resources": {"requests": {"nvidia.com/gpu": 0.5}}}}, "/prefill/resources/requests/nvidia.com~1gpu"),
     "bad memory quantity": ({"router": {"resources": {"limits": {"memory": "lots"}}}}, "/router/resources/limits/memory"),
@@ -424,8 +425,8 @@ def test_pod_args_parse_with_the_real_cli(component: str, case: str, default, ex
         assert config.worker_id == f"{name(component, release)}-0"
         assert config.advertise_host == FIELD_REFS["status.podIP"]
         assert env["PDSERVE_KV_HOST"] == FIELD_REFS["status.podIP"]
-        host, port = config.router.rsplit(":", 1)
-        svc = one(objects, "Service", name("router-internal", release))
+        host, port = config.router.rsplit(":", 1)  # one name: every router (headless)
+        svc = one(objects, "Service", name("router-registry", release))
         assert host == f"{svc['metadata']['name']}.{NAMESPACE}.svc"
         assert int(port) in [p["port"] for p in svc["spec"]["ports"]]
 
@@ -771,6 +772,72 @@ def test_public_service_exposes_only_the_public_ports(default) -> None:
     assert {p["name"] for p in internal["spec"]["ports"]} == {"internal", "metrics"}
     grpc_only = one(render({"router": {"ports": {"http": None}}}), "Service", name("router"))
     assert [p["name"] for p in grpc_only["spec"]["ports"]] == ["grpc"]
+
+
+# -- router replicas ---------------------------------------------------------------------
+
+
+def router_pod_labels(objects: list[dict], release: str = "demo") -> dict[str, str]:
+    return workload(objects, "router", release)["spec"]["template"]["metadata"]["labels"]
+
+
+@pytest.mark.parametrize("case", ["default", "two-node-pools", "every-option"])
+def test_workers_register_with_every_router_through_the_headless_service(case, default, example, monkeypatch,
+                                                                       capsys, tmp_path) -> None:
+    """Two routers by default; the headless registry Service selects them (ready ones
+    only) on their internal port, and every pool's --router is its DNS name, which the
+    worker's parser accepts; the public Service still spreads clients over every router."""
+    release = "llm" if case != "default" else "demo"
+    objects = {"default": default, "two-node-pools": example}.get(case) or render(every_option_values(), name="llm")
+    assert workload(objects, "router", release)["spec"]["replicas"] == 2
+    registry = one(objects, "Service", name("router-registry", release))
+    assert registry["spec"]["clusterIP"] == "None" and registry["spec"]["publishNotReadyAddresses"] is False
+    assert matches(registry["spec"]["selector"], router_pod_labels(objects, release))
+    (port,) = registry["spec"]["ports"]
+    internal = next(p["containerPort"] for p in container(objects, "router", release)["ports"] if p["name"] == "internal")
+    assert port["targetPort"] == "internal" and port["port"] == internal
+    assert "pdserve.io/metrics" not in registry["metadata"]["labels"]  # scraped once, through -internal
+    address = f"{name('router-registry', release)}.{NAMESPACE}.svc:{internal}"
+    for pool in POOLS:
+        args = container(objects, pool, release)["args"]
+        assert args.count("--router") == 1 and args[args.index("--router") + 1] == address, pool
+        argv, env = pod_argv(objects, pool, release)
+        ns = parse(mount_secrets(objects, pool, argv, tmp_path / pool, release), env, monkeypatch, capsys)
+        config = from_namespace(WorkerConfig, ns, model=DEFAULT_MODEL, role=pool)
+        assert config.router == address and config.router_resolve_interval == 2.0
+    public = one(objects, "Service", name("router", release))
+    assert public["spec"].get("clusterIP") != "None" and matches(public["spec"]["selector"], router_pod_labels(objects, release))
+    for obj in objects:
+        validate(obj)
+
+
+def test_router_rollout_never_leaves_zero_routers_ready(default) -> None:
+    """A new router starts first and must be ready (gRPC health) for minReadySeconds
+    before an old one stops; the routers' budget lets a drain take one at a time."""
+    deployment = workload(default, "router")
+    assert deployment["spec"]["strategy"] == {"type": "RollingUpdate",
+                                              "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    assert deployment["spec"]["minReadySeconds"] == 5
+    probe = container(default, "router")["readinessProbe"]
+    assert probe["grpc"] == {"port": 50051} and probe["periodSeconds"] == 5
+    pdb = one(default, "PodDisruptionBudget", name("router"))
+    assert pdb["spec"]["maxUnavailable"] == 1
+    assert matches(pdb["spec"]["selector"]["matchLabels"], router_pod_labels(default))
+    pdb = one(render({"router": {"replicas": 3, "podDisruptionBudget": {"minAvailable": 1}}}), "PodDisruptionBudget",
+              name("router"))
+    assert pdb["spec"] == {"minAvailable": 1, "selector": pdb["spec"]["selector"]}
+    assert workload(render({"router": {"minReadySeconds": 0}}), "router")["spec"]["minReadySeconds"] == 0
+
+
+def test_a_single_router_renders_without_a_budget() -> None:
+    objects = render({"router": {"replicas": 1}})
+    assert workload(objects, "router")["spec"]["replicas"] == 1
+    budgets = {p["metadata"]["name"] for p in of_kind(objects, "PodDisruptionBudget")}
+    assert budgets == {name("prefill"), name("decode")}
+    one(objects, "Service", name("router-registry"))  # workers still find it by name
+    for obj in objects:
+        validate(obj)
+        validate(obj, K8S_OLDEST)
 
 
 def test_router_serves_the_openai_api_on_its_http_port(default, monkeypatch, capsys, tmp_path) -> None:

@@ -73,3 +73,17 @@ def test_up_refuses_bad_storage_flags_naming_the_field(flag, value, field):
     with pytest.raises(ValueError, match=rf"^{field}: "):
         up_spec(flag, value)
 
+
+
+def test_each_router_gets_ports_of_its_own(tmp_path):
+    """`pdserve up --routers N` with fixed ports: router i on --port + 2i (its Registry
+    beside it), --http-port and --metrics-port + i; 0 stays any free port."""
+    from pdserve.launch.cluster import render_router
+
+    spec = up_spec("--routers", "2", "--port", "7000", "--http-port", "8000", "--metrics-port", "9000")
+    credentials = generate(tmp_path / "secrets", spec.router.credentials)
+    ports = [(c.port, c.registry_port, c.http_port, c.metrics_port)
+             for c in (render_router(spec, tmp_path / f"r{i}", credentials, i) for i in range(2))]
+    assert ports == [(7000, 7001, 8000, 9000), (7002, 7003, 8001, 9001)]
+    spec = up_spec("--routers", "2", "--port", "0")
+    assert {render_router(spec, tmp_path / "r", credentials, i).registry_port for i in range(2)} == {0}

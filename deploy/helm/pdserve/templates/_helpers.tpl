@@ -53,15 +53,21 @@ app.kubernetes.io/part-of: pdserve
 
 {{/*
 Ports. The Registry (where workers register) is on the router's internal port
-(--internal-port), apart from the public one: the internal Service, the workers'
+(--internal-port), apart from the public one: the internal Services, the workers'
 --router and the NetworkPolicy all read it here.
 */}}
 {{- define "pdserve.router.registryPort" -}}
 {{- .Values.router.ports.internal }}
 {{- end }}
 
+{{/* The headless Service whose name stands for every ready router. */}}
+{{- define "pdserve.router.registryService" -}}
+{{- include "pdserve.componentName" (dict "root" . "component" "router-registry") }}
+{{- end }}
+
+{{/* The workers' --router: the headless Service's DNS name (every router) and port. */}}
 {{- define "pdserve.router.registryAddress" -}}
-{{- printf "%s-internal.%s.svc:%s" (include "pdserve.componentName" (dict "root" . "component" "router")) .Release.Namespace (include "pdserve.router.registryPort" .) }}
+{{- printf "%s.%s.svc:%s" (include "pdserve.router.registryService" .) .Release.Namespace (include "pdserve.router.registryPort" .) }}
 {{- end }}
 
 {{/* Where the model directory is inside every pod. */}}
@@ -152,7 +158,8 @@ the cluster shares, and the credentials mounted from Secrets.
 {{/*
 A worker's arguments: `pdserve prefill|decode` and its flags; dict "root" $ "pool"
 "prefill"|"decode". Its id is its pod's name, it advertises its pod IP, registers
-with the router's internal Service, serves metrics on its container's metrics port.
+with every router (--router: the headless registry Service's name, which resolves to
+each ready router), serves metrics on its container's metrics port.
 The model's storage (model.quantization, model.kvCacheDtype) is the release's, never
 a pool's: both pools get the same --quantization and --kv-cache-dtype.
 */}}

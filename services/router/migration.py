@@ -1,0 +1,145 @@
+"""Stream migration: a request whose decode worker failed after tokens reached the
+client continues on another decode worker.
+
+    prompt P, sent S = s1..sk (what the client has), max_tokens M, min_tokens m
+    continuation:  prompt P + S, max_tokens M - k, min_tokens max(0, m - k)
+    the new worker's first token is output token k + 1 of the request
+
+    |<------- P ------->|<-- S (sent) -->|<-- continuation -->|
+    |   original prompt | the new prompt's tail   | streamed on |
+
+Why the continuation equals the uninterrupted run: greedy picks by logits alone;
+seeded sampling draws the uniform keyed by (seed, sample index, number of tokens
+the sequence holds) (engine/sampler.py `position_key`), and P + S holds as many
+tokens as the dead worker's sequence did; repetition penalty counts prompt and
+output alike; EOS is masked while output < min_tokens, and the output limit is
+counted from the new prompt, so both shift by k. Usage stays the request's: the
+front end counts prompt_tokens from P and every token it forwarded once.
+
+What cannot migrate (it fails as before, UNAVAILABLE naming the reason):
+beam search (its beams are not one sequence), n > 1 (the workers fork n samples
+from one prompt; a continued sample would need its own sample index on the
+wire), presence and frequency penalties (they count output tokens only, and S
+would become prompt), and a request past its deadline.
+
+Stop strings: the new worker's text starts after its prompt, so it cannot see a
+stop string that began in the tokens sent before. `StopWatch` runs the engine's
+`SequenceText` over the whole output on the router and ends the sequence where the
+uninterrupted run would have (the new worker's call is then cancelled).
+
+`Progress` records what the client has; `continuation` builds the request that
+carries on from it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from pdserve.engine.detokenizer import Decoder
+from pdserve.engine.hashing import hash_blocks
+from pdserve.engine.text import SequenceText
+from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
+from pdserve.services.router.validate import Job
+
+
+@dataclass
+class Progress:
+    """What of sequence 0 reached the client so far (n == 1, no beams)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprob_sum: float = 0.0  # of the tokens sent, when logprobs were asked (else 0)
+    migrations: int = 0
+    finish_reason: str | None = None  # the sequence ended (its delta said so) before the final message
+
+    def record(self, message: pb.DecodeResponse, max_tokens: int) -> None:
+        """Note the tokens of a message about to be forwarded to the client."""
+        for delta in message.deltas:
+            if delta.index == 0:
+                self.token_ids.extend(delta.token_ids)
+                self.logprob_sum += sum(e.logprob for e in delta.logprobs)
+                if delta.finish_reason:
+                    self.finish_reason = delta.finish_reason
+        if self.finish_reason is None and len(self.token_ids) >= max_tokens:
+            self.finish_reason = "length"
+
+    def final_message(self) -> pb.DecodeResponse:
+        """The final message a worker died before sending, its sequence already ended."""
+        result = pb.SequenceResult(index=0, finish_reason=self.finish_reason or "", cumulative_logprob=self.logprob_sum)
+        return pb.DecodeResponse(finished=True, results=[result])
+
+
+def unmigratable(job: Job) -> str | None:
+    """Why `job` cannot continue on another worker once tokens were sent; None if it can."""
+    params = job.params
+    if params.use_beam_search:
+        return "beam search cannot be resumed from one sequence"
+    if params.n > 1:
+        return "n > 1 is not migrated (the samples share one prompt on one worker)"
+    if params.presence_penalty or params.frequency_penalty:
+        return "presence and frequency penalties count output tokens only"
+    return None
+
+
+def continuation(job: Job, sent: list[int], block_size: int) -> Job:
+    """The request that continues `job` after `sent` reached the client: the prompt
+    plus `sent`, the output limits reduced by len(sent) (the diagram above). Its
+    block hashes are the new prompt's, salted as the original's."""
+    k = len(sent)
+    params = job.params
+    if k >= params.max_tokens:
+        raise ValueError(f"{k} tokens sent of max_tokens {params.max_tokens}: nothing to continue")
+    prompt = job.prompt + tuple(sent)
+    max_tokens = params.max_tokens - k
+    min_tokens = max(0, params.min_tokens - k)
+    options = pb.SamplingOptions()
+    options.CopyFrom(job.options)
+    options.max_tokens = max_tokens
+    options.min_tokens = min_tokens
+    return replace(
+        job, prompt=prompt, params=replace(params, max_tokens=max_tokens, min_tokens=min_tokens),
+        options=options, block_hashes=tuple(hash_blocks(prompt, block_size, cache_salt=params.cache_salt)),
+    )
+
+
+def rebase(message: pb.DecodeResponse, original: Job, progress: Progress) -> None:
+    """Make a continuation's final message read as the uninterrupted run's: the
+    cumulative logprob includes the tokens sent before, cached tokens and prompt
+    logprobs are the original prompt's."""
+    if not message.finished:
+        return
+    for result in message.results:
+        if result.index == 0:
+            result.cumulative_logprob += progress.logprob_sum
+    message.num_cached_tokens = min(message.num_cached_tokens, len(original.prompt))
+    if len(message.prompt_logprobs) > len(original.prompt):
+        del message.prompt_logprobs[len(original.prompt):]
+
+
+class StopWatch:
+    """Stop strings over the whole output of a migrated sequence (engine/text.py, as
+    the engine matches them): what a continuation's worker cannot see."""
+
+    def __init__(self, tokenizer: Decoder, job: Job, sent: list[int]) -> None:
+        self._text = SequenceText(tokenizer, job.prompt, job.params.stop, job.params.min_tokens)
+        for token in sent:
+            self._text.append(token)
+
+    def cut(self, message: pb.DecodeResponse) -> bool:
+        """True when `message` completes a stop string its worker did not end at: the
+        message is cut after the token that completes it, which ends the sequence
+        ("stop"), and is no longer the worker's final one."""
+        for delta in message.deltas:
+            if delta.index != 0:
+                continue
+            for i, token in enumerate(delta.token_ids):
+                if not self._text.append(token):
+                    continue
+                if i == len(delta.token_ids) - 1 and delta.finish_reason:
+                    return False  # the worker ended there too
+                del delta.token_ids[i + 1:]
+                del delta.logprobs[i + 1:]
+                delta.finish_reason = "stop"
+                message.finished = False
+                del message.results[:]
+                return True
+        return False

@@ -1,0 +1,255 @@
+"""The retrying Client against real gRPC servers on loopback: routers that are
+stopped, refuse (UNAVAILABLE, RESOURCE_EXHAUSTED with the router's retry hint in
+trailing metadata) or cut a stream after some tokens; and the published service
+config, given to a plain grpcio channel, retries the same way."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
+from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from pdserve.services.router.client import SERVICE_CONFIG, Client, RetryPolicy, collect, lookup, resolve
+from pdserve.services.router.config import RouterConfig
+from pdserve.services.router.main import Router
+
+Reply = Callable[[grpc.ServicerContext], Iterator[pb.GenerateResponse]]
+
+
+def serve(context: grpc.ServicerContext, tokens: int = 4) -> Iterator[pb.GenerateResponse]:
+    for t in range(tokens):
+        yield pb.GenerateResponse(request_id="r", token_ids=[t], text=f"<{t}>",
+                                  finish_reason="length" if t == tokens - 1 else "")
+
+
+def refuse(code: grpc.StatusCode, retry_after_ms: int | None = None) -> Reply:
+    def reply(context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
+        if retry_after_ms is not None:  # as services/router/service.py's _abort does
+            ms = str(retry_after_ms)
+            context.set_trailing_metadata((("retry-after-ms", ms), ("grpc-retry-pushback-ms", ms)))
+        context.abort(code, f"refused by the test ({code.name})")
+        yield from ()
+    return reply
+
+
+def cut_after(messages: int) -> Reply:
+    def reply(context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
+        for t in range(messages):
+            yield pb.GenerateResponse(request_id="r", token_ids=[2 * t, 2 * t + 1])
+        context.abort(grpc.StatusCode.UNAVAILABLE, "the decode worker died")
+    return reply
+
+
+class FakeRouter(pb_grpc.GenerationServicer):
+    """A real gRPC server with the router's public service: each call takes the
+    next scripted reply (then `serve`) and records when it arrived."""
+
+    def __init__(self, *replies: Reply, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.replies = list(replies)
+        self.arrivals: list[float] = []
+        self.server = grpc.server(ThreadPoolExecutor(8))
+        pb_grpc.add_GenerationServicer_to_server(self, self.server)
+        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        self.address = f"{host}:{self.port}"
+        self.server.start()
+
+    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):
+        self.arrivals.append(time.monotonic())
+        reply = self.replies.pop(0) if self.replies else serve
+        yield from reply(context)
+
+    def ListModels(self, request, context):
+        self.arrivals.append(time.monotonic())
+        return pb.ListModelsResponse(models=[pb.ModelInfo(name="fake")])
+
+    def stop(self) -> None:
+        self.server.stop(None)
+
+
+@pytest.fixture
+def routers():
+    made: list[FakeRouter] = []
+
+    def make(*replies: Reply, **kwargs) -> FakeRouter:
+        made.append(FakeRouter(*replies, **kwargs))
+        return made[-1]
+
+    yield make
+    for r in made:
+        r.stop()
+
+
+def tokens_of(call) -> list[int]:
+    return [t for seq in collect(call).values() for t in seq.token_ids]
+
+
+QUICK = RetryPolicy(max_attempts=5, initial_backoff=0.05, max_backoff=0.2)
+
+
+def test_a_stopped_router_is_passed_over_for_the_next(routers):
+    dead, alive = routers(), routers()
+    dead.stop()
+    started = time.monotonic()
+    with Client([dead.address, alive.address], timeout=10, retry=QUICK, seed=1) as client:
+        for _ in range(6):
+            assert tokens_of(client.generate("x", max_tokens=4)) == [0, 1, 2, 3]
+        assert client.list_models()[0].name == "fake"
+    assert len(alive.arrivals) == 7
+    assert time.monotonic() - started < 3  # one backoff at most per call, none once the dead one is known
+
+
+def test_a_real_router_without_workers_sends_the_call_to_another(routers):
+    """A real router with no decode worker answers UNAVAILABLE at once: the call
+    goes on to the router that can serve, and the caller sees only success."""
+    empty = Router(RouterConfig(port=0, admission_timeout=0.0))
+    address = empty.start()
+    alive = routers()
+    try:
+        with Client(f"{address},{alive.address}", timeout=10, retry=QUICK, seed=2) as client:
+            for _ in range(4):
+                assert tokens_of(client.generate("x", max_tokens=4)) == [0, 1, 2, 3]
+    finally:
+        empty.stop()
+    assert len(alive.arrivals) == 4
+
+
+def test_the_retry_hint_is_honoured_by_the_router_that_gave_it(routers):
+    full = routers(refuse(grpc.StatusCode.RESOURCE_EXHAUSTED, 400), refuse(grpc.StatusCode.RESOURCE_EXHAUSTED, 400))
+    with Client(full.address, timeout=10, retry=QUICK) as client:
+        assert tokens_of(client.generate("x")) == [0, 1, 2, 3]
+    gaps = [b - a for a, b in zip(full.arrivals, full.arrivals[1:])]
+    assert len(gaps) == 2 and min(gaps) >= 0.4, gaps
+
+
+def test_another_router_is_tried_without_waiting_for_a_hint(routers):
+    full, free = routers(refuse(grpc.StatusCode.RESOURCE_EXHAUSTED, 5000)), routers()
+    started = time.monotonic()
+    with Client([full.address, free.address], timeout=10, retry=QUICK, seed=3) as client:
+        assert tokens_of(client.generate("x")) == [0, 1, 2, 3]
+    assert time.monotonic() - started < 2 and len(full.arrivals) == 1 and len(free.arrivals) == 1
+
+
+def test_the_deadline_bounds_every_retry(routers):
+    down = routers(*[refuse(grpc.StatusCode.UNAVAILABLE)] * 100)
+    patient = RetryPolicy(max_attempts=100, initial_backoff=0.2, max_backoff=0.4)
+    with Client(down.address, timeout=1.0, retry=patient) as client:
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as info:
+            list(client.generate("x"))
+        took = time.monotonic() - started
+    assert took <= 1.05, took
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "gave up: the deadline" in info.value.details() and len(down.arrivals) >= 2
+
+
+def test_a_hint_past_the_deadline_fails_at_once_saying_so(routers):
+    full = routers(refuse(grpc.StatusCode.RESOURCE_EXHAUSTED, 5000))
+    with Client(full.address, timeout=1.0, retry=QUICK) as client:
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as info:
+            list(client.generate("x"))
+    assert time.monotonic() - started < 0.5
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "retry after 5s" in info.value.details() and "deadline" in info.value.details()
+    assert dict(info.value.trailing_metadata())["retry-after-ms"] == "5000"
+
+
+def test_a_stream_that_received_tokens_is_never_replayed(routers):
+    cut, other = routers(cut_after(3)), routers()
+    with Client([cut.address, other.address], timeout=10, retry=QUICK) as client:
+        call = client.generate("x")
+        received = []
+        with pytest.raises(grpc.RpcError) as info:
+            for message in call:
+                received.extend(message.token_ids)
+    assert received == [0, 1, 2, 3, 4, 5] and other.arrivals == []
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE == call.code()
+    details = info.value.details()
+    assert "the decode worker died" in details and "6 tokens received (sequence 0: 6)" in details
+    assert cut.address in details and "not replayed" in details
+
+
+def test_a_status_that_is_not_retried_reaches_the_caller_as_it_was(routers):
+    bad = routers(refuse(grpc.StatusCode.INVALID_ARGUMENT))
+    with Client(bad.address, timeout=10, retry=QUICK) as client, pytest.raises(grpc.RpcError) as info:
+        list(client.generate("x"))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and len(bad.arrivals) == 1
+    assert info.value.details() == "refused by the test (INVALID_ARGUMENT)"
+
+
+def test_cancel_while_waiting_to_retry_ends_the_call(routers):
+    full = routers(refuse(grpc.StatusCode.RESOURCE_EXHAUSTED, 5000))
+    with Client(full.address, timeout=30, retry=QUICK) as client:
+        call = client.generate("x")
+        threading.Timer(0.3, call.cancel).start()
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as info:
+            list(call)
+    assert info.value.code() == grpc.StatusCode.CANCELLED and time.monotonic() - started < 2
+    assert len(full.arrivals) == 1
+
+
+def test_a_dns_name_stands_for_every_address_it_resolves_to(routers):
+    """A name with two addresses (127.0.0.1 and 127.0.0.2, both loopback on Linux,
+    one router each on the same port): calls spread over both, and go on to the
+    other when one is stopped; the name is looked up again (resolve_every)."""
+    one = routers()
+    two = routers(host="127.0.0.2", port=one.port)
+    names = {"routers.test": ["127.0.0.1", "127.0.0.2"]}
+    with Client(f"routers.test:{one.port}", timeout=10, retry=QUICK, resolve_every=0.0,
+                lookup=lambda host, port: names[host]) as client:
+        assert client.addresses == [one.address, two.address]
+        for _ in range(4):
+            assert tokens_of(client.generate("x")) == [0, 1, 2, 3]
+        assert len(one.arrivals) == len(two.arrivals) == 2
+        one.stop()
+        for _ in range(3):
+            assert tokens_of(client.generate("x")) == [0, 1, 2, 3]
+        assert len(two.arrivals) == 5
+        names["routers.test"] = ["127.0.0.2"]  # the name moved: the next call sees it
+        assert tokens_of(client.generate("x")) == [0, 1, 2, 3] and client.addresses == [two.address]
+
+
+def test_localhost_is_looked_up_in_dns(routers):
+    """The real resolver: 'localhost' is 127.0.0.1 (its A record first, as workers
+    resolve --router), or ::1 where it has no A record."""
+    v4 = routers()
+    ips = lookup("localhost", v4.port)
+    assert ips and set(resolve(f"localhost:{v4.port}")) == {f"[{ip}]:{v4.port}" if ":" in ip else
+                                                            f"{ip}:{v4.port}" for ip in ips}
+    if ips == ["127.0.0.1"]:
+        with Client(f"localhost:{v4.port},127.0.0.1:{v4.port}", timeout=10, retry=QUICK) as client:
+            assert client.addresses == [v4.address]  # one router, however often it is named
+            assert tokens_of(client.generate("x")) == [0, 1, 2, 3]
+
+
+def test_the_published_service_config_retries_in_a_plain_grpc_channel(routers):
+    """What any gRPC client gets from proto/pdserve/v1/service_config.json: the
+    same retries, by gRPC itself (grpc.service_config channel option)."""
+    flaky = routers(refuse(grpc.StatusCode.UNAVAILABLE), refuse(grpc.StatusCode.RESOURCE_EXHAUSTED, 50))
+    options = [("grpc.service_config", SERVICE_CONFIG.read_text()), ("grpc.enable_retries", 1)]
+    with grpc.insecure_channel(flaky.address, options=options) as channel:
+        messages = list(pb_grpc.GenerationStub(channel).Generate(pb.GenerateRequest(text="x"), timeout=10))
+    assert [t for m in messages for t in m.token_ids] == [0, 1, 2, 3] and len(flaky.arrivals) == 3
+    assert RetryPolicy.from_service_config() == RetryPolicy()  # the client's defaults are the file's
+
+
+def test_a_retry_cut_by_the_deadline_fails_with_the_reason_it_was_retried(routers):
+    """The second attempt waits past the deadline: the caller learns why the call
+    was retried (UNAVAILABLE, the router's words), not only that time ran out."""
+    def stall(context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
+        time.sleep(2)
+        yield from ()
+
+    slow = routers(refuse(grpc.StatusCode.UNAVAILABLE), stall)
+    with Client(slow.address, timeout=0.8, retry=QUICK) as client, pytest.raises(grpc.RpcError) as info:
+        list(client.generate("x"))
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    details = info.value.details()
+    assert "refused by the test" in details and "the deadline passed during attempt 2" in details

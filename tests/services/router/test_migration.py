@@ -1,0 +1,163 @@
+"""Stream migration's arithmetic (services/router/migration.py): the continuation of
+a request after k tokens reached the client, what it reports, and what cannot migrate.
+The cluster test (tests/cluster/test_migration.py) kills real workers."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.engine.hashing import hash_blocks
+from pdserve.engine.sampler import position_key
+from pdserve.services.common.convert import params_from_options
+from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
+from pdserve.services.router.migration import Progress, continuation, rebase, unmigratable
+from pdserve.services.router.records import Request, Sampling
+from pdserve.services.router.validate import Limits, Validator
+
+BLOCK = 16
+PROMPT = tuple(range(100, 120))  # 20 tokens: one full block and a partial one
+VALIDATOR = Validator(Limits("tiny", vocab_size=4096, max_model_len=256, max_n=4, block_size=BLOCK), None)
+
+
+def job(**sampling):
+    return VALIDATOR.validate(Request(token_ids=PROMPT, sampling=Sampling(**sampling), cache_salt="s"))
+
+
+def delta(tokens, logprobs=(), finish=""):
+    lps = [pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in zip(tokens, logprobs)]
+    return pb.DecodeResponse(deltas=[pb.SequenceDelta(index=0, token_ids=tokens, logprobs=lps, finish_reason=finish)])
+
+
+def test_the_continuation_prompts_with_what_was_sent_and_asks_for_the_rest():
+    original = job(max_tokens=50, min_tokens=10, temperature=0.7, seed=7)
+    sent = [1, 2, 3, 4]
+    cont = continuation(original, sent, BLOCK)
+    assert cont.prompt == PROMPT + (1, 2, 3, 4)
+    assert (cont.params.max_tokens, cont.params.min_tokens) == (46, 6)
+    assert (cont.options.max_tokens, cont.options.min_tokens) == (46, 6)
+    # What the worker parses from the options is what the router holds.
+    assert params_from_options(cont.options, "s") == cont.params
+    # Everything else as asked: the seed, the temperature, the salt, the request id.
+    assert (cont.options.seed, cont.options.temperature, cont.params.cache_salt) == (7, 0.7, "s")
+    assert (cont.request_id, cont.worker_request_id) == (original.request_id, original.worker_request_id)
+    assert cont.block_hashes == tuple(hash_blocks(cont.prompt, BLOCK, cache_salt="s"))
+    assert cont.block_hashes[0] == original.block_hashes[0]  # the shared prefix routes to the same cache
+    # The original is untouched.
+    assert original.prompt == PROMPT and original.options.max_tokens == 50
+
+
+def test_min_tokens_never_goes_below_zero_and_max_tokens_counts_from_the_default():
+    original = job(min_tokens=2)  # max_tokens unset: the engine's default (16)
+    cont = continuation(original, list(range(5)), BLOCK)
+    assert (cont.params.max_tokens, cont.params.min_tokens) == (original.params.max_tokens - 5, 0)
+    with pytest.raises(ValueError, match="nothing to continue"):
+        continuation(original, list(range(original.params.max_tokens)), BLOCK)
+
+
+def test_a_seeded_continuation_draws_the_uniforms_of_the_uninterrupted_run():
+    """The sampler keys a seeded draw by the tokens the sequence holds: the continuation's
+    first draw (prompt P + k sent tokens) is the uninterrupted run's (k + 1)-th."""
+    original = job(max_tokens=50, seed=3, temperature=1.0)
+    sent = [5, 6, 7]
+    cont = continuation(original, sent, BLOCK)
+    uninterrupted = [position_key(3, 0, len(PROMPT) + i) for i in range(10)]
+    continued = [position_key(cont.params.seed, 0, len(cont.prompt) + i) for i in range(7)]
+    assert continued == uninterrupted[3:]
+
+
+@pytest.mark.parametrize("sampling, why", [
+    (dict(beam_width=2, max_tokens=8), "beam search"),
+    (dict(n=2, temperature=1.0), "n > 1"),
+    (dict(presence_penalty=0.5), "presence and frequency"),
+    (dict(frequency_penalty=0.5), "presence and frequency"),
+])
+def test_what_cannot_migrate_says_why(sampling, why):
+    assert why in unmigratable(job(**sampling))
+
+
+def test_what_can_migrate():
+    assert unmigratable(job(temperature=0.0)) is None
+    assert unmigratable(job(seed=1, repetition_penalty=1.3, stop_token_ids=(7,), logprobs=2, prompt_logprobs=1)) is None
+
+
+def test_progress_counts_what_the_client_has_and_sees_an_ended_sequence():
+    progress = Progress()
+    progress.record(delta([1, 2], [-0.5, -0.25]), max_tokens=5)
+    progress.record(pb.DecodeResponse(deltas=[pb.SequenceDelta(index=1, token_ids=[9])]), max_tokens=5)
+    assert progress.token_ids == [1, 2] and progress.logprob_sum == -0.75 and progress.finish_reason is None
+    progress.record(delta([3], finish="stop"), max_tokens=5)
+    assert progress.finish_reason == "stop"
+    final = progress.final_message()
+    assert final.finished and final.results[0].finish_reason == "stop"
+    assert final.results[0].cumulative_logprob == -0.75
+    full = Progress()
+    full.record(delta([1, 2, 3]), max_tokens=3)
+    assert full.finish_reason == "length"
+
+
+def test_rebase_makes_the_final_message_the_uninterrupted_runs():
+    original = job(max_tokens=50, prompt_logprobs=1, logprobs=1)
+    progress = Progress(token_ids=[1, 2, 3], logprob_sum=-1.5, migrations=1)
+    running = delta([4], [-0.1])
+    rebase(running, original, progress)
+    assert running == delta([4], [-0.1])  # only the final message changes
+    final = pb.DecodeResponse(
+        finished=True, results=[pb.SequenceResult(index=0, finish_reason="length", cumulative_logprob=-2.0)],
+        num_cached_tokens=len(PROMPT) + 3,
+        prompt_logprobs=[pb.PromptTokenLogprob() for _ in range(len(PROMPT) + 3)],
+    )
+    rebase(final, original, progress)
+    assert final.results[0].cumulative_logprob == -3.5
+    assert final.num_cached_tokens == len(PROMPT)
+    assert len(final.prompt_logprobs) == len(PROMPT)
+
+
+# -- stop strings spanning the cut: the router sees the whole output --------------------
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from pdserve.engine.config import DEFAULT_MODEL
+    from pdserve.engine.tokenizer import Tokenizer
+
+    tok = Tokenizer(DEFAULT_MODEL)
+    tok.load()
+    return tok
+
+
+def stop_job(tokenizer, stop):
+    validator = Validator(Limits("tiny", vocab_size=4096, max_model_len=256, max_n=4,
+                                 block_size=BLOCK), tokenizer)
+    return validator.validate(Request(text="def f(x):", sampling=Sampling(max_tokens=100, stop=stop)))
+
+
+def test_a_stop_string_begun_before_the_cut_ends_the_continuation_where_the_uninterrupted_run_would(tokenizer):
+    from pdserve.services.router.migration import StopWatch
+
+    output = tokenizer.encode("    return x + 1\n\nprint(f(2))", add_special_tokens=False)
+    text = tokenizer.decode(output)
+    stop = "x + 1\n\npr"
+    original = stop_job(tokenizer, (stop,))
+    # Cut after the token holding "x": the stop string began before the cut.
+    k = next(i for i in range(1, len(output)) if "x" in tokenizer.decode(output[:i]))
+    assert stop not in tokenizer.decode(output[:k])
+    watch = StopWatch(tokenizer, original, output[:k])
+    rest = output[k:]
+    message = delta(rest, [-0.1] * len(rest))
+    assert watch.cut(message)
+    kept = list(message.deltas[0].token_ids)
+    end = k + len(kept)  # the uninterrupted run ends with the token completing the stop string
+    assert stop in tokenizer.decode(output[:end]) and stop not in tokenizer.decode(output[:end - 1])
+    assert len(message.deltas[0].logprobs) == len(kept) and message.deltas[0].finish_reason == "stop"
+    assert not message.finished and text.startswith(tokenizer.decode(output[:end]))
+
+
+def test_a_stop_the_worker_saw_too_passes_through(tokenizer):
+    from pdserve.services.router.migration import StopWatch
+
+    output = tokenizer.encode("    return x + 1\n", add_special_tokens=False)
+    watch = StopWatch(tokenizer, stop_job(tokenizer, ("\n",)), output[:2])
+    message = delta(output[2:], finish="stop")
+    assert not watch.cut(message) and list(message.deltas[0].token_ids) == output[2:]
+    other = StopWatch(tokenizer, stop_job(tokenizer, ("zzz",)), output[:2])
+    assert not other.cut(delta(output[2:]))
