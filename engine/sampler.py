@@ -123,7 +123,7 @@ def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def _key(seed: int, request: Request) -> int:
-    return position_key(seed, request.sample_index, request.num_tokens)
+    return position_key(seed, request.sample_index + request.sampling_params.sample_index, request.num_tokens)
 
 
 def position_key(seed: int, sample_index: int, num_tokens: int) -> int:

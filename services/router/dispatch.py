@@ -43,8 +43,10 @@ from __future__ import annotations
 
 import enum
 import logging
+import queue
+import threading
 from collections.abc import Callable, Generator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 
@@ -57,7 +59,7 @@ from pdserve.services.common.status import ServeError, Status
 from pdserve.services.router import policy
 from pdserve.services.router.cancel import Cancellation
 from pdserve.services.router.config import RouterConfig
-from pdserve.services.router.migration import Progress, StopWatch, continuation, rebase, unmigratable
+from pdserve.services.router.migration import Progress, StopWatch, continuation, one_sample, rebase, unmigratable
 from pdserve.services.router.registry import WorkerHandle, WorkerRegistry
 from pdserve.services.router.validate import Job
 
@@ -66,6 +68,7 @@ ABORT_TIMEOUT = 1.0
 RESERVE_TIMEOUT = 10.0
 RESERVATION_LEASE = 30.0
 KV_FAILURES = ("transfer", "expired")  # events.Failure values of a lost KV transfer
+FAN_OUT_SLACK = 5.0  # seconds past the deadline a migrated sample's thread has to say how it ended
 GONE = "the caller went away"  # the message of a request whose caller left (nobody reads it)
 
 
@@ -135,13 +138,21 @@ class Dispatcher:
 
         Every worker call is registered with `cancel` (cancelled when the caller goes
         or the request ends). Raises ServeError; CANCELLED once `cancel` fired."""
+        yield from self._serve(job, Progress(n=job.params.n), deadline, cancel, note_cached)
+
+    def _serve(
+        self, job: Job, progress: Progress, deadline: Deadline, cancel: Cancellation,
+        note_cached: Callable[[int], None],
+    ) -> Iterator[pb.DecodeResponse]:
+        """`run`, from `progress`: with migrations, what reached the client of a
+        continued sample (n == 1) before this serve began."""
         tried: list[WorkerHandle] = []  # every decode worker tried (never asked again)
         attempts = 0  # of the current run (the request, or its latest continuation)
         failures: list[str] = []
         busy = 0  # attempts refused for want of capacity
-        progress = Progress()
-        stops: StopWatch | None = None  # after a migration, with stop strings
-        current = job  # what the workers are asked: the request, or its continuation
+        current = job if not progress.migrations else continuation(job, progress.token_ids, self.config.block_size)
+        stops = self._stop_watch(job, progress)  # after a migration, with stop strings
+        fan_out = False
         admission = Deadline.after(min(self.config.admission_timeout, deadline.remaining()))
         while attempts < self.config.max_attempts:
             decode = self.registry.acquire_decode(current.block_hashes, tried)
@@ -172,13 +183,16 @@ class Dispatcher:
                     raise WorkerFailed(f"worker {decode.worker_id} dropped ({e})") from None
             except WorkerFailed as e:
                 self.registry.probe_soon()
-                if attempt.produced or progress.token_ids:
-                    if progress.finish_reason is not None and unmigratable(job) is None:  # only the final message was lost
+                if attempt.produced or progress.sent:
+                    if progress.done and unmigratable(job) is None:  # only the final message was lost
                         yield progress.final_message()
                         return
-                    current = self._migration(job, progress, decode, e, deadline)
-                    if job.params.stop and self.tokenizer is not None:
-                        stops = StopWatch(self.tokenizer, job, progress.token_ids)
+                    self._migrate(job, progress, decode, e, deadline)
+                    if job.params.n > 1:  # its sequences go on as requests of their own (below)
+                        fan_out = True
+                        break
+                    current = continuation(job, progress.token_ids, self.config.block_size)
+                    stops = self._stop_watch(job, progress)
                     attempts, failures, busy = 0, [], 0
                     admission = Deadline.after(min(self.config.admission_timeout, deadline.remaining()))
                     continue
@@ -188,23 +202,31 @@ class Dispatcher:
                 self.metrics.retry("decode")
             finally:
                 self.registry.release(decode)
+        if fan_out:
+            yield from self._fan_out(job, progress, deadline, cancel, note_cached)
+            return
         if cancel.cancelled:
             raise ServeError(Status.CANCELLED, GONE)
         detail = "; ".join(failures) if failures else "no decode worker is registered"
         if progress.migrations:
-            detail = f"{detail}; after {len(progress.token_ids)} tokens and {progress.migrations} migrations"
+            detail = f"{detail}; after {progress.sent} tokens and {progress.migrations} migrations"
         if busy:  # a worker is up but full (the others tried failed): back off and retry
             raise ServeError(Status.RESOURCE_EXHAUSTED, f"the decode workers are full ({detail})")
         raise ServeError(Status.UNAVAILABLE, f"no decode worker could serve the request ({detail})")
 
-    def _migration(
+    def _stop_watch(self, job: Job, progress: Progress) -> StopWatch | None:
+        """Stop strings over a migrated sequence's whole output (None: not needed)."""
+        if not progress.migrations or not job.params.stop or self.tokenizer is None:
+            return None
+        return StopWatch(self.tokenizer, job, progress.token_ids)
+
+    def _migrate(
         self, job: Job, progress: Progress, decode: WorkerHandle, error: WorkerFailed, deadline: Deadline
-    ) -> Job:
-        """The continuation of `job` after its decode worker failed mid-stream
-        (migration.py), counted by reason; raises UNAVAILABLE, naming why, when it
-        cannot or may not migrate (--max-migrations)."""
-        sent = len(progress.token_ids)
-        failed = f"decode worker {decode.worker_id} failed mid-stream after {sent} tokens: {error}"
+    ) -> None:
+        """Count a migration of `job` after its decode worker failed mid-stream
+        (migration.py), by reason; raises UNAVAILABLE, naming why, when it cannot or
+        may not migrate (--max-migrations)."""
+        failed = f"decode worker {decode.worker_id} failed mid-stream after {progress.sent} tokens: {error}"
         why = unmigratable(job)
         if why is None and progress.migrations >= self.config.max_migrations:
             why = f"--max-migrations {self.config.max_migrations} reached"
@@ -217,7 +239,50 @@ class Dispatcher:
         self.metrics.migration("dropped" if decode.dropped else "stream_broken")
         log.warning("request %s: %s; migrating it (%d of at most %d)", job.request_id, failed,
                     progress.migrations, self.config.max_migrations)
-        return continuation(job, progress.token_ids, self.config.block_size)
+
+    def _fan_out(
+        self, job: Job, progress: Progress, deadline: Deadline, cancel: Cancellation,
+        note_cached: Callable[[int], None],
+    ) -> Iterator[pb.DecodeResponse]:
+        """Continue each sequence of an n > 1 request that had not ended as a request
+        of its own (`one_sample`), all at once, each on its own thread with its own
+        migrations; their messages are merged back under their indices, and their
+        final results (with those of the sequences that had ended) make one final
+        message. The first failure fails the request (the others are cancelled)."""
+        inner = Cancellation()
+        cancel.add_callback(inner.cancel)
+        merged: queue.Queue[tuple[int, pb.DecodeResponse | BaseException | None]] = queue.Queue()
+        final = progress.final_message()
+        unfinished = progress.unfinished()
+        threads = []
+        for index in unfinished:
+            sample = Progress(samples={0: replace(progress.sample(index), token_ids=list(progress.sample(index).token_ids))},
+                              migrations=progress.migrations)
+            serve = self._serve(one_sample(job, index), sample, deadline, inner, note_cached)
+            threads.append(threading.Thread(target=_pump, args=(index, serve, merged), daemon=True,
+                                            name=f"{job.worker_request_id}-s{index}"))
+        for thread in threads:
+            thread.start()
+        try:
+            left = len(threads)
+            while left:
+                try:
+                    index, item = merged.get(timeout=max(0.0, deadline.remaining()) + FAN_OUT_SLACK)
+                except queue.Empty:
+                    raise ServeError(Status.DEADLINE_EXCEEDED, "deadline passed (migrated samples)") from None
+                if item is None:
+                    left -= 1
+                    continue
+                if isinstance(item, BaseException):
+                    raise item
+                message = _as_sample(item, index, final)
+                if message.deltas:
+                    yield message
+        finally:
+            inner.cancel()  # the request ended (or failed): nothing of it keeps running
+            for thread in threads:
+                thread.join(ABORT_TIMEOUT)
+        yield final
 
     def _on(
         self, decode: WorkerHandle, job: Job, attempt: Attempt, deadline: Deadline, cancel: Cancellation,
@@ -437,6 +502,43 @@ class Dispatcher:
             why = "dropped" if worker.dropped else f"{code.name}: {error.details()}"
             return WorkerFailed(f"worker {worker.worker_id} {why}", busy=code == grpc.StatusCode.RESOURCE_EXHAUSTED)
         return ServeError(status_of_rpc(code), error.details() or code.name)
+
+
+def _pump(index: int, serve: Iterator[pb.DecodeResponse],
+          out: "queue.Queue[tuple[int, pb.DecodeResponse | BaseException | None]]") -> None:
+    """A migrated sample's messages onto the merged queue, then how it ended (None: done)."""
+    try:
+        for message in serve:
+            out.put((index, message))
+    except BaseException as e:  # handed to the request's thread, which raises it
+        out.put((index, e))
+        return
+    out.put((index, None))
+
+
+def _as_sample(message: pb.DecodeResponse, index: int, final: pb.DecodeResponse) -> pb.DecodeResponse:
+    """A migrated sample's message (its sequence is 0) as sequence `index` of the
+    request; a final message's result and counts go into `final`, sent at the end."""
+    for delta in message.deltas:
+        delta.index = index
+    if not message.finished:
+        return message
+    for result in message.results:
+        if result.index == 0:
+            result.index = index
+            kept = [r for r in final.results if r.index != index]
+            del final.results[:]
+            final.results.extend(sorted([*kept, result], key=lambda r: r.index))
+    final.num_draft_tokens += message.num_draft_tokens
+    final.num_accepted_tokens += message.num_accepted_tokens
+    if not final.num_cached_tokens:  # the first continuation's (rebase kept it to the original prompt)
+        final.num_cached_tokens = message.num_cached_tokens
+    if not final.prompt_logprobs:
+        final.prompt_logprobs.extend(message.prompt_logprobs)
+    message.finished = False
+    del message.results[:]
+    del message.prompt_logprobs[:]
+    return message
 
 
 def prefill_request(job: Job, rid: str, reservation: pb.ReserveResponse) -> pb.PrefillRequest:

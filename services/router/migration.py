@@ -16,11 +16,16 @@ output alike; EOS is masked while output < min_tokens, and the output limit is
 counted from the new prompt, so both shift by k. Usage stays the request's: the
 front end counts prompt_tokens from P and every token it forwarded once.
 
+n > 1: the workers fork n samples from one prompt, so each sample that had not
+ended continues as a request of its own (`one_sample`: n == 1, prompt P + its own
+S, `sample_index` i so its seeded draws are sample i's), all at once, their
+streams merged back under their indices (dispatch.py).
+
 What cannot migrate (it fails as before, UNAVAILABLE naming the reason):
-beam search (its beams are not one sequence), n > 1 (the workers fork n samples
-from one prompt; a continued sample would need its own sample index on the
-wire), presence and frequency penalties (they count output tokens only, and S
-would become prompt), and a request past its deadline.
+beam search (its beams are not one sequence; but beams stream nothing before the
+end, so a beam search whose worker died is retried from the start, not migrated),
+presence and frequency penalties (they count output tokens only, and S would
+become prompt), and a request past its deadline.
 
 Stop strings: the new worker's text starts after its prompt, so it cannot see a
 stop string that began in the tokens sent before. `StopWatch` runs the engine's
@@ -43,29 +48,60 @@ from pdserve.services.router.validate import Job
 
 
 @dataclass
-class Progress:
-    """What of sequence 0 reached the client so far (n == 1, no beams)."""
+class Sample:
+    """What of one sequence reached the client."""
 
     token_ids: list[int] = field(default_factory=list)
     logprob_sum: float = 0.0  # of the tokens sent, when logprobs were asked (else 0)
+    finish_reason: str | None = None  # it ended (its delta said so) before the final message
+
+
+@dataclass
+class Progress:
+    """What of each of a request's `n` sequences reached the client (no beams: they
+    stream nothing before the end)."""
+
+    n: int = 1
+    samples: dict[int, Sample] = field(default_factory=dict)
     migrations: int = 0
-    finish_reason: str | None = None  # the sequence ended (its delta said so) before the final message
+
+    def sample(self, index: int) -> Sample:
+        return self.samples.setdefault(index, Sample())
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Sequence 0's tokens sent (n == 1: the request's)."""
+        return self.sample(0).token_ids
+
+    @property
+    def sent(self) -> int:
+        """Tokens sent over every sequence."""
+        return sum(len(s.token_ids) for s in self.samples.values())
+
+    @property
+    def done(self) -> bool:
+        """Every sequence ended: only the final message is missing."""
+        return all(self.sample(i).finish_reason is not None for i in range(self.n))
+
+    def unfinished(self) -> list[int]:
+        return [i for i in range(self.n) if self.sample(i).finish_reason is None]
 
     def record(self, message: pb.DecodeResponse, max_tokens: int) -> None:
         """Note the tokens of a message about to be forwarded to the client."""
         for delta in message.deltas:
-            if delta.index == 0:
-                self.token_ids.extend(delta.token_ids)
-                self.logprob_sum += sum(e.logprob for e in delta.logprobs)
-                if delta.finish_reason:
-                    self.finish_reason = delta.finish_reason
-        if self.finish_reason is None and len(self.token_ids) >= max_tokens:
-            self.finish_reason = "length"
+            sample = self.sample(delta.index)
+            sample.token_ids.extend(delta.token_ids)
+            sample.logprob_sum += sum(e.logprob for e in delta.logprobs)
+            if delta.finish_reason:
+                sample.finish_reason = delta.finish_reason
+            if sample.finish_reason is None and len(sample.token_ids) >= max_tokens:
+                sample.finish_reason = "length"
 
     def final_message(self) -> pb.DecodeResponse:
-        """The final message a worker died before sending, its sequence already ended."""
-        result = pb.SequenceResult(index=0, finish_reason=self.finish_reason or "", cumulative_logprob=self.logprob_sum)
-        return pb.DecodeResponse(finished=True, results=[result])
+        """The final message a worker died before sending, every sequence already ended."""
+        results = [pb.SequenceResult(index=i, finish_reason=self.sample(i).finish_reason or "",
+                                     cumulative_logprob=self.sample(i).logprob_sum) for i in range(self.n)]
+        return pb.DecodeResponse(finished=True, results=results)
 
 
 def unmigratable(job: Job) -> str | None:
@@ -73,11 +109,20 @@ def unmigratable(job: Job) -> str | None:
     params = job.params
     if params.use_beam_search:
         return "beam search cannot be resumed from one sequence"
-    if params.n > 1:
-        return "n > 1 is not migrated (the samples share one prompt on one worker)"
     if params.presence_penalty or params.frequency_penalty:
         return "presence and frequency penalties count output tokens only"
     return None
+
+
+def one_sample(job: Job, index: int) -> Job:
+    """Sample `index` of `job` (n > 1) as a request of its own: n == 1, its seeded draws
+    keyed as that sample's (SamplingParams.sample_index), its own worker request ids."""
+    options = pb.SamplingOptions()
+    options.CopyFrom(job.options)
+    options.n = 1
+    options.sample_index = index
+    return replace(job, worker_request_id=f"{job.worker_request_id}-s{index}",
+                   params=replace(job.params, n=1, sample_index=index), options=options)
 
 
 def continuation(job: Job, sent: list[int], block_size: int) -> Job:
@@ -108,8 +153,7 @@ def rebase(message: pb.DecodeResponse, original: Job, progress: Progress) -> Non
     if not message.finished:
         return
     for result in message.results:
-        if result.index == 0:
-            result.cumulative_logprob += progress.logprob_sum
+        result.cumulative_logprob += progress.sample(result.index).logprob_sum
     message.num_cached_tokens = min(message.num_cached_tokens, len(original.prompt))
     if len(message.prompt_logprobs) > len(original.prompt):
         del message.prompt_logprobs[len(original.prompt):]

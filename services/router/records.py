@@ -43,6 +43,7 @@ class Sampling:
     beam_width: int | None = None  # > 1: beam search
     length_penalty: float | None = None
     early_stopping: str | None = None  # "true" | "false" | "never"
+    sample_index: int | None = None  # n == 1: draw as sample i of a request with n > 1 (seeded)
 
 
 @dataclass(frozen=True)

@@ -271,6 +271,26 @@ def test_seeded_request_samples_the_same_alone_or_batched(model_dir):
     llm.check_integrity()
 
 
+def test_a_sample_of_n_continued_alone_draws_what_it_drew_among_its_siblings(model_dir):
+    """Stream migration of n > 1 (services/router/migration.py): sample i, continued as
+    an n == 1 request with sample_index i from the prompt plus its own first tokens,
+    samples the rest of what it sampled beside its siblings."""
+    llm = LLM(model=model_dir)
+    prompt = [7, 8, 9, 10, 11]
+    together = llm.generate([prompt], SamplingParams(max_tokens=20, temperature=1.2, seed=5, n=3,
+                                                     ignore_eos=True))[0].outputs
+    assert len({tuple(o.token_ids) for o in together}) == 3  # the samples differ
+    for i, sample in enumerate(together):
+        k = 3 + 2 * i
+        alone = llm.generate([prompt + list(sample.token_ids[:k])],
+                             SamplingParams(max_tokens=20 - k, temperature=1.2, seed=5, sample_index=i,
+                                            ignore_eos=True))[0].outputs[0]
+        assert list(sample.token_ids[:k]) + list(alone.token_ids) == list(sample.token_ids), i
+    with pytest.raises(ValueError, match="sample_index"):
+        SamplingParams(n=2, sample_index=1)
+    llm.check_integrity()
+
+
 # -- 7. a request's prefix-cache lookup counts once ----------------------------------------------
 
 

@@ -1,6 +1,6 @@
 """Stream migration's arithmetic (services/router/migration.py): the continuation of
 a request after k tokens reached the client, what it reports, and what cannot migrate.
-The cluster test (tests/cluster/test_migration.py) kills real workers."""
+The cluster test (tests/cluster/test_cluster_migration.py) kills real workers."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pdserve.engine.hashing import hash_blocks
 from pdserve.engine.sampler import position_key
 from pdserve.services.common.convert import params_from_options
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
-from pdserve.services.router.migration import Progress, continuation, rebase, unmigratable
+from pdserve.services.router.migration import Progress, Sample, continuation, one_sample, rebase, unmigratable
 from pdserve.services.router.records import Request, Sampling
 from pdserve.services.router.validate import Limits, Validator
 
@@ -67,7 +67,6 @@ def test_a_seeded_continuation_draws_the_uniforms_of_the_uninterrupted_run():
 
 @pytest.mark.parametrize("sampling, why", [
     (dict(beam_width=2, max_tokens=8), "beam search"),
-    (dict(n=2, temperature=1.0), "n > 1"),
     (dict(presence_penalty=0.5), "presence and frequency"),
     (dict(frequency_penalty=0.5), "presence and frequency"),
 ])
@@ -78,26 +77,42 @@ def test_what_cannot_migrate_says_why(sampling, why):
 def test_what_can_migrate():
     assert unmigratable(job(temperature=0.0)) is None
     assert unmigratable(job(seed=1, repetition_penalty=1.3, stop_token_ids=(7,), logprobs=2, prompt_logprobs=1)) is None
+    assert unmigratable(job(n=3, temperature=1.0, seed=5)) is None
+
+
+def test_a_sample_of_n_continues_as_a_request_of_its_own_drawing_as_that_sample():
+    """n > 1 migrates sample by sample: sample i of the request becomes an n == 1
+    request whose seeded draws are keyed as sample i's (SamplingParams.sample_index)."""
+    original = job(n=3, max_tokens=20, temperature=1.0, seed=11)
+    one = one_sample(original, 2)
+    assert (one.params.n, one.params.sample_index, one.options.n, one.options.sample_index) == (1, 2, 1, 2)
+    assert params_from_options(one.options, "s") == one.params  # the worker reads what the router holds
+    assert one.worker_request_id == f"{original.worker_request_id}-s2" and one.request_id == original.request_id
+    cont = continuation(one, [4, 5], BLOCK)
+    assert cont.options.sample_index == 2 and cont.params.max_tokens == 18 and cont.prompt == PROMPT + (4, 5)
 
 
 def test_progress_counts_what_the_client_has_and_sees_an_ended_sequence():
-    progress = Progress()
+    progress = Progress(n=2)
     progress.record(delta([1, 2], [-0.5, -0.25]), max_tokens=5)
     progress.record(pb.DecodeResponse(deltas=[pb.SequenceDelta(index=1, token_ids=[9])]), max_tokens=5)
-    assert progress.token_ids == [1, 2] and progress.logprob_sum == -0.75 and progress.finish_reason is None
+    assert progress.token_ids == [1, 2] and progress.sample(0).logprob_sum == -0.75
+    assert progress.sample(1).token_ids == [9] and progress.sent == 3 and progress.unfinished() == [0, 1]
     progress.record(delta([3], finish="stop"), max_tokens=5)
-    assert progress.finish_reason == "stop"
+    assert progress.sample(0).finish_reason == "stop" and progress.unfinished() == [1] and not progress.done
+    progress.record(pb.DecodeResponse(deltas=[pb.SequenceDelta(index=1, token_ids=[8, 7, 6, 5])]), max_tokens=5)
+    assert progress.done  # sequence 1 reached max_tokens: only the final message is missing
     final = progress.final_message()
-    assert final.finished and final.results[0].finish_reason == "stop"
+    assert final.finished and [(r.index, r.finish_reason) for r in final.results] == [(0, "stop"), (1, "length")]
     assert final.results[0].cumulative_logprob == -0.75
     full = Progress()
     full.record(delta([1, 2, 3]), max_tokens=3)
-    assert full.finish_reason == "length"
+    assert full.sample(0).finish_reason == "length"
 
 
 def test_rebase_makes_the_final_message_the_uninterrupted_runs():
     original = job(max_tokens=50, prompt_logprobs=1, logprobs=1)
-    progress = Progress(token_ids=[1, 2, 3], logprob_sum=-1.5, migrations=1)
+    progress = Progress(samples={0: Sample(token_ids=[1, 2, 3], logprob_sum=-1.5)}, migrations=1)
     running = delta([4], [-0.1])
     rebase(running, original, progress)
     assert running == delta([4], [-0.1])  # only the final message changes
