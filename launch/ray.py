@@ -1,13 +1,19 @@
-"""Start a cluster on Ray: the router as the launcher's child process, every worker a
-Ray actor placed by custom resources.
+"""Start a cluster on Ray: the routers as the launcher's child processes, every worker
+a Ray actor placed by custom resources.
 
-    pdserve up --launcher ray [--address auto|HOST:PORT] [--prefill N --decode M] [flags]
+    pdserve up --launcher ray [--address auto|HOST:PORT] [--prefill N --decode M] [--routers R] [flags]
 
-    launcher (Ray driver) ---- router (child process, as with --launcher local)
+    launcher (Ray driver) ---- router(s) (child processes, as with --launcher local)
         |                          ^ Register / Heartbeat (same as `pdserve decode`)
         +-- placement group (STRICT_PACK) --> WorkerActor --+
               bundle 0: CPU, GPU?, pdserve_prefill|decode     Worker(config): engine,
               bundles 1..g-1: one GPU each (for TP)           gRPC server, KV connector
+
+Routers (`--routers R`): Cluster's, as with --launcher local: R router processes, each
+on its own ports, one `ready <public> internal <registry>` line each; every actor is
+handed all R Registries (`--router A,B`, reachable from other nodes when the routers
+listen on every interface: this node's address) and registers with each, a
+restarted actor again.
 
 An actor runs the very service `pdserve prefill|decode|mixed` runs: it receives the
 command line that `pdserve ROLE` would get (`to_argv` of the config the launcher

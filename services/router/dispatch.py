@@ -142,11 +142,11 @@ class Dispatcher:
 
     def _serve(
         self, job: Job, progress: Progress, deadline: Deadline, cancel: Cancellation,
-        note_cached: Callable[[int], None],
+        note_cached: Callable[[int], None], failed: tuple[WorkerHandle, ...] = (),
     ) -> Iterator[pb.DecodeResponse]:
         """`run`, from `progress`: with migrations, what reached the client of a
-        continued sample (n == 1) before this serve began."""
-        tried: list[WorkerHandle] = []  # every decode worker tried (never asked again)
+        continued sample (n == 1) before this serve began, on a worker not `failed`."""
+        tried: list[WorkerHandle] = list(failed)  # every decode worker tried (never asked again)
         attempts = 0  # of the current run (the request, or its latest continuation)
         failures: list[str] = []
         busy = 0  # attempts refused for want of capacity
@@ -183,10 +183,10 @@ class Dispatcher:
                     raise WorkerFailed(f"worker {decode.worker_id} dropped ({e})") from None
             except WorkerFailed as e:
                 self.registry.probe_soon()
-                if attempt.produced or progress.sent:
-                    if progress.done and unmigratable(job) is None:  # only the final message was lost
-                        yield progress.final_message()
-                        return
+                if progress.sent and progress.done and unmigratable(job) is None:  # only the final message was lost
+                    yield progress.final_message()
+                    return
+                if attempt.produced:  # (a continuation whose worker failed before a token is retried below)
                     self._migrate(job, progress, decode, e, deadline)
                     if job.params.n > 1:  # its sequences go on as requests of their own (below)
                         fan_out = True
@@ -203,7 +203,7 @@ class Dispatcher:
             finally:
                 self.registry.release(decode)
         if fan_out:
-            yield from self._fan_out(job, progress, deadline, cancel, note_cached)
+            yield from self._fan_out(job, progress, deadline, cancel, note_cached, tuple(tried))
             return
         if cancel.cancelled:
             raise ServeError(Status.CANCELLED, GONE)
@@ -235,14 +235,14 @@ class Dispatcher:
         if why is not None:
             log.warning("request %s: %s; failing it (not migrated: %s)", job.request_id, failed, why)
             raise ServeError(Status.UNAVAILABLE, f"{failed}; not migrated: {why}") from None
-        progress.migrations += 1
+        progress.migrated()
         self.metrics.migration("dropped" if decode.dropped else "stream_broken")
         log.warning("request %s: %s; migrating it (%d of at most %d)", job.request_id, failed,
                     progress.migrations, self.config.max_migrations)
 
     def _fan_out(
         self, job: Job, progress: Progress, deadline: Deadline, cancel: Cancellation,
-        note_cached: Callable[[int], None],
+        note_cached: Callable[[int], None], failed: tuple[WorkerHandle, ...],
     ) -> Iterator[pb.DecodeResponse]:
         """Continue each sequence of an n > 1 request that had not ended as a request
         of its own (`one_sample`), all at once, each on its own thread with its own
@@ -258,7 +258,7 @@ class Dispatcher:
         for index in unfinished:
             sample = Progress(samples={0: replace(progress.sample(index), token_ids=list(progress.sample(index).token_ids))},
                               migrations=progress.migrations)
-            serve = self._serve(one_sample(job, index), sample, deadline, inner, note_cached)
+            serve = self._serve(one_sample(job, index), sample, deadline, inner, note_cached, failed)
             threads.append(threading.Thread(target=_pump, args=(index, serve, merged), daemon=True,
                                             name=f"{job.worker_request_id}-s{index}"))
         for thread in threads:

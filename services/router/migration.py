@@ -54,6 +54,9 @@ class Sample:
     token_ids: list[int] = field(default_factory=list)
     logprob_sum: float = 0.0  # of the tokens sent, when logprobs were asked (else 0)
     finish_reason: str | None = None  # it ended (its delta said so) before the final message
+    # logprob_sum at the latest migration: what the worker serving the continuation
+    # does not count in its cumulative logprob (it counts from its own first token)
+    logprob_base: float = 0.0
 
 
 @dataclass
@@ -82,6 +85,12 @@ class Progress:
     def done(self) -> bool:
         """Every sequence ended: only the final message is missing."""
         return all(self.sample(i).finish_reason is not None for i in range(self.n))
+
+    def migrated(self) -> None:
+        """A migration: from here on, workers count logprobs after what was sent."""
+        self.migrations += 1
+        for sample in self.samples.values():
+            sample.logprob_base = sample.logprob_sum
 
     def unfinished(self) -> list[int]:
         return [i for i in range(self.n) if self.sample(i).finish_reason is None]
@@ -153,7 +162,7 @@ def rebase(message: pb.DecodeResponse, original: Job, progress: Progress) -> Non
     if not message.finished:
         return
     for result in message.results:
-        result.cumulative_logprob += progress.sample(result.index).logprob_sum
+        result.cumulative_logprob += progress.sample(result.index).logprob_base
     message.num_cached_tokens = min(message.num_cached_tokens, len(original.prompt))
     if len(message.prompt_logprobs) > len(original.prompt):
         del message.prompt_logprobs[len(original.prompt):]

@@ -102,12 +102,15 @@ class WorkerRegistry:
 
         The same process registering again (same address and pid: a worker that
         re-joins every router it lost touch with) keeps its handle: replacing it would
-        close the channel, and with it the calls in flight."""
+        close the channel, and with it the calls in flight. It is no longer draining."""
         self._check_compatible(info)
         with self._lock:
             same = self._workers.get(info.worker_id)
             if same is not None and not same.dropped and same.info == info:
                 same.last_seen = time.monotonic()
+                if same.draining:  # it left, and registers again: it serves again (a worker
+                    same.draining = False  # that left never registers again on its own)
+                    log.info("worker %s serves again", info.worker_id)
                 return
         channel = self.auth.channel(info.address)
         stub = pb_grpc.WorkerStub(channel)

@@ -10,11 +10,14 @@ address on loopback) and with token authentication, as clusters started by
 `ray start` have it; the launcher finds the token the way a user's would
 (RAY_AUTH_TOKEN_PATH) and joins with `--address auto`.
 
-In order, on one launcher: 1P+1D placed by resource (state API) and greedy-equal to
-transformers through the router; `pdserve scale` to 2P+1D, same checks; a decode
-actor's process SIGKILLed (its stream fails UNAVAILABLE, Ray restarts it, it
-re-registers, requests succeed again); decode scaled 2 -> 1 under load (the drained
-worker finishes its streams); SIGTERM stops exactly what the launcher started.
+In order, on one launcher with two routers (`--routers 2`, issue 21): 1P+1D placed
+by resource (state API) and greedy-equal to transformers through the router; the
+second router: its own `ready` line and ports, every worker registered with it too,
+it serves the same tokens; `pdserve scale` to 2P+1D, same checks (the new worker
+registers with both routers); a decode actor's process SIGKILLed (its stream
+migrates onto the actor Ray restarts, which registers with both routers again);
+decode scaled 2 -> 1 under load (the drained worker finishes its streams); SIGTERM
+stops exactly what the launcher started (both routers included).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import grpc
 import pytest
 import torch
 
-from cluster_helpers import REPO, Stream, UpProcess, child_env, pid_alive, wait_for
+from cluster_helpers import REPO, Stream, UpProcess, child_env, list_workers, pid_alive, wait_for
 from hf_models import hf_greedy
 from pdserve.engine.llm import DEFAULT_MODEL
 from pdserve.engine.tokenizer import Tokenizer
@@ -112,10 +115,15 @@ def up(ray_cluster, tmp_path_factory):
     env = child_env()
     env.pop("RAY_AUTH_MODE")  # as a user's shell: only the token is there (Ray turns the mode on for `auto`)
     launcher = UpProcess(
-        ["--launcher", "ray", "--address", "auto", "--prefill", "1", "--decode", "1", "--num-blocks", "256",
-         "--drain-grace", "60"],
+        ["--launcher", "ray", "--address", "auto", "--routers", "2", "--prefill", "1", "--decode", "1",
+         "--num-blocks", "256", "--drain-grace", "60"],
         tmp_path_factory.mktemp("ray-up") / "up.log", env=env,
     )
+    try:
+        _, launcher.second_address, _, launcher.second_internal = launcher._expect("ready", 60).split()
+    except BaseException:
+        launcher.stop()
+        raise
     yield launcher
     launcher.stop()
 
@@ -165,6 +173,13 @@ def assert_greedy_matches_transformers(router: str, reference, max_tokens: int =
                                                                 ignore_eos=True)), prompts))
     for prompt, result in zip(prompts, got):
         assert list(result[0].token_ids) == hf_greedy(model, prompt, max_tokens, eos=False)
+
+
+def registered_with_both(up: UpProcess) -> list[tuple[str, int]]:
+    """The workers (id, pid) the first router lists, once the second lists the same."""
+    first = sorted((w.worker_id, w.pid) for w in up.list_workers())
+    second = sorted((w.worker_id, w.pid) for w in list_workers(up.second_internal, up.auth))
+    return first if first == second else []
 
 
 def kv_transfers(up: UpProcess, role: int) -> int:
@@ -314,6 +329,24 @@ def test_one_prefill_and_one_decode_worker_on_their_nodes(up, ray_cluster, refer
     assert kv_transfers(up, pb.ROLE_PREFILL) > before  # the long prompts crossed from P to D
 
 
+def test_a_second_router_has_its_own_ports_and_every_worker_and_serves(up, reference):
+    """`--routers 2`: two `ready` lines, each router on its own public and Registry
+    ports; each actor was handed both Registries (--router A,B) and registered with
+    each; both routers serve (the greedy tokens transformers gives)."""
+    assert up.stdout_lines == [f"ready {up.address} internal {up.internal}",
+                               f"ready {up.second_address} internal {up.second_internal}"]
+    assert len({up.address, up.second_address, up.internal, up.second_internal}) == 4
+    workers = wait_for(lambda: registered_with_both(up), 30, "both routers to list the same workers")
+    assert sorted(w for w, _ in workers) == ["decode-0", "prefill-0"]
+    model, tokenizer = reference
+    prompt = tokenizer.encode(TEXTS[0])
+    want = hf_greedy(model, prompt, 8, eos=False)
+    for address in (up.address, up.second_address):
+        with Client(address, timeout=120) as client:
+            result = collect(client.generate(prompt, max_tokens=8, temperature=0.0, ignore_eos=True))
+        assert list(result[0].token_ids) == want, address
+
+
 def test_scale_to_two_prefill_workers(up, ray_cluster, reference):
     _, nodes = ray_cluster
     began = time.monotonic()
@@ -326,6 +359,7 @@ def test_scale_to_two_prefill_workers(up, ray_cluster, reference):
     print(f"scale-up: `pdserve scale` answered in {took_target - began:.1f}s, the new prefill worker joined "
           f"{time.monotonic() - took_target:.1f}s later")
     assert_placed(up, nodes, prefill=2, decode=1)
+    assert len(wait_for(lambda: registered_with_both(up), 30, "the second router to list the new worker")) == 3
     assert_greedy_matches_transformers(up.address, reference)
 
 
@@ -350,6 +384,8 @@ def test_a_killed_decode_actor_is_restarted_and_serves_again(up, reference):
 
         reborn = wait_for(back, 30, "Ray to restart the decode actor and it to register again")
         back_after = time.monotonic() - killed_at
+        wait_for(lambda: (victim.worker_id, reborn.pid) in registered_with_both(up), 30,
+                 "the restarted decode actor to register with the second router too")
         stream.join(120)
         assert stream.error is None, stream.error
         assert stream.tokens == want
@@ -397,11 +433,13 @@ def test_sigterm_stops_what_the_launcher_started_and_nothing_else(up, ray_cluste
 
     ours = [a.actor_id for a in actors()]
     assert len(ours) == 3  # 2 prefill + 1 decode
-    (router_pid,) = up.children()  # the actors are Ray's processes, not the launcher's children
+    router_pids = up.children()  # the actors are Ray's processes, not the launcher's children
+    assert len(router_pids) == 2  # the two routers
     assert up.stop() == 0
-    assert up.stdout_lines == [f"ready {up.address} internal {up.internal}"]
+    assert up.stdout_lines == [f"ready {up.address} internal {up.internal}",
+                               f"ready {up.second_address} internal {up.second_internal}"]
     wait_for(lambda: not actors(), 15, "the launcher's actors to be gone")
-    assert not pid_alive(router_pid)
+    assert not any(pid_alive(pid) for pid in router_pids)
     assert not [g for g in list_placement_groups(detail=True, limit=1000) if g.state != "REMOVED"]
     assert sum(node["Alive"] for node in ray.nodes()) == 3  # the cluster itself is untouched
 

@@ -112,17 +112,20 @@ def test_progress_counts_what_the_client_has_and_sees_an_ended_sequence():
 
 def test_rebase_makes_the_final_message_the_uninterrupted_runs():
     original = job(max_tokens=50, prompt_logprobs=1, logprobs=1)
-    progress = Progress(samples={0: Sample(token_ids=[1, 2, 3], logprob_sum=-1.5)}, migrations=1)
+    progress = Progress(samples={0: Sample(token_ids=[1, 2, 3], logprob_sum=-1.5)})
+    progress.migrated()
     running = delta([4], [-0.1])
     rebase(running, original, progress)
     assert running == delta([4], [-0.1])  # only the final message changes
+    progress.record(running, max_tokens=50)  # the continuation's tokens reach the client too
+    assert progress.sample(0).logprob_sum == pytest.approx(-1.6) and progress.sample(0).logprob_base == -1.5
     final = pb.DecodeResponse(
         finished=True, results=[pb.SequenceResult(index=0, finish_reason="length", cumulative_logprob=-2.0)],
         num_cached_tokens=len(PROMPT) + 3,
         prompt_logprobs=[pb.PromptTokenLogprob() for _ in range(len(PROMPT) + 3)],
     )
     rebase(final, original, progress)
-    assert final.results[0].cumulative_logprob == -3.5
+    assert final.results[0].cumulative_logprob == -3.5  # the new worker's -2.0 plus the -1.5 sent before it
     assert final.num_cached_tokens == len(PROMPT)
     assert len(final.prompt_logprobs) == len(PROMPT)
 
