@@ -67,6 +67,7 @@ class DecodeStream:
                 if seq is None:
                     seq = deltas[d.index] = message.deltas.add(index=d.index)
                 seq.token_ids.append(d.token_id)
+                seq.token_logprobs.append(d.logprob if d.logprob is not None else 0.0)
                 logprob = delta_logprob(d)
                 if logprob is not None:
                     seq.logprobs.append(logprob)

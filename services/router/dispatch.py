@@ -367,7 +367,8 @@ class Dispatcher:
             if first is not None:
                 logprobs = [first] if job.params.logprobs is not None else []
                 attempt.produced = True
-                yield pb.DecodeResponse(deltas=[pb.SequenceDelta(index=0, token_ids=[first.token_id], logprobs=logprobs)])
+                yield pb.DecodeResponse(deltas=[pb.SequenceDelta(index=0, token_ids=[first.token_id], logprobs=logprobs,
+                                                                 token_logprobs=[first.logprob])])
             # A prefill worker that dies now may have left its last frames unsent: D
             # would wait out the reservation. Abort it instead (if D has sent nothing).
             unwatch = self.registry.watch(prefill, lambda: self._abandon(decode, rid, attempt))
@@ -556,6 +557,8 @@ def _drop_first_token(message: pb.DecodeResponse) -> bool:
         if delta.index == 0 and delta.token_ids:
             if len(delta.logprobs) == len(delta.token_ids):
                 del delta.logprobs[0]
+            if len(delta.token_logprobs) == len(delta.token_ids):
+                del delta.token_logprobs[0]
             del delta.token_ids[0]
             return True
     return False

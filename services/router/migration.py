@@ -52,7 +52,7 @@ class Sample:
     """What of one sequence reached the client."""
 
     token_ids: list[int] = field(default_factory=list)
-    logprob_sum: float = 0.0  # of the tokens sent, when logprobs were asked (else 0)
+    logprob_sum: float = 0.0  # of the tokens sent (their deltas' token_logprobs)
     finish_reason: str | None = None  # it ended (its delta said so) before the final message
     # logprob_sum at the latest migration: what the worker serving the continuation
     # does not count in its cumulative logprob (it counts from its own first token)
@@ -100,7 +100,7 @@ class Progress:
         for delta in message.deltas:
             sample = self.sample(delta.index)
             sample.token_ids.extend(delta.token_ids)
-            sample.logprob_sum += sum(e.logprob for e in delta.logprobs)
+            sample.logprob_sum += sum(delta.token_logprobs) if delta.token_logprobs else sum(e.logprob for e in delta.logprobs)
             if delta.finish_reason:
                 sample.finish_reason = delta.finish_reason
             if sample.finish_reason is None and len(sample.token_ids) >= max_tokens:
@@ -191,6 +191,7 @@ class StopWatch:
                     return False  # the worker ended there too
                 del delta.token_ids[i + 1:]
                 del delta.logprobs[i + 1:]
+                del delta.token_logprobs[i + 1:]
                 delta.finish_reason = "stop"
                 message.finished = False
                 del message.results[:]

@@ -243,16 +243,18 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., local_prefill: _Optional[bool] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., cache_salt: _Optional[str] = ..., first_token: _Optional[int] = ...) -> None: ...
 
 class SequenceDelta(_message.Message):
-    __slots__ = ("index", "token_ids", "logprobs", "finish_reason")
+    __slots__ = ("index", "token_ids", "logprobs", "finish_reason", "token_logprobs")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     finish_reason: str
-    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ...) -> None: ...
+    token_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., token_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class SequenceResult(_message.Message):
     __slots__ = ("index", "token_ids", "finish_reason", "cumulative_logprob")
