@@ -146,6 +146,12 @@ def _uniform(key: int) -> float:
     return ((z >> 11) + 0.5) * 2.0**-53
 
 
+def _generated(request: Request) -> list[int]:
+    """What presence and frequency penalties count: the output, and the prompt's last
+    `resumed_tokens` (a migrated sequence's own output, sent before the cut)."""
+    return request.token_ids[request.num_prompt_tokens - request.sampling_params.resumed_tokens:]
+
+
 def apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
     """Repetition penalty (HF: over prompt and output, divide positive logits, multiply
     negative ones) and presence / frequency penalties (OpenAI: over output), for the
@@ -161,7 +167,7 @@ def apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> torch.
         seen = _token_counts([requests[i].token_ids for i in rows], vocab, device) > 0
         rep = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
         x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
-        counts = _token_counts([requests[i].output_token_ids for i in rows], vocab, device)
+        counts = _token_counts([_generated(requests[i]) for i in rows], vocab, device)
         freq = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
         presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
         return x - freq * counts - presence * (counts > 0)

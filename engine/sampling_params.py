@@ -33,7 +33,7 @@ MAX_LENGTH_PENALTY = 16.0
 FLOAT_FIELDS = (
     "temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "length_penalty",
 )
-INT_FIELDS = ("max_tokens", "min_tokens", "top_k", "n", "beam_width", "sample_index")
+INT_FIELDS = ("max_tokens", "min_tokens", "top_k", "n", "beam_width", "sample_index", "resumed_tokens")
 # Fields beam search cannot honour, with the value that leaves them off.
 BEAM_REFUSED = (
     ("stop", ()), ("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("logprobs", None),
@@ -69,6 +69,10 @@ class SamplingParams:
     # or n == 1): its seeded draws are keyed as that sample's (engine/sampler.py). The
     # router's continuation of sample i after a stream migration sets it to i.
     sample_index: int = 0
+    # The prompt's last `resumed_tokens` tokens are this sequence's own output from
+    # before (a stream migration's continuation): presence and frequency penalties,
+    # which count output only, count them too.
+    resumed_tokens: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -105,6 +109,7 @@ class SamplingParams:
         check_field(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]", self.frequency_penalty)
         check_field(self.n >= 1, "n", "must be >= 1", self.n)
         check_field(self.beam_width >= 1, "beam_width", "must be >= 1", self.beam_width)
+        check_field(0 <= self.resumed_tokens < 1 << 31, "resumed_tokens", "must be in [0, 2**31)", self.resumed_tokens)
         check_field(0 <= self.sample_index < 1 << 31, "sample_index", "must be in [0, 2**31)", self.sample_index)
         check_field(self.sample_index == 0 or (self.n == 1 and self.beam_width == 1), "sample_index",
                     "only with n == 1 and no beam search (it names one sample of a larger request)", self.sample_index)

@@ -72,6 +72,8 @@ def validate_prompt(
                 f"{max_model_len}", len(prompt))
     bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
     check_field(bad is None, ids_field, f"token outside the vocabulary [0, {vocab_size})", bad)
+    check_field(params.resumed_tokens < len(prompt), "resumed_tokens",
+                f"must be below the prompt's length ({len(prompt)} tokens)", params.resumed_tokens)
     if len(prompt) + params.max_tokens > max_model_len:
         raise ValueError(
             f"max_tokens: prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) "

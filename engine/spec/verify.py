@@ -78,6 +78,10 @@ class SequenceAt:
         return self.request.token_ids + self.request.spec_token_ids[: self.num_drafts]
 
     @property
+    def num_prompt_tokens(self) -> int:
+        return self.request.num_prompt_tokens
+
+    @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.request.num_prompt_tokens :]
 

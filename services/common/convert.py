@@ -15,7 +15,7 @@ if TYPE_CHECKING:  # the engine (torch) is the workers'; the router imports this
 _SCALARS = (
     "max_tokens", "min_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
     "presence_penalty", "frequency_penalty", "seed", "ignore_eos", "logprobs", "prompt_logprobs",
-    "n", "beam_width", "length_penalty", "sample_index",
+    "n", "beam_width", "length_penalty", "sample_index", "resumed_tokens",
 )
 _EARLY_STOPPING = {"true": True, "false": False, "never": "never"}
 

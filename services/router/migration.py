@@ -21,11 +21,13 @@ ended continues as a request of its own (`one_sample`: n == 1, prompt P + its ow
 S, `sample_index` i so its seeded draws are sample i's), all at once, their
 streams merged back under their indices (dispatch.py).
 
-What cannot migrate (it fails as before, UNAVAILABLE naming the reason):
-beam search (its beams are not one sequence; but beams stream nothing before the
-end, so a beam search whose worker died is retried from the start, not migrated),
-presence and frequency penalties (they count output tokens only, and S would
-become prompt), and a request past its deadline.
+Presence and frequency penalties count output tokens only: the continuation says
+that its prompt's last k tokens are output (`resumed_tokens`), and they count them.
+
+What cannot migrate (it fails as before, UNAVAILABLE naming the reason): beam
+search (its beams are not one sequence; but beams stream nothing before the end,
+so a beam search whose worker died is retried from the start, not migrated), and
+a request past its deadline or past --max-migrations.
 
 Stop strings: the new worker's text starts after its prompt, so it cannot see a
 stop string that began in the tokens sent before. `StopWatch` runs the engine's
@@ -118,8 +120,6 @@ def unmigratable(job: Job) -> str | None:
     params = job.params
     if params.use_beam_search:
         return "beam search cannot be resumed from one sequence"
-    if params.presence_penalty or params.frequency_penalty:
-        return "presence and frequency penalties count output tokens only"
     return None
 
 
@@ -149,8 +149,9 @@ def continuation(job: Job, sent: list[int], block_size: int) -> Job:
     options.CopyFrom(job.options)
     options.max_tokens = max_tokens
     options.min_tokens = min_tokens
+    options.resumed_tokens = k
     return replace(
-        job, prompt=prompt, params=replace(params, max_tokens=max_tokens, min_tokens=min_tokens),
+        job, prompt=prompt, params=replace(params, max_tokens=max_tokens, min_tokens=min_tokens, resumed_tokens=k),
         options=options, block_hashes=tuple(hash_blocks(prompt, block_size, cache_salt=params.cache_salt)),
     )
 

@@ -44,6 +44,7 @@ class Sampling:
     length_penalty: float | None = None
     early_stopping: str | None = None  # "true" | "false" | "never"
     sample_index: int | None = None  # n == 1: draw as sample i of a request with n > 1 (seeded)
+    resumed_tokens: int | None = None  # the prompt's last N tokens are the sequence's own output
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ A router (in this process, to read its metrics) and two mixed workers (processes
     the uninterrupted run's, token for token, none twice, none missing;
   - seeded sampling: the same, the continuation drawing what the dead worker would have;
   - n = 3 seeded samples: each continues as a request of its own, each token-exact;
+  - presence and frequency penalties: the continuation counts the sent tokens as output;
   - logprobs: each token's logprob and top-k are the uninterrupted run's (fp32,
     within 1e-4), and so is the final cumulative logprob;
   - a stop string whose text begins in the tokens sent before the kill and ends
@@ -220,6 +221,14 @@ def test_a_seeded_stream_continues_with_what_the_dead_worker_would_have_sampled(
     run = stream_and_kill(cluster, after=16, **sampling)
     assert run.error is None, run.error
     assert run.tokens == reference(llm, **sampling)
+    cluster.wait_all_blocks_free()
+
+
+def test_presence_and_frequency_penalties_count_the_sent_tokens_as_output_after_the_cut(cluster, llm):
+    sampling = dict(temperature=0.8, seed=77, presence_penalty=1.0, frequency_penalty=0.5)
+    run = stream_and_kill(cluster, after=16, max_tokens=SHORT, **sampling)
+    assert run.error is None, run.error
+    assert run.tokens == reference(llm, SHORT, **sampling)
     cluster.wait_all_blocks_free()
 
 

@@ -291,6 +291,28 @@ def test_a_sample_of_n_continued_alone_draws_what_it_drew_among_its_siblings(mod
     llm.check_integrity()
 
 
+def test_a_resumed_sequence_is_penalised_for_its_earlier_output_as_before(model_dir):
+    """Presence and frequency penalties count output only: a continuation from the
+    prompt plus the first k output tokens, with resumed_tokens k, counts those k as
+    output and goes on as the uninterrupted run (greedy and seeded)."""
+    llm = LLM(model=model_dir)
+    prompt = [7, 8, 9, 10, 11, 7, 8]
+    mattered = False
+    for sampling in (dict(temperature=0.0), dict(temperature=1.1, seed=9)):
+        penalties = dict(presence_penalty=2.0, frequency_penalty=1.0, ignore_eos=True)
+        whole = llm.generate([prompt], SamplingParams(max_tokens=24, **penalties, **sampling))[0].outputs[0].token_ids
+        for k in (3, 6, 9, 12):
+            params = SamplingParams(max_tokens=24 - k, resumed_tokens=k, **penalties, **sampling)
+            rest = llm.generate([prompt + list(whole[:k])], params)[0].outputs[0].token_ids
+            assert list(whole[:k]) + list(rest) == list(whole), (sampling, k)
+            unmarked = SamplingParams(max_tokens=24 - k, **penalties, **sampling)
+            mattered |= llm.generate([prompt + list(whole[:k])], unmarked)[0].outputs[0].token_ids != rest
+    assert mattered  # without resumed_tokens some continuation differs
+    with pytest.raises(ValueError, match="resumed_tokens"):
+        llm.generate([prompt], SamplingParams(resumed_tokens=len(prompt)))
+    llm.check_integrity()
+
+
 # -- 7. a request's prefix-cache lookup counts once ----------------------------------------------
 
 

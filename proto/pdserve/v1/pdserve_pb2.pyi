@@ -25,7 +25,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SamplingOptions(_message.Message):
-    __slots__ = ("max_tokens", "min_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs", "n", "beam_width", "length_penalty", "early_stopping", "sample_index")
+    __slots__ = ("max_tokens", "min_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs", "n", "beam_width", "length_penalty", "early_stopping", "sample_index", "resumed_tokens")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,7 @@ class SamplingOptions(_message.Message):
     LENGTH_PENALTY_FIELD_NUMBER: _ClassVar[int]
     EARLY_STOPPING_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     min_tokens: int
     temperature: float
@@ -66,7 +67,8 @@ class SamplingOptions(_message.Message):
     length_penalty: float
     early_stopping: str
     sample_index: int
-    def __init__(self, max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., n: _Optional[int] = ..., beam_width: _Optional[int] = ..., length_penalty: _Optional[float] = ..., early_stopping: _Optional[str] = ..., sample_index: _Optional[int] = ...) -> None: ...
+    resumed_tokens: int
+    def __init__(self, max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., n: _Optional[int] = ..., beam_width: _Optional[int] = ..., length_penalty: _Optional[float] = ..., early_stopping: _Optional[str] = ..., sample_index: _Optional[int] = ..., resumed_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "model", "text", "token_ids", "sampling", "cache_salt")

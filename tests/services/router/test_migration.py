@@ -33,8 +33,8 @@ def test_the_continuation_prompts_with_what_was_sent_and_asks_for_the_rest():
     sent = [1, 2, 3, 4]
     cont = continuation(original, sent, BLOCK)
     assert cont.prompt == PROMPT + (1, 2, 3, 4)
-    assert (cont.params.max_tokens, cont.params.min_tokens) == (46, 6)
-    assert (cont.options.max_tokens, cont.options.min_tokens) == (46, 6)
+    assert (cont.params.max_tokens, cont.params.min_tokens, cont.params.resumed_tokens) == (46, 6, 4)
+    assert (cont.options.max_tokens, cont.options.min_tokens, cont.options.resumed_tokens) == (46, 6, 4)
     # What the worker parses from the options is what the router holds.
     assert params_from_options(cont.options, "s") == cont.params
     # Everything else as asked: the seed, the temperature, the salt, the request id.
@@ -67,8 +67,6 @@ def test_a_seeded_continuation_draws_the_uniforms_of_the_uninterrupted_run():
 
 @pytest.mark.parametrize("sampling, why", [
     (dict(beam_width=2, max_tokens=8), "beam search"),
-    (dict(presence_penalty=0.5), "presence and frequency"),
-    (dict(frequency_penalty=0.5), "presence and frequency"),
 ])
 def test_what_cannot_migrate_says_why(sampling, why):
     assert why in unmigratable(job(**sampling))
@@ -78,6 +76,7 @@ def test_what_can_migrate():
     assert unmigratable(job(temperature=0.0)) is None
     assert unmigratable(job(seed=1, repetition_penalty=1.3, stop_token_ids=(7,), logprobs=2, prompt_logprobs=1)) is None
     assert unmigratable(job(n=3, temperature=1.0, seed=5)) is None
+    assert unmigratable(job(presence_penalty=0.5, frequency_penalty=-0.3)) is None
 
 
 def test_a_sample_of_n_continues_as_a_request_of_its_own_drawing_as_that_sample():
