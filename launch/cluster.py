@@ -37,14 +37,19 @@ other routers the new target). A worker being removed first
 leaves the router's pools (no new requests) and finishes what it has within
 `--drain-grace` seconds (`Worker.Drain`).
 
-Supervision (`serve`): a child process that dies without being asked to (the router,
-a LocalCluster's worker) is started again with the same command line, after a backoff
-that doubles while it keeps dying (--restart-backoff, capped at --restart-backoff-max;
-launch/supervise.py). Each restart is logged and printed (`restarted NAME N`); the
-router keeps the ports it first bound (workers re-register by themselves, and the
-launcher tells it the pool sizes again); a worker keeps its id and registers anew.
-Workers stopped on purpose (scaled down, shutdown) are never restarted. Ray restarts
-its actors itself (`--ray-max-restarts`).
+Supervision (`serve`): a child process that exits while the launcher is not stopping
+(the router, a LocalCluster's worker), whether it died or was sent SIGTERM and drained
+(exit 0: how a rolling restart goes, one process after the other, as Kubernetes
+restarts a pod's container whatever its exit code) is started again with the same
+command line, after a backoff that doubles while it keeps dying (--restart-backoff,
+capped at --restart-backoff-max; launch/supervise.py). Each restart is logged and
+printed (`restarted NAME N`); the router keeps the ports it first bound (workers
+re-register by themselves, and the launcher tells it the pool sizes again); a worker
+keeps its id and registers anew. Workers stopped on purpose (scaled down, shutdown)
+are never restarted. Ray restarts its actors itself (`--ray-max-restarts`). A
+router's drain must outlast its longest stream (a stream it cuts had tokens: the
+client does not replay it), a worker's need not (the router migrates what it
+leaves): --router-drain-timeout sets the routers' apart from --drain-timeout.
 """
 
 from __future__ import annotations
@@ -107,6 +112,10 @@ class LaunchConfig:
     restart_backoff_max: float = flag(10.0, "longest wait before restarting a child that died")
     routers: int = flag(1, "routers (replicas serving the same workers, each on its own ports; every worker "
                            "registers with each)")
+    router_drain_timeout: float | None = flag(None, "the routers' --drain-timeout, where it should differ from the "
+                                                    "workers' (a router's drain must outlast its longest stream, a "
+                                                    "worker's need not: the router migrates what it leaves; "
+                                                    "default: --drain-timeout)")
     worker_cpus: str = flag("", "pin workers to CPUs, one CPU list per worker in start order (prefill, mixed, "
                                 "decode), separated by ';', e.g. '0;1' (cycled if shorter; '': not pinned)")
 
@@ -116,6 +125,8 @@ class LaunchConfig:
             check(getattr(self, role) >= 0, role, "must be >= 0", getattr(self, role))
         check(self.decode + self.mixed >= 1, "decode", "need at least one decode or mixed worker", self.decode)
         check(self.routers >= 1, "routers", "must be >= 1", self.routers)
+        check(self.router_drain_timeout is None or self.router_drain_timeout >= 0, "router_drain_timeout",
+              "must be >= 0", self.router_drain_timeout)
         check(self.startup_timeout > 0, "startup_timeout", "must be > 0", self.startup_timeout)
         check(self.drain_grace >= 0, "drain_grace", "must be >= 0", self.drain_grace)
         check(self.restart_backoff > 0, "restart_backoff", "must be > 0", self.restart_backoff)
@@ -134,6 +145,13 @@ class ClusterSpec:
     router: RouterConfig
     worker: WorkerConfig  # template: PER_WORKER fields are set for each worker
     launch: LaunchConfig = LaunchConfig()
+
+    @property
+    def router_drain_timeout(self) -> float:
+        """The routers' --drain-timeout: --router-drain-timeout where given, else the
+        --drain-timeout every service shares."""
+        given = self.launch.router_drain_timeout
+        return self.router.drain_timeout if given is None else given
 
 
 class StartupError(RuntimeError):
@@ -169,7 +187,8 @@ def render_router(spec: ClusterSpec, address_file: Path, credentials: LaunchCred
         value = getattr(config, name)
         if value:  # None or 0 (any free port) stays as it is
             ports[name] = value + index
-    return replace(config, address_file=str(address_file), credentials=credentials.for_router(), **ports)
+    return replace(config, address_file=str(address_file), credentials=credentials.for_router(),
+                   drain_timeout=spec.router_drain_timeout, **ports)
 
 
 def router_name(index: int) -> str:
@@ -625,7 +644,7 @@ def up(cluster: Cluster) -> int:
         if prometheus is not None:
             prometheus.stop()
         # SIGTERM drains every service (--drain-timeout): let them finish before SIGKILL
-        cluster.stop(grace=max(cluster.spec.router.drain_timeout, cluster.spec.worker.drain_timeout) + 5.0)
+        cluster.stop(grace=max(cluster.spec.router_drain_timeout, cluster.spec.worker.drain_timeout) + 5.0)
 
 
 TARGETS_REFRESH = 5.0  # seconds between re-reading the cluster's /metrics endpoints

@@ -52,6 +52,7 @@ class UpProcess:
         self.stdout_lines: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
         _, self.address, _, self.internal = self._expect("ready", timeout).split()
+        self.routers: list[tuple[str, str]] = [(self.address, self.internal)]  # (public, Registry); see read_routers
         self.openai_url: str | None = self._expect("openai", timeout).split()[1] if "--http-port" in args else None
         self.auth = ClusterAuth(ClusterCredentials(cluster_token_file=str(self.secrets / "cluster-token")))
 
@@ -66,14 +67,61 @@ class UpProcess:
         self.stdout_lines.append(line)
         return line
 
-    def list_workers(self) -> list[pb.WorkerInfo]:
-        return list_workers(self.internal, self.auth)
+    def read_routers(self, count: int, timeout: float = 60.0) -> list[tuple[str, str]]:
+        """With `--routers count`: every router's (public, Registry) address, the first
+        router's first, after reading the `ready` lines of the others (the next
+        `count - 1` lines printed: call this before any other line is expected)."""
+        while len(self.routers) < count:
+            _, public, _, internal = self._expect("ready", timeout).split()
+            self.routers.append((public, internal))
+        return list(self.routers)
+
+    def wait_line(self, line: str, timeout: float) -> None:
+        """Until the launcher has printed `line` (e.g. `restarted router 1`), keeping
+        every line printed meanwhile in `stdout_lines`."""
+        give_up = time.monotonic() + timeout
+        while line not in self.stdout_lines:
+            try:
+                self.stdout_lines.append(self.lines.get(timeout=max(0.01, give_up - time.monotonic())))
+            except queue.Empty:
+                raise AssertionError(f"pdserve up did not print {line!r} within {timeout}s (printed: "
+                                     f"{self.stdout_lines}); see {self.log_path}") from None
+
+    def router_pid(self, index: int) -> int:
+        """The pid of router `index`: the launcher's child that writes the address file
+        of its name (launch/cluster.py: router, router-1, ...)."""
+        name = f"/{'router' if index == 0 else f'router-{index}'}.address"
+        for pid in self.children():
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+            except FileNotFoundError:  # it has just exited
+                continue
+            if any(arg.endswith(name) for arg in argv):
+                return pid
+        raise AssertionError(f"no router {index} among the children of pdserve up")
+
+    def list_workers(self, registry: str | None = None) -> list[pb.WorkerInfo]:
+        """The workers registered with the first router (or with the Registry at `registry`)."""
+        return list_workers(registry or self.internal, self.auth)
 
     def stats(self, worker: str) -> pb.StatsResponse:
         return stats(worker, self.auth)
 
     def all_blocks_free(self, worker: str) -> bool:
         return all_blocks_free(worker, self.auth)
+
+    def wait_every_block_free(self, timeout: float = 30) -> None:
+        """Every registered worker has freed every block (its streams all ended)."""
+        for worker in self.list_workers():
+            wait_for(lambda: self.all_blocks_free(worker.address), timeout, f"every block free on {worker.worker_id}",
+                     step=0.5)
+
+    def stop_and_restarts(self) -> tuple[int, list[str]]:
+        """Stop the launcher: its exit code and the `restarted ...` lines it printed, sorted."""
+        code = self.stop()
+        restarted = sorted(line for line in self.stdout_lines if line.startswith("restarted "))
+        print(f"launcher: {restarted}; exit {code}")
+        return code, restarted
 
     def _read(self) -> None:
         for line in self.proc.stdout:
@@ -121,6 +169,13 @@ def list_workers(registry: str, auth: ClusterAuth | None = None) -> list[pb.Work
     """The live workers, from the router's internal (Registry) address."""
     with (auth or ClusterAuth()).channel(registry) as channel:
         return list(pb_grpc.RegistryStub(channel).ListWorkers(pb.ListWorkersRequest(), timeout=5).workers)
+
+
+def router_metrics_url(registry: str, auth: ClusterAuth | None = None) -> str:
+    """The /metrics URL of the router whose Registry is at `registry` (it says its port)."""
+    with (auth or ClusterAuth()).channel(registry) as channel:
+        port = pb_grpc.RegistryStub(channel).ListWorkers(pb.ListWorkersRequest(), timeout=5).router_metrics_port
+    return f"http://{registry.rpartition(':')[0]}:{port}/metrics"
 
 
 def stats(address: str, auth: ClusterAuth | None = None) -> pb.StatsResponse:

@@ -39,6 +39,7 @@ ONE_CHILD_AT_A_TIME = (  # after the in-process files: single-threaded, but a pr
 CLUSTERS_LONGEST_FIRST = (
     "test_bench_comparisons.py",
     "test_faults.py",
+    "test_rolling_restart.py",
     "test_cluster_pd.py",
     "test_cluster_quant.py",
     "test_bench_quant.py",

@@ -4,6 +4,8 @@
     print(summary.table())
     assert not summary.problems()
 
+    run_clients([router_a, router_b], cfg, vocab)   # several routers (the retrying Client)
+
 Each of `clients` threads loops until `duration` has passed: it picks a request kind
 from `LoadConfig.mix` (seeded per thread), sends one streaming Generate with a
 deadline, reads the stream to its end (or cancels it), records the outcome, and
@@ -117,6 +119,7 @@ class Record:
     tokens: int  # token ids received, all sequences
     sequences: int  # sequences asked for
     finished: int  # sequences that ended with a finish reason
+    router: str = ""  # the router its last attempt went to (a retried call may have tried others)
 
     @property
     def overran(self) -> float:
@@ -188,8 +191,10 @@ def run_one(client: Client, request: Request, index: int, inflight: InFlight) ->
     expected = sequences * request.sampling["max_tokens"]
     if code == "OK" and (len(finished) < sequences or tokens != expected):
         code, details = INCOMPLETE, f"{len(finished)}/{sequences} sequences finished, {tokens}/{expected} tokens"
+    # RetryingCall keeps the address of its current attempt private; tests read it to
+    # tell which router a call was on when that router went away
     return Record(request.kind, index, started, time.monotonic(), request.deadline, code, details, tokens,
-                  sequences, len(finished))
+                  sequences, len(finished), getattr(call, "_address", ""))
 
 
 @dataclass(frozen=True)
@@ -240,12 +245,17 @@ class Summary:
         return "\n".join(lines)
 
 
-def run_clients(address: str, cfg: LoadConfig, vocab_size: int, stop: threading.Event | None = None,
-                channels: int = 8) -> Summary:
-    """`cfg.clients` threads sending requests until `cfg.duration` has passed (or
-    `stop` is set: calls in flight are then cancelled); returns every request's
-    record once every thread has ended. The threads share `channels` gRPC channels."""
+def run_clients(address: str | Sequence[str], cfg: LoadConfig, vocab_size: int,
+                stop: threading.Event | None = None, channels: int = 8,
+                finish: threading.Event | None = None) -> Summary:
+    """`cfg.clients` threads sending requests until `cfg.duration` has passed, or
+    `finish` is set (calls in flight run to their end), or `stop` is set (calls in
+    flight are cancelled); returns every request's record once every thread has
+    ended. `address`: a router, or several (a list or "a:1,b:2"): each client is the
+    retrying Client over all of them. The threads share `channels` Clients (each a
+    gRPC channel per router)."""
     stop = stop or threading.Event()
+    finish = finish or threading.Event()
     inflight = InFlight()
     records: list[Record] = []
     lock = threading.Lock()
@@ -257,7 +267,7 @@ def run_clients(address: str, cfg: LoadConfig, vocab_size: int, stop: threading.
     def loop(index: int) -> None:
         rng = random.Random(cfg.seed * 100003 + index)
         client = clients[index % len(clients)]
-        while time.monotonic() < end and not stop.is_set():
+        while time.monotonic() < end and not stop.is_set() and not finish.is_set():
             kind = rng.choices(kinds, weights)[0]
             record = run_one(client, make_request(cfg, kind, rng, vocab_size, prefixes), index, inflight)
             with lock:

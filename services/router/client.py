@@ -22,10 +22,12 @@ other gRPC clients are given):
       +-- a message --> committed: from now on a failure is the caller's, with the
       |                 tokens received named (never replayed: the router migrates)
       +-- UNAVAILABLE / RESOURCE_EXHAUSTED before any message
-      |     wait: random(0, min(initialBackoff * multiplier^k, maxBackoff)), and
+      |     wait: none before a router this call has not tried yet, else
+      |           random(0, min(initialBackoff * multiplier^k, maxBackoff)); and
       |           for that router at least its hint (trailing `retry-after-ms`)
       |     maxAttempts reached, or the wait would pass the deadline --> fail
-      |     (the last status; its details list every attempt)
+      |     (the last status; its details list every attempt); the deadline passing
+      |     during a retry --> DEADLINE_EXCEEDED, saying why it was retried
       +-- any other status --> fail with it
 """
 
@@ -334,8 +336,10 @@ class RetryingCall:
         if self._messages:  # committed: a status the client would have retried says where it stopped
             return self._stopped(error) if code in self._policy.codes else error
         if code == grpc.StatusCode.DEADLINE_EXCEEDED and self._refused is not None:
-            # the deadline cut a retry short: why the call failed is why it was retried
-            return self._gave_up(self._refused, f"the deadline passed during attempt {len(self._history)}")
+            # the deadline cut a retry short: that is how it ended, and the details say
+            # why it was retried
+            return CallFailed(code, f"deadline passed during attempt {len(self._history)}, a retry after: "
+                              f"{self._refused.details()} [attempts: {_summary(self._history)}]", error)
         if code not in self._policy.codes or self._cancelled.is_set():
             return error if len(self._history) == 1 else self._gave_up(error, f"{code.name} is not retried")
         if len(self._history) >= self._policy.max_attempts:
@@ -348,7 +352,10 @@ class RetryingCall:
     def _retry(self, error: grpc.RpcError) -> grpc.RpcError | None:
         retry = len(self._history)
         nxt = self._routers.choose(self._start, self._tried, self._wait_until)
-        wait = max(self._policy.backoff(retry, self._rng), self._wait_until.get(nxt, 0.0) - time.monotonic())
+        # A router this call has not tried yet is asked at once (it is another process,
+        # with its own load: backing off protects the one that failed, not it).
+        backoff = self._policy.backoff(retry, self._rng) if self._tried[nxt] else 0.0
+        wait = max(backoff, self._wait_until.get(nxt, 0.0) - time.monotonic())
         if time.monotonic() + wait >= self._deadline:
             return self._gave_up(error, f"the deadline leaves no time to wait {wait:.2f}s for attempt {retry + 1}")
         if self._cancelled.wait(wait):

@@ -1,16 +1,28 @@
-"""Chaos under load (issue 13): `pdserve up` with 1 prefill + 2 decode workers serves a
-closed loop of streaming clients (tests/load_clients.py) while a prefill worker, a
-decode worker and the router are each SIGKILLed once; the launcher restarts them.
+"""Chaos under load (issues 13 and 21: nothing lost when a worker or a router dies):
+`pdserve up --routers 2` with 1 prefill + 2 decode workers serves 200 closed-loop
+streaming clients for 60 s (tests/load_clients.py), each the retrying Client over
+both routers, while a prefill worker, a decode worker and a router are each SIGKILLed
+once; the launcher restarts them.
 
-Printed: every request's outcome by kind and status, and per event the requests that
-failed and how. Asserted:
-  - killing the prefill worker fails no request (its prompts, even those caught
-    mid-transfer, are prefilled on their decode workers);
-  - killing a decode worker fails at most the requests it was running (those that had
-    no token yet go to the other decode worker);
-  - within 15 s of each event the cluster serves normally: every request started from
-    then until the next event ends as it should, and some do;
-  - the launcher restarted each killed process once, and they joined again.
+Printed: every request's outcome by kind and status, the requests each kill failed,
+and one line
+
+    lost_decode_kill=A lost_prefill_kill=B lost_router_kill=C dark_seconds=D
+
+A failure is any outcome but OK (and CANCELLED for the client's cancels,
+DEADLINE_EXCEEDED for the tiny deadlines): RESOURCE_EXHAUSTED after the client's
+retries counts. A failure belongs to the kill before it ended. Asserted:
+  - A == 0: a decode worker's streams migrate to the other one, n > 1 too (beam
+    search streams nothing before its end: it is retried there);
+  - B == 0: prompts caught mid-prefill or mid-transfer are prefilled elsewhere;
+  - C <= the streams in flight on the killed router at the kill (a call that has
+    received tokens is never replayed; one that has not is retried on the other
+    router), and no call sent after the kill fails;
+  - D, the longest gap between two successful completions (from the first one to the
+    end of the load), below 1 s: no second without a success;
+  - nothing failed before the first kill, no INTERNAL, no call outlived its
+    deadline, every KV block free on every worker at the end, and the launcher
+    restarted each killed process once (they joined both routers again).
 A smaller case: with a single decode worker, killing it makes new requests wait
 (--admission-timeout) for its replacement instead of failing.
 """
@@ -23,34 +35,25 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import grpc
-import pytest
-
-from cluster_helpers import UpProcess, pid_alive, wait_for
-from load_clients import LoadConfig, Summary, run_clients
+from cluster_helpers import UpProcess, metric, pid_alive, router_metrics_url, wait_for
+from load_clients import ALLOWED, LoadConfig, Record, Summary, run_clients
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.llm import DEFAULT_MODEL
 from pdserve.services.router.client import Client, collect
 
-RECOVERY = 15.0  # seconds after an event by which the cluster must serve normally
 FAST = ["--num-blocks", "512", "--held-lease", "10", "--heartbeat-interval", "0.5", "--worker-timeout", "2",
         "--stats-interval", "0.5", "--restart-backoff", "0.5", "--drain-timeout", "3", "--max-num-seqs", "64",
         "--grpc-threads", "256"]  # one decode worker can hold every client's stream
 # event name, seconds after the load starts
-EVENTS = (("prefill", 5.0), ("decode", 19.0), ("router", 33.0))
-LOAD = LoadConfig(clients=200, duration=50.0, deadline=40.0, max_tokens=(4, 24), cancel_max_tokens=48, retry_backoff=0.2)
-
-
-def router_pid(up: UpProcess, worker_pids: set[int]) -> int:
-    """The launcher's child that is no worker."""
-    for pid in up.children():
-        if pid not in worker_pids and "router" in open(f"/proc/{pid}/cmdline").read():
-            return pid
-    raise AssertionError("no router process")
-
-
-def busy(stats) -> int:
-    return stats.num_running + stats.num_waiting + stats.num_reserved
+EVENTS = (("prefill", 8.0), ("decode", 26.0), ("router", 44.0))
+LOAD = LoadConfig(clients=200, duration=60.0, deadline=40.0, max_tokens=(4, 24), cancel_max_tokens=48, retry_backoff=0.2)
+# what counts as served: OK, and what the client asked for (its cancels, its tiny deadlines)
+SERVED = {kind: frozenset({"OK"}) | (ALLOWED[kind] - {"RESOURCE_EXHAUSTED"}) for kind in ALLOWED}
+# Seconds without a successful completion: the issue's "no second without a success".
+# Measured 0.33-0.90 s over six runs on a shared 2-core machine (load average 5-9)
+# before the retrying client asked an untried router without backing off.
+DARK_LIMIT = 1.0
+WORKERS = ["decode-0", "decode-1", "prefill-0"]
 
 
 class Chaos:
@@ -60,8 +63,7 @@ class Chaos:
         self.up = up
         self.start = start
         self.at: dict[str, float] = {}
-        self.decode_busy = 0  # what the killed decode worker was running (its Stats just before)
-        self.snapshot_at = 0.0
+        self.migrations: float | None = None  # both routers' count, just before the router kill
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -75,79 +77,97 @@ class Chaos:
             self.error = e
 
     def _kill(self, name: str) -> None:
-        workers = {w.worker_id: w for w in self.up.list_workers()}
         if name == "router":
-            pid = router_pid(self.up, {w.pid for w in workers.values()})
+            self.migrations = sum(migrations(self.up, registry) for _, registry in self.up.routers)
+            pid = self.up.router_pid(0)
         else:
-            worker = workers[f"{name}-0"]
-            if name == "decode":
-                self.snapshot_at = time.monotonic()
-                self.decode_busy = busy(self.up.stats(worker.address))
-            pid = worker.pid
+            pid = {w.worker_id: w.pid for w in self.up.list_workers()}[f"{name}-0"]
         os.kill(pid, signal.SIGKILL)
         self.at[name] = time.monotonic()
         print(f"t={self.at[name] - self.start:5.1f}s SIGKILL {name} (pid {pid})", flush=True)
 
 
-def failures(summary: Summary, lo: float, hi: float) -> list:
-    return [r for r in summary.unexpected() if lo <= r.ended < hi]
+def migrations(up: UpProcess, registry: str) -> float:
+    return sum(metric(router_metrics_url(registry, up.auth), "pdserve:request_migrations_total").values())
 
 
-def describe(records: list) -> str:
+def describe(records: list[Record]) -> str:
     counts: dict[str, int] = {}
     for r in records:
         counts[f"{r.kind} {r.code}"] = counts.get(f"{r.kind} {r.code}", 0) + 1
     return ", ".join(f"{k} x{v}" for k, v in sorted(counts.items())) or "none"
 
 
+def dark_seconds(records: tuple[Record, ...], until: float) -> tuple[float, float, float]:
+    """The longest time without a successful completion, from the first one until
+    `until`; with where it began, and when the first success came."""
+    ends = sorted(r.ended for r in records if r.code == "OK" and r.ended <= until)
+    assert ends, "no request succeeded"
+    gaps = [(b - a, a) for a, b in zip(ends, ends[1:])] + [(until - ends[-1], ends[-1])]
+    gap, at = max(gaps)
+    return gap, at, ends[0]
+
+
 def test_kill_prefill_decode_and_router_under_load(tmp_path):
     began = time.monotonic()
-    up = UpProcess(["--prefill", "1", "--decode", "2", *FAST], tmp_path / "up.log")
-    print(f"cluster up in {time.monotonic() - began:.1f}s", flush=True)
+    up = UpProcess(["--routers", "2", "--prefill", "1", "--decode", "2", *FAST], tmp_path / "up.log")
     try:
+        (public0, _), (public1, _) = up.read_routers(2)
+        print(f"cluster up in {time.monotonic() - began:.1f}s", flush=True)
         vocab = ModelConfig.from_dir(DEFAULT_MODEL).vocab_size
         start = time.monotonic()
         chaos = Chaos(up, start)
-        summary = run_clients(up.address, LOAD, vocab)
-        end = time.monotonic()
+        summary = Summary(run_clients([public0, public1], LOAD, vocab).records, LOAD.slack, SERVED)
+        load_end = start + LOAD.duration
         chaos.thread.join(10)
-        print(f"load over after {end - start:.1f}s", flush=True)
+        print(f"load over after {time.monotonic() - start:.1f}s", flush=True)
         assert chaos.error is None, chaos.error
         print("\n" + summary.table())
-        bounds = [chaos.at["prefill"], chaos.at["decode"], chaos.at["router"], end]
-        for (name, _), lo, hi in zip(EVENTS, bounds, bounds[1:]):
-            failed = failures(summary, lo, hi)
-            caught = [r for r in failed if r.started < lo]
+
+        failed = summary.unexpected()
+        bounds = [chaos.at[name] for name, _ in EVENTS] + [float("inf")]
+        by_event = {name: [r for r in failed if lo <= r.ended < hi]
+                    for (name, _), lo, hi in zip(EVENTS, bounds, bounds[1:])}
+        for name, lost in by_event.items():
+            caught = [r for r in lost if r.started < chaos.at[name]]
+            later = [r for r in lost if r.started >= chaos.at[name]]
             print(f"after killing {name}: {len(caught)} requests in flight failed ({describe(caught)}); "
-                  f"{len(failed) - len(caught)} sent later failed ({describe([r for r in failed if r.started >= lo])})",
-                  flush=True)
-        assert not failures(summary, 0.0, bounds[0]), "requests failed before any fault"
-        # the prefill worker: nothing fails
-        assert not failures(summary, bounds[0], bounds[1]), describe(failures(summary, bounds[0], bounds[1]))
-        # a decode worker: at most what it was running (plus what started between its Stats and the kill)
-        lost = failures(summary, bounds[1], bounds[2])
-        late = [r for r in summary.records if chaos.snapshot_at <= r.started < bounds[1]]
-        assert all(r.started < bounds[1] for r in lost), [f"{r.kind} {r.code} {r.details}" for r in lost
-                                                          if r.started >= bounds[1]]
-        assert len(lost) <= chaos.decode_busy + len(late), (len(lost), chaos.decode_busy, len(late))
-        # every event: serving normally within RECOVERY s: no request started later fails,
-        # until the next event (or the end), and some succeed
-        unexpected = {id(r) for r in summary.unexpected()}
-        for (name, _), lo, hi in zip(EVENTS, bounds, bounds[1:]):
-            after = [r for r in summary.records if lo <= r.started and r.ended < hi]  # this event's doing
-            bad = [r for r in after if id(r) in unexpected]
-            recovered = max((r.started for r in bad), default=lo) - lo
-            print(f"{name}: serving normally again {recovered:.1f}s after the kill", flush=True)
-            assert recovered <= RECOVERY, f"killing {name}: requests still failed {recovered:.1f}s later"
-            assert any(r.code == "OK" and r.started >= lo + recovered for r in after), f"nothing served after {name}"
+                  f"{len(later)} sent later failed ({describe(later)})", flush=True)
+            for r in lost[:5]:
+                print(f"    {r.kind} {r.code} after {r.tokens} tokens: {r.details[:300]}", flush=True)
+        killed = chaos.at["router"]
+        on_killed_router = [r for r in summary.records if r.router == public0 and r.started < killed <= r.ended]
+        for r in by_event["router"]:
+            if r not in on_killed_router:  # what the assertions below refuse: say what it was
+                print(f"    not in flight on the killed router: {r.kind} {r.code} sent t={r.started - start:.2f}s "
+                      f"ended t={r.ended - start:.2f}s deadline {r.deadline:.2f}s on {r.router}: {r.details[:400]}",
+                      flush=True)
+        dark, dark_at, first = dark_seconds(summary.records, load_end)
+        line = (f"lost_decode_kill={len(by_event['decode'])} lost_prefill_kill={len(by_event['prefill'])} "
+                f"lost_router_kill={len(by_event['router'])} dark_seconds={dark:.2f}")
+        print(line, flush=True)
+        print(f"  (router kill: {len(on_killed_router)} calls in flight on it, "
+              f"{sum(r.tokens > 0 for r in on_killed_router)} of them streaming; longest dark gap from "
+              f"t={dark_at - start:.1f}s; first success at t={first - start:.1f}s; migrations counted by both routers "
+              f"before the router kill: {chaos.migrations:.0f})", flush=True)
+
+        assert not [r for r in failed if r.ended < chaos.at["prefill"]], "requests failed before any fault"
+        assert not [r for r in summary.records if r.code == "INTERNAL"], summary.problems()
         assert not summary.overruns(), summary.problems()
-        roles = sorted(w.worker_id for w in up.list_workers())
-        assert roles == ["decode-0", "decode-1", "prefill-0"], roles
+        assert not by_event["prefill"], summary.problems()
+        assert not by_event["decode"], summary.problems()
+        assert len(by_event["router"]) <= len(on_killed_router), (len(by_event["router"]), len(on_killed_router))
+        assert all(r.started < killed for r in by_event["router"]), summary.problems()
+        assert dark < DARK_LIMIT, f"{dark:.2f}s without a successful completion from t={dark_at - start:.1f}s"
+
+        for _, registry in up.routers:  # the restarted ones joined both routers again
+            wait_for(lambda: sorted(w.worker_id for w in up.list_workers(registry)) == WORKERS, 30,
+                     f"every worker registered with {registry}", step=0.5)
+        up.wait_every_block_free()
     finally:
-        code = up.stop()
-    restarted = sorted(line for line in up.stdout_lines if line.startswith("restarted "))
-    print(f"launcher: {restarted}; exit {code}")
+        code, restarted = up.stop_and_restarts()
     assert restarted == ["restarted decode-0 1", "restarted prefill-0 1", "restarted router 1"]
+    assert code == 0
 
 
 def test_with_one_decode_worker_requests_wait_for_its_replacement(tmp_path):

@@ -135,6 +135,20 @@ def test_another_router_is_tried_without_waiting_for_a_hint(routers):
     assert time.monotonic() - started < 2 and len(full.arrivals) == 1 and len(free.arrivals) == 1
 
 
+def test_a_router_the_call_has_not_tried_is_asked_without_backing_off(routers):
+    """A policy whose every backoff is 5 s: the call refused UNAVAILABLE by one router
+    goes to the other at once (a backoff protects the router that failed, not
+    another); a second refusal by the same router waits."""
+    slow = RetryPolicy(max_attempts=5, initial_backoff=5.0, max_backoff=5.0, multiplier=1.0)
+    down, free = routers(refuse(grpc.StatusCode.UNAVAILABLE)), routers()
+    started = time.monotonic()
+    with Client([down.address, free.address], timeout=30, retry=slow, seed=3) as client:
+        assert tokens_of(client.generate("x")) == [0, 1, 2, 3]
+    assert len(down.arrivals) == 1 and len(free.arrivals) == 1
+    assert free.arrivals[0] - down.arrivals[0] < 2.0, "backed off before a router not tried yet"
+    assert time.monotonic() - started < 10
+
+
 def test_the_deadline_bounds_every_retry(routers):
     down = routers(*[refuse(grpc.StatusCode.UNAVAILABLE)] * 100)
     patient = RetryPolicy(max_attempts=100, initial_backoff=0.2, max_backoff=0.4)
@@ -241,8 +255,9 @@ def test_the_published_service_config_retries_in_a_plain_grpc_channel(routers):
 
 
 def test_a_retry_cut_by_the_deadline_fails_with_the_reason_it_was_retried(routers):
-    """The second attempt waits past the deadline: the caller learns why the call
-    was retried (UNAVAILABLE, the router's words), not only that time ran out."""
+    """The second attempt runs past the deadline: DEADLINE_EXCEEDED (what ended it: a
+    caller must not retry it as UNAVAILABLE), and the details say why the call was
+    retried (the router's words), not only that time ran out."""
     def stall(context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
         time.sleep(2)
         yield from ()
@@ -250,6 +265,6 @@ def test_a_retry_cut_by_the_deadline_fails_with_the_reason_it_was_retried(router
     slow = routers(refuse(grpc.StatusCode.UNAVAILABLE), stall)
     with Client(slow.address, timeout=0.8, retry=QUICK) as client, pytest.raises(grpc.RpcError) as info:
         list(client.generate("x"))
-    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     details = info.value.details()
-    assert "refused by the test" in details and "the deadline passed during attempt 2" in details
+    assert "refused by the test" in details and "deadline passed during attempt 2" in details
