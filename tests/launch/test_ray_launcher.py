@@ -149,9 +149,14 @@ def assert_placed(up: UpProcess, nodes: dict[str, str], prefill: int, decode: in
     placement group there; none on the head."""
     from ray.util import placement_group_table
 
-    by_pid = {a.pid: a for a in actors()}
     workers = up.list_workers()
     assert sorted(w.role for w in workers) == sorted([pb.ROLE_PREFILL] * prefill + [pb.ROLE_DECODE] * decode)
+
+    def listed() -> dict:  # Ray's state API lists an actor a moment after its worker registers
+        by_pid = {a.pid: a for a in actors()}
+        return by_pid if all(w.pid in by_pid for w in workers) else {}
+
+    by_pid = wait_for(listed, 30, "Ray's state API to list every registered worker's actor", step=0.5)
     for w in workers:
         actor = by_pid[w.pid]  # the worker's process is its actor's
         assert actor.node_id == nodes["prefill" if w.role == pb.ROLE_PREFILL else "decode"], w.worker_id

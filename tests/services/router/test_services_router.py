@@ -307,13 +307,13 @@ def test_a_router_without_workers_answers_unavailable_and_lists_its_model():
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from pdserve.services.router.client import Client
+    from pdserve.services.router.client import Client, RetryPolicy
     from pdserve.services.router.main import Router
 
     router = Router(RouterConfig(port=0))
     address = router.start()
-    try:
-        with Client(address, timeout=10) as client:
+    try:  # the router's own answer: a client that does not retry it (one attempt)
+        with Client(address, timeout=10, retry=RetryPolicy(max_attempts=1)) as client:
             with pytest.raises(grpc.RpcError) as info:
                 list(client.generate("def f():", max_tokens=2))
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE
