@@ -266,7 +266,10 @@ class EngineCore:
         down to the single request that fails alone (failed, and left out)."""
         try:
             batch = [BatchItem(r, n, self.kv.block_ids(r.request_id), tuple(r.spec_token_ids)) for r, n in scheduled]
-            logits, spans = self.runner.execute(batch, layer_callback(self.layer_hook, scheduled, self.kv))
+            capture = self.speculator.capture() if self.speculator is not None else None
+            logits, spans = self.runner.execute(batch, layer_callback(self.layer_hook, scheduled, self.kv), capture)
+            if capture is not None and capture.features is not None:
+                self._observe(scheduled, capture.features)
             return [(scheduled, logits, spans)]
         except Exception as exc:
             if len(scheduled) == 1:
@@ -277,6 +280,16 @@ class EngineCore:
             log.warning("forward pass of %d requests failed (%s): bisecting", len(scheduled), exc)
             mid = len(scheduled) // 2
             return self._execute(scheduled[:mid], finished) + self._execute(scheduled[mid:], finished)
+
+    def _observe(self, scheduled: Scheduled, features: torch.Tensor) -> None:
+        """Hand the proposer the target's features of every sequence that may speculate
+        (not a beam): item i's rows, from its first position computed this step."""
+        first = 0
+        for request, n in scheduled:
+            group = self._seq_group.get(request.request_id)
+            if group is not None and group.beam is None and self.speculator is not None:
+                self.speculator.observe(request.request_id, request.num_computed_tokens, features[first : first + n])
+            first += n
 
     def _advance(self, group: SequenceGroup, request: Request, n: int, rows: torch.Tensor) -> list[Request]:
         """Account for the n tokens just computed; the sequences that sample from this

@@ -38,7 +38,11 @@ from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.sampling_params import SamplingParams, continues_from_first_token
 from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.quant.apply import weight_bytes
 from pdserve.engine.spec.draft_model import DraftModelProposer, check_draft_model
+from pdserve.engine.spec.eagle import EagleProposer
+from pdserve.engine.spec.eagle_head import KINDS as EAGLE_KINDS
+from pdserve.engine.spec.eagle_head import EagleHead, load_head, read_spec
 from pdserve.engine.spec.speculator import NgramProposer, Proposer, SpecStats, Speculator
 from pdserve.engine.stats import EngineStats
 from pdserve.engine.tokenizer import Tokenizer, has_tokenizer
@@ -70,6 +74,7 @@ class LLMEngine:
             config.quantization, config.kv_cache_dtype,
         )
         self.draft_runner = self._draft_runner(dtype, device)
+        self.eagle_head = self._eagle_head(dtype, device)
         # Sized after the weights are loaded, so a GPU budget counts what is left.
         self.memory = self._plan_memory(dtype, device)
         num_blocks = self.memory.num_blocks
@@ -100,6 +105,10 @@ class LLMEngine:
         if self.draft_runner is not None:  # the draft's pool has as many blocks
             per_block += kv_bytes_per_block(self.draft_runner.cfg, cache.block_size, self.draft_runner.kv_dtype)
         weights = runner.weight_bytes + (self.draft_runner.weight_bytes if self.draft_runner else 0)
+        if self.eagle_head is not None:  # so has the head's (one layer)
+            head_cfg = self.eagle_head.spec.cfg
+            per_block += 2 * cache.block_size * head_cfg.num_kv_heads * head_cfg.head_dim * dtype.itemsize
+            weights += weight_bytes(self.eagle_head)
         device_memory = None
         if device.type == "cuda":
             activations = self._measure_activation_peak(device)
@@ -137,19 +146,31 @@ class LLMEngine:
     def _draft_runner(self, dtype: torch.dtype, device: torch.device) -> ModelRunner | None:
         """The draft model of `speculative_config` (method draft_model), checked against the target."""
         spec = self.config.speculative
-        if spec is None or spec.model is None:
+        if spec is None or spec.method != "draft_model":
             return None
         draft_config = ModelConfig.from_dir(spec.model)
         check_draft_model(self.config.model, self.model_config, spec.model, draft_config, self.max_model_len)
         return ModelRunner(spec.model, draft_config, dtype, device, self.config.cache.block_size,
                            self.max_model_len, self.config.attention_backend)
 
+    def _eagle_head(self, dtype: torch.dtype, device: torch.device) -> EagleHead | None:
+        """The EAGLE head of `speculative_config` (methods eagle, eagle3), checked against the target."""
+        spec = self.config.speculative
+        if spec is None or spec.method not in EAGLE_KINDS:
+            return None
+        head_spec = read_spec(spec.method, spec.model, self.model_config)
+        return load_head(head_spec, spec.model, dtype, device, self.max_model_len)
+
     def _speculator(self, num_blocks: int) -> Speculator | None:
         spec = self.config.speculative
         if spec is None:
             return None
         proposer: Proposer
-        if self.draft_runner is not None:
+        if self.eagle_head is not None:
+            model = self.runner.model
+            proposer = EagleProposer(self.eagle_head, self.runner.backend, model.embed_tokens, model.logits,
+                                     num_blocks, self.config.cache.block_size, self.runner.dtype, self.runner.device)
+        elif self.draft_runner is not None:
             proposer = DraftModelProposer(self.draft_runner, num_blocks)
         else:
             # SpeculativeConfig sets both bounds for ngram

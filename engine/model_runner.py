@@ -22,6 +22,7 @@ from pdserve.engine.attention import AttentionMetadata, get_backend
 from pdserve.engine.attention.base import is_fp8, kv_rows
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.memory import kv_bytes_per_token
+from pdserve.engine.model.llama import FeatureCapture
 from pdserve.engine.model.loader import load_model
 from pdserve.engine.quant.apply import weight_bytes
 from pdserve.engine.quant.config import kv_torch_dtype
@@ -123,14 +124,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self, batch: list[BatchItem], on_layer: Callable[[int], None] | None = None
+        self, batch: list[BatchItem], on_layer: Callable[[int], None] | None = None,
+        capture: FeatureCapture | None = None,
     ) -> tuple[torch.Tensor, list[tuple[int, int]]]:
         """Run one step; returns logits [R, vocab] and, per batch item, its (first row, rows).
 
         An item gets one row, for its last token, when it reaches the end of its known
         tokens (a prefill chunk in the middle of a prompt gets none); an item that asked
         for prompt logprobs gets a row for every prompt token it computes; an item with
-        K drafts gets K+1 rows, for its last known token and each draft.
+        K drafts gets K+1 rows, for its last known token and each draft. With
+        `capture`, its features hold every input row, in batch order (item i's rows are
+        its `num_tokens` (+ drafts) tokens from its first uncomputed position on).
         """
         bs = self.block_size
         input_ids: list[int] = []
@@ -171,29 +175,39 @@ class ModelRunner:
             self.backend,
             torch.tensor(logits_rows, device=dev, dtype=torch.long),
             on_layer,
+            capture,
         )
         return logits.float(), spans
 
     def _metadata(self, batch: list[BatchItem], slots, q_lens, seq_lens) -> AttentionMetadata:
-        dev = self.device
-        width = max(len(item.block_ids) for item in batch)
-        tables = torch.zeros((len(batch), width), dtype=torch.int32)
-        for i, item in enumerate(batch):
-            tables[i, : len(item.block_ids)] = torch.tensor(item.block_ids, dtype=torch.int32)
-        qsl = [0]
-        for n in q_lens:
-            qsl.append(qsl[-1] + n)
-        slot_mapping = torch.tensor(slots, dtype=torch.long, device=dev)
-        return AttentionMetadata(
-            slot_mapping=slot_mapping,
-            kv_rows=kv_rows(slot_mapping, self.block_size),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=tables.to(dev),
-            max_query_len=max(q_lens),
-            max_seq_len=max(seq_lens),
-            block_size=self.block_size,
-            query_lens_cpu=tuple(q_lens),
-            seq_lens_cpu=tuple(seq_lens),
-            query_start_loc_cpu=tuple(qsl),
-        )
+        return attention_metadata([item.block_ids for item in batch], slots, q_lens, seq_lens, self.block_size,
+                                  self.device)
+
+
+def attention_metadata(
+    block_ids: list[list[int]], slots: list[int], q_lens: list[int], seq_lens: list[int], block_size: int,
+    device: torch.device,
+) -> AttentionMetadata:
+    """A step's attention metadata (attention/base.py): sequence b's `block_ids[b]`, its
+    `q_lens[b]` new tokens written at `slots`, `seq_lens[b]` tokens in cache after."""
+    width = max(len(ids) for ids in block_ids)
+    tables = torch.zeros((len(block_ids), width), dtype=torch.int32)
+    for i, ids in enumerate(block_ids):
+        tables[i, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+    qsl = [0]
+    for n in q_lens:
+        qsl.append(qsl[-1] + n)
+    slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
+    return AttentionMetadata(
+        slot_mapping=slot_mapping,
+        kv_rows=kv_rows(slot_mapping, block_size),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=tables.to(device),
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+        block_size=block_size,
+        query_lens_cpu=tuple(q_lens),
+        seq_lens_cpu=tuple(seq_lens),
+        query_start_loc_cpu=tuple(qsl),
+    )

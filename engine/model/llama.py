@@ -8,6 +8,7 @@ matmul each. Input is a flat batch of tokens from many sequences (no padding).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -80,6 +81,23 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+@dataclass
+class FeatureCapture:
+    """Hidden states a forward pass keeps for an EAGLE head, at every row of the flat
+    batch (its output, `features` [T, F]), from the same pass that scores the tokens:
+
+        layers   the residual stream entering each of these layers (EAGLE-3's aux
+                 hidden states, vLLM's ids: id j = layer j's input, 0 = the embeddings;
+                 concatenated in this order)
+        final    the last layer's output after the final norm (EAGLE-1's feature),
+                 after the layers' ones if both are asked
+    """
+
+    layers: tuple[int, ...] = ()
+    final: bool = False
+    features: torch.Tensor | None = None
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding) -> None:
         super().__init__()
@@ -102,15 +120,32 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
         logits_indices: torch.Tensor,  # rows of the flat batch whose next-token logits are needed
         on_layer: Callable[[int], None] | None = None,
+        capture: FeatureCapture | None = None,
     ) -> torch.Tensor:
-        """`on_layer(i)` runs once layer i's K/V are in the cache (layer-wise KV streaming)."""
+        """`on_layer(i)` runs once layer i's K/V are in the cache (layer-wise KV streaming);
+        `capture` gets the hidden states it names (`FeatureCapture.features`)."""
         h = self.embed_tokens(input_ids)
         rotary = self.rope.lookup(positions, h.dtype)
+        inputs: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
+            if capture is not None and i in capture.layers:
+                inputs[i] = h
             h = layer(h, rotary, kv_cache[i], meta, backend)
             if on_layer is not None:
                 on_layer(i)
-        h = self.norm(h[logits_indices])
+        kept = [inputs[i] for i in capture.layers] if capture is not None else []
+        if capture is not None and capture.final:
+            h = self.norm(h)  # every row: the head reads each position's feature
+            kept.append(h)
+            h = h[logits_indices]
+        else:
+            h = self.norm(h[logits_indices])
+        if capture is not None:
+            capture.features = kept[0] if len(kept) == 1 else torch.cat(kept, dim=-1)
+        return self.logits(h)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The LM head over final-norm hidden states (an EAGLE-1 head reuses it)."""
         if self.lm_head is None:
             return F.linear(h, self.embed_tokens.weight)
         return self.lm_head(h)

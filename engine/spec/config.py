@@ -4,6 +4,8 @@
      "prompt_lookup_min": 2, "prompt_lookup_max": 5}            -> SpeculativeConfig
     {"method": "draft_model", "num_speculative_tokens": 4,
      "model": "/path/to/small-model"}                           -> SpeculativeConfig
+    {"method": "eagle3", "num_speculative_tokens": 4,
+     "model": "/path/to/eagle3-head"}                           -> SpeculativeConfig
 
 Every refused value raises `ValueError` naming its key as `speculative_config.<key>`, as
 `SamplingParams` names its fields. Keys that do not belong to the method are refused,
@@ -23,8 +25,8 @@ from typing import Literal
 
 from pdserve.engine.sampling_params import check_field, short_repr
 
-Method = Literal["ngram", "draft_model"]
-METHODS = ("ngram", "draft_model")
+Method = Literal["ngram", "draft_model", "eagle", "eagle3"]
+METHODS = ("ngram", "draft_model", "eagle", "eagle3")
 PREFIX = "speculative_config"
 # vLLM's defaults: with neither bound given both are 5; with one, the other equals it.
 DEFAULT_PROMPT_LOOKUP = 5
@@ -35,8 +37,9 @@ DRAFT_MODEL_KEYS = frozenset({"model"})
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """A checked speculative config. For ngram both lookup bounds are set (1 <= min <= max)
-    and `model` is None; for draft_model `model` is a directory holding config.json and
-    the lookup bounds are None. `disable_by_batch_size`: None, or the running batch size
+    and `model` is None; for draft_model, eagle and eagle3 `model` is a directory holding
+    config.json (a draft model, or an EAGLE head: engine/spec/eagle_head.py) and the
+    lookup bounds are None. `disable_by_batch_size`: None, or the running batch size
     from which speculation turns off. `measure_payoff` (pdserve's own key, on by
     default): draft only while the engine's timings say drafting pays (adaptive.Payoff);
     off, every eligible step drafts (what a test of the counters wants)."""
@@ -59,9 +62,9 @@ class SpeculativeConfig:
         if self.method == "ngram":
             self._resolve_lookup()
             _refuse_foreign(self, DRAFT_MODEL_KEYS)
-        else:
+        else:  # draft_model, eagle, eagle3: a model directory
             _refuse_foreign(self, NGRAM_KEYS)
-            _check_model_dir(self.model)
+            _check_model_dir(self.model, self.method)
 
     def _resolve_lookup(self) -> None:
         low, high = self.prompt_lookup_min, self.prompt_lookup_max
@@ -110,8 +113,8 @@ def _refuse_foreign(config: SpeculativeConfig, keys: frozenset[str]) -> None:
         check_field(value is None, f"{PREFIX}.{key}", f"is not a key of method {config.method}", value)
 
 
-def _check_model_dir(model: object) -> None:
-    check_field(model is not None, f"{PREFIX}.model", "is required for method draft_model", model)
+def _check_model_dir(model: object, method: str) -> None:
+    check_field(model is not None, f"{PREFIX}.model", f"is required for method {method}", model)
     check_field(isinstance(model, str) and model != "", f"{PREFIX}.model", "must be a directory path", model)
     check_field(os.path.isfile(os.path.join(str(model), "config.json")), f"{PREFIX}.model",
                 "must be a directory holding a Hugging Face config.json", model)

@@ -29,8 +29,12 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import torch
+
+from pdserve.engine.model.llama import FeatureCapture
 from pdserve.engine.request import Request
 from pdserve.engine.spec.adaptive import DraftLength, Payoff
+from pdserve.engine.spec.eagle import EagleProposer
 from pdserve.engine.spec.config import SpeculativeConfig
 from pdserve.engine.spec.ngram import propose_ngram
 
@@ -159,6 +163,16 @@ class Speculator:
         if self._step is not None and decoding_only:
             self.payoff.observe(self._step[0], seconds, *self._step[1:])
         self._step = None
+
+    def capture(self) -> FeatureCapture | None:
+        """What the target's forward pass must keep for the proposer (EAGLE's hidden
+        states), or None."""
+        return self.proposer.capture() if isinstance(self.proposer, EagleProposer) else None
+
+    def observe(self, request_id: str, start: int, features: torch.Tensor) -> None:
+        """The target's features of positions start .. of a sequence that may speculate."""
+        if isinstance(self.proposer, EagleProposer):
+            self.proposer.observe(request_id, start, features)
 
     def skip(self) -> None:
         """A request that will decode without speculation (beam search)."""

@@ -268,7 +268,8 @@ def test_rejects_bad_arguments():
 
 # --- FP8 KV cache (--kv-cache-dtype fp8*): pages hold K / k_scale and V / v_scale ---
 
-from pdserve.engine.attention.base import AttentionMetadata, dequantize_kv, kv_rows, quantize_kv  # noqa: E402
+from pdserve.engine.attention.base import dequantize_kv, quantize_kv  # noqa: E402
+from pdserve.engine.model_runner import attention_metadata  # noqa: E402
 
 FP8_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2]
 
@@ -339,24 +340,7 @@ def _metadata(q_lens, seq_lens, tables, block_size):
     """AttentionMetadata for one step: sequence b's new tokens are its last q_lens[b]."""
     slots = [tables[b][p // block_size] * block_size + p % block_size
              for b, (ql, n) in enumerate(zip(q_lens, seq_lens)) for p in range(n - ql, n)]
-    width = max(len(t) for t in tables)
-    qsl = [0]
-    for n in q_lens:
-        qsl.append(qsl[-1] + n)
-    slot_mapping = torch.tensor(slots, dtype=torch.long, device=DEVICE)
-    return AttentionMetadata(
-        slot_mapping=slot_mapping,
-        kv_rows=kv_rows(slot_mapping, block_size),
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=DEVICE),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEVICE),
-        max_query_len=max(q_lens),
-        max_seq_len=max(seq_lens),
-        block_size=block_size,
-        query_lens_cpu=tuple(q_lens),
-        seq_lens_cpu=tuple(seq_lens),
-        query_start_loc_cpu=tuple(qsl),
-    )
+    return attention_metadata(tables, slots, list(q_lens), list(seq_lens), block_size, torch.device(DEVICE))
 
 
 @pytest.mark.parametrize("cache_dtype", FP8_DTYPES, ids=_id)

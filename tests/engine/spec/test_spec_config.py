@@ -56,7 +56,11 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 2}
 
 
 @pytest.mark.parametrize(("value", "message"), [
-    ({**NGRAM, "method": "eagle"}, "speculative_config.method: must be one of ngram, draft_model, got 'eagle'"),
+    ({**NGRAM, "method": "medusa"}, "speculative_config.method: must be one of ngram, draft_model, eagle, eagle3, "
+                                    "got 'medusa'"),
+    ({**NGRAM, "method": "eagle"}, "speculative_config.model: is required for method eagle"),
+    ({**NGRAM, "method": "eagle3", "prompt_lookup_max": 3}, "speculative_config.prompt_lookup_max: is not a key of "
+                                                            "method eagle3"),
     ({**NGRAM, "method": 1}, "speculative_config.method: must be one of"),
     ({"num_speculative_tokens": 2}, "speculative_config.method: is required"),
     ({"method": "ngram"}, "speculative_config.num_speculative_tokens: is required"),

@@ -335,8 +335,10 @@ def test_draft_model_must_share_the_vocabulary(tmp_path, llama):
     build_model(other, "llama", vocab_size=65)
     with pytest.raises(ValueError, match=r"speculative_config.model: the draft's vocab_size 65 differs"):
         LLM(model=str(llama), speculative_config=draft_config(other))
-    with pytest.raises(ValueError, match=r"speculative_config.method: must be one of ngram, draft_model"):
-        LLM(model=str(llama), speculative_config={"method": "eagle", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match=r"speculative_config.method: must be one of ngram, draft_model, eagle, eagle3"):
+        LLM(model=str(llama), speculative_config={"method": "medusa", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match=r"speculative_config.model: is required for method eagle3"):
+        LLM(model=str(llama), speculative_config={"method": "eagle3", "num_speculative_tokens": 2})
 
 
 def test_draft_model_tokenizer_must_match(tmp_path):
