@@ -218,3 +218,40 @@ def test_a_call_whose_deadline_passed_counts_as_deadline_exceeded(cluster):
     wait_for(lambda: counted("DEADLINE_EXCEEDED") == 1, 10, "the router to count the deadline")
     assert counted("CANCELLED") == 0
     wait_for(lambda: all_blocks_free(cluster["decode"].address), 10, "the decode worker's blocks to be free")
+
+
+def test_an_eagle3_decode_worker_serves_remotely_prefilled_prompts_token_for_token(tmp_path, llm):
+    """Issue 22, first slice: the decode worker drafts with an EAGLE-3 head (random,
+    in the public layout) over KV a prefill worker shipped. The prompt's features
+    stayed on the prefill worker, so the head starts at the first decoded position
+    (it sees less context: guesses worse); the tokens are the engine's."""
+    import json
+
+    from eagle_heads import build_eagle_head
+    from pdserve.engine.llm import DEFAULT_MODEL
+
+    head = tmp_path / "eagle3"
+    build_eagle_head(head, DEFAULT_MODEL, "eagle3", draft_vocab=1024, aux_layers=[1, 2, 3])
+    spec = json.dumps({"method": "eagle3", "num_speculative_tokens": 3, "model": str(head), "measure_payoff": False})
+    router = Router(RouterConfig(port=0, local_prefill_threshold=20, worker_timeout=3.0))
+    address = router.start()
+    decode = Worker(WorkerConfig(role="decode", router=router.internal_address, worker_id="decode-eagle",
+                                 num_blocks=256, kv_connector="zmq", speculative_config=spec))
+    prefill = Worker(WorkerConfig(role="prefill", router=router.internal_address, worker_id="prefill-eagle",
+                                  num_blocks=256, kv_connector="zmq"))
+    try:
+        decode.start()
+        prefill.start()
+        with Client(address, timeout=60) as client:
+            for prompt in (FIB, SORT):
+                out = collect(client.generate(prompt, max_tokens=24, temperature=0.0, ignore_eos=True))[0]
+                want = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+                assert list(out.token_ids) == want[0].outputs[0].token_ids
+        assert shipped(prefill) >= 2  # both prompts crossed
+        spec_stats = stats(decode.address)
+        assert spec_stats.spec_decode_num_draft_tokens > 0
+        wait_for(lambda: all_blocks_free(decode.address) and all_blocks_free(prefill.address), 15, "every block free")
+    finally:
+        prefill.stop()
+        decode.stop()
+        router.stop()
