@@ -178,7 +178,7 @@ BAD_VALUES = {
     "bad CPU list": ({"decode": {"config": {"cpuAffinity": "0-3,x"}}}, "/decode/config/cpuAffinity"),
     "zero drain time": ({"decode": {"drainTimeoutSeconds": 0}}, "/decode/drainTimeoutSeconds"),
     "negative max logprobs": ({"engine": {"maxLogprobs": -1}}, "/engine/maxLogprobs"),
-    "unknown speculative method": ({"decode": {"config": {"speculativeConfig": {"method": "eagle",
+    "unknown speculative method": ({"decode": {"config": {"speculativeConfig": {"method": "medusa",
                                                                                 "num_speculative_tokens": 3}}}},
                                    "/decode/config/speculativeConfig/method"),
     "speculative config without K": ({"decode": {"config": {"speculativeConfig": {"method": "ngram"}}}},
