@@ -74,7 +74,8 @@ class EngineCore:
         self.layer_hook: LayerHook | None = None
         self._seq_group: dict[str, SequenceGroup] = {}
         self._numbers = itertools.count()  # arrival numbers of groups and sequences (priority)
-        self.forker = Forker(kv, runner, scheduler, self.track)
+        on_sample = (lambda parent, child: speculator.fork(parent.request_id, child.request_id)) if speculator else None
+        self.forker = Forker(kv, runner, scheduler, self.track, on_sample)
         self.last_batch: tuple[int, int] = (0, 0)  # (sequences, tokens) the last step ran: for metrics
         self.last_scheduled: tuple[str, ...] = ()  # request ids of the last step's batch (failure isolation)
 

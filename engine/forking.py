@@ -29,11 +29,13 @@ class Forker:
     def __init__(
         self, kv: KVCacheManager, runner: ModelRunner, scheduler: Scheduler,
         track: Callable[[Request, SequenceGroup], None],
+        on_sample: Callable[[Request, Request], None] | None = None,
     ) -> None:
         self.kv = kv
         self.runner = runner
         self.scheduler = scheduler
         self.track = track  # registers a new sequence with the engine
+        self.on_sample = on_sample  # (parent, child): a sample forked off the prompt (a proposer's copy)
 
     def fork(self, group: SequenceGroup, parent: Request, sample_index: int) -> tuple[Request, bool]:
         """A new sequence continuing `parent`; whether it holds its KV now (else it
@@ -59,6 +61,8 @@ class Forker:
         ready = [parent]
         for index in range(1, group.params.n):
             child, has_kv = self.fork(group, parent, index)
+            if self.on_sample is not None:
+                self.on_sample(parent, child)
             if has_kv:
                 ready.append(child)
         return ready

@@ -16,9 +16,9 @@ The draft rows' KV is never kept: `fed` stops at N-2, so a rejected draft is rol
 back by being written over. A feature at position p is the target's only while every
 token up to p is the sequence's own: features at p >= N-1 (a rejected draft's) are
 never read, and a position computed again (preemption, a verification) replaces its
-feature. A sequence whose features do not reach back to where the head's KV ends (a
-prompt prefilled on another worker, a fork's shared prompt) starts a fresh head KV at
-its first contiguous feature: its early drafts see less context (they guess worse),
+feature; a sample forked off a prompt (n > 1) starts with the prompt's features. A
+sequence whose features do not reach back to where the head's KV ends (a prompt
+prefilled on another worker) starts a fresh head KV at its first contiguous feature: its early drafts see less context (they guess worse),
 its tokens do not change. The head's position p sits at its KV's row p - base; RoPE
 turns on p itself, so attention is as with the full context shifted, which RoPE does
 not see.
@@ -84,6 +84,14 @@ class EagleProposer:
             del kept[position]  # computed again (or a rejected draft's): the new one holds
         for i in range(features.shape[0]):
             kept[start + i] = features[i]
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """A sample forked off the parent's prompt (the engine forks right after the
+        prompt's prefill, before any proposal): the same features (shared tensors), so
+        its head catches up over the whole prompt as the parent's does."""
+        seq = self._seqs.get(parent_id)
+        features = seq.features if seq is not None else self._features.get(parent_id, {})
+        self._features[child_id] = dict(features)
 
     def propose(self, requests: Sequence[Request], ks: Sequence[int]) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in requests]

@@ -174,6 +174,11 @@ class Speculator:
         if isinstance(self.proposer, EagleProposer):
             self.proposer.observe(request_id, start, features)
 
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """A sample forked off `parent_id`'s prompt: it drafts from the same history."""
+        if isinstance(self.proposer, EagleProposer):
+            self.proposer.fork(parent_id, child_id)
+
     def skip(self) -> None:
         """A request that will decode without speculation (beam search)."""
         self._num_unspeculated += 1

@@ -198,6 +198,11 @@ def test_the_head_drafts_what_transformers_layers_compute(tmp_path, target, kind
     assert proposer.propose([Seq("a", longer)], [K]) == [hf_drafts(model, reference, longer, features, K)]
     proposer.release("a")
     proposer.check_integrity(())
+    # A sample forked off the prompt (before any proposal, as the engine forks right
+    # after the prefill) drafts from the same features, beside its parent.
+    proposer.observe("p", 0, hf_features(model, PROMPT, kind, (1, 3, 4)))
+    proposer.fork("p", "c")
+    assert proposer.propose([Seq("p", PROMPT), Seq("c", PROMPT)], [K, K]) == [want, want]
 
 
 @pytest.mark.parametrize("kind, layers", [("eagle", ()), ("eagle3", (0, 2, 4)), ("eagle3", (3, 1, 3))])
@@ -274,6 +279,22 @@ def test_seeded_sampling_is_the_same_with_eagle_on_and_off(family, kind):
     on = llm.generate(prompts(), params)
     assert [[s.token_ids for s in o.outputs] for o in on] == [[s.token_ids for s in o.outputs] for o in off]
     llm.check_integrity()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_samples_forked_off_the_prompt_draft_from_its_features(family, kind):
+    """n = 3 greedy: three identical samples, each drafting as the lone n = 1 request
+    does (the forks start with the prompt's features, not at their first token)."""
+    path, heads, expected = family
+    counts = []
+    for n in (1, 3):
+        llm = LLM(model=str(path), speculative_config=config(heads[kind], kind))
+        outs = llm.generate([prompts()[1]], SamplingParams(max_tokens=MAX_NEW, temperature=0.0, n=n))
+        assert [s.token_ids for s in outs[0].outputs] == [expected[1]] * n
+        spec = llm.stats().spec_decode
+        counts.append((spec.num_draft_tokens, spec.num_accepted_tokens))
+        llm.check_integrity()
+    assert counts[1] == (3 * counts[0][0], 3 * counts[0][1]), counts
 
 
 # -- heads that do not fit ------------------------------------------------------------------------
