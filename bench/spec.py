@@ -1,8 +1,9 @@
-"""Speculative decoding benchmark: spec off vs ngram vs draft_model on the embedded model.
+"""Speculative decoding benchmark: spec off vs ngram vs draft_model vs eagle3 on the embedded model.
 
 Run `python -m pdserve.bench.spec --threads 1` (3 repetitions, about 3 minutes on a CPU core;
 more torch threads than free cores make every timing several times slower and erratic),
-`--quick` (about 10 s), or on a GPU `python scripts/gpu_bench_spec.py` (larger random models).
+`--quick` (about 10 s; off, ngram and draft_model only), or on a GPU
+`python scripts/gpu_bench_spec.py` (larger random models).
 
     one LLMEngine per method, built once and warmed up; prefix caching off, so every
     repetition does the same work (prompts: bench/spec_workloads.py)
@@ -32,6 +33,11 @@ Per workload, concurrency and method:
   lossless       every method's tokens == off's for the same prompt, concurrency and
                  repetition; any difference is printed (INCONSISTENT) and the exit status is 1
 
+eagle3 drafts with the committed EAGLE-3 head of the embedded model
+(models/pdserve-tiny-code-eagle3, scripts/train_eagle_head.py); with another --model it runs
+only when --eagle-model names a head for that model. Before the last line, one line per
+workload gives every speculating method's acceptance length over all its runs.
+
 The last line: `tpot_ratio_c1=X throughput_ratio_c64=Y acceptance_length=Z`, ngram on the
 grounded workload: X the TPOT ratio at concurrency 1, Y the throughput ratio at 64 (at the
 highest concurrency run when 64 is not; the log says so), Z over all its runs.
@@ -55,7 +61,7 @@ from transformers.utils import logging as hf_logging
 from pdserve.bench.entry import compare_main, overridden
 from pdserve.bench.offline import machine_load
 from pdserve.bench.repeat import rotated
-from pdserve.bench.spec_report import Cell, Run, acceptance_curves, analyse, last_line, table
+from pdserve.bench.spec_report import Cell, Run, acceptance_curves, acceptance_summary, analyse, last_line, table
 from pdserve.bench.spec_workloads import WORKLOADS, SpecRequest, draw_functions, make_requests
 from pdserve.engine.config import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL, CacheConfig, SchedulerConfig
 from pdserve.engine.engine import EngineConfig, LLMEngine
@@ -65,13 +71,15 @@ from pdserve.engine.spec.config import SpeculativeConfig
 from pdserve.engine.spec.speculator import SpecStats
 from pdserve.engine.tokenizer import Tokenizer
 
-METHODS = ("off", "ngram", "draft_model")
+METHODS = ("off", "ngram", "draft_model", "eagle3")
+DEFAULT_EAGLE_MODEL = DEFAULT_MODEL + "-eagle3"  # scripts/train_eagle_head.py's head of the embedded model
 
 
 @dataclass(frozen=True)
 class SpecBenchConfig:
     model: str = DEFAULT_MODEL
     draft_model: str = DEFAULT_DRAFT_MODEL
+    eagle_model: str | None = None  # None: DEFAULT_EAGLE_MODEL when model is the embedded one
     tokenizer: str | None = None  # None: the model's own
     methods: tuple[str, ...] = METHODS
     workloads: tuple[str, ...] = WORKLOADS
@@ -102,6 +110,14 @@ class SpecBenchConfig:
         for name, low in (("repeats", 1), ("max_tokens", 2), ("num_speculative_tokens", 1)):  # TPOT needs 2 tokens
             if getattr(self, name) < low:
                 raise ValueError(f"--{name.replace('_', '-')}: must be >= {low}, got {getattr(self, name)}")
+        if "eagle3" in self.methods and self.eagle_head is None:
+            raise ValueError(f"--methods eagle3: the committed head is for {DEFAULT_MODEL} only; "
+                             f"give --eagle-model for {self.model}")
+
+    @property
+    def eagle_head(self) -> str | None:
+        """The EAGLE-3 head eagle3 drafts with (None: no head for this model)."""
+        return eagle_head_for(self.model, self.eagle_model)
 
     def num_requests(self, concurrency: int) -> int:
         return max(self.min_requests, self.requests_per_slot * concurrency)
@@ -115,12 +131,20 @@ class SpecBenchConfig:
         if method == "ngram":
             keys |= {"prompt_lookup_min": self.prompt_lookup_min, "prompt_lookup_max": self.prompt_lookup_max}
         else:
-            keys["model"] = self.draft_model
+            keys["model"] = self.eagle_head if method == "eagle3" else self.draft_model
         return SpeculativeConfig.parse({k: v for k, v in keys.items() if v is not None})
 
 
+def eagle_head_for(model: str, eagle_model: str | None) -> str | None:
+    """`eagle_model`, else the committed head when `model` is the embedded one, else None."""
+    if eagle_model is not None:
+        return eagle_model
+    return DEFAULT_EAGLE_MODEL if Path(model).resolve() == Path(DEFAULT_MODEL).resolve() else None
+
+
 QUICK = SpecBenchConfig(
-    concurrency=(1, 4), requests_per_slot=1, min_requests=4, max_tokens=24, repeats=2, threads=1,
+    methods=("off", "ngram", "draft_model"), concurrency=(1, 4), requests_per_slot=1, min_requests=4, max_tokens=24,
+    repeats=2, threads=1,
 )
 
 
@@ -266,6 +290,7 @@ def run(cfg: SpecBenchConfig, json_path: str | None, plot_path: str | None) -> t
     runs = run_all(cfg, lambda msg: print(msg, flush=True))
     cells, problems = analyse(runs)
     print("\n".join(["", *table(cells), ""]), flush=True)
+    print("\n".join(acceptance_summary(runs)), flush=True)
     line = last_line(cells, runs)
     if json_path:
         Path(json_path).write_text(json.dumps(report_json(cfg, cells, runs, problems, line), indent=1) + "\n")
@@ -282,7 +307,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[SpecBenchConfig, argparse.Na
     parser.add_argument("--quick", action="store_true", help="concurrency 1 and 4, 4 short requests, 2 repetitions")
     parser.add_argument("--repeats", type=int)
     parser.add_argument("--concurrency", type=_ints, help="comma-separated (1,4,16,64)")
-    parser.add_argument("--methods", type=_names, help="comma-separated subset of off,ngram,draft_model")
+    parser.add_argument("--methods", type=_names, help="comma-separated subset of off,ngram,draft_model,eagle3 "
+                        "(all; eagle3 only with the embedded model or --eagle-model)")
     parser.add_argument("--workloads", type=_names, help="comma-separated subset of grounded,completion")
     parser.add_argument("--max-tokens", type=int)
     parser.add_argument("--num-speculative-tokens", type=int)
@@ -292,6 +318,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[SpecBenchConfig, argparse.Na
     parser.add_argument("--measure-payoff", type=_bool, help="true or false (the engine's default: true)")
     parser.add_argument("--model", help=f"target model directory ({DEFAULT_MODEL})")
     parser.add_argument("--draft-model", help=f"draft model directory ({DEFAULT_DRAFT_MODEL})")
+    parser.add_argument("--eagle-model", help=f"EAGLE-3 head directory ({DEFAULT_EAGLE_MODEL})")
     parser.add_argument("--tokenizer", help="directory of the tokenizer that encodes the prompts (the model's)")
     parser.add_argument("--device")
     parser.add_argument("--dtype")
@@ -301,6 +328,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[SpecBenchConfig, argparse.Na
     parser.add_argument("--plot", help="write a PNG of acceptance by position here")
     args = parser.parse_args(argv)
     given = {k: v for k, v in vars(args).items() if k not in ("quick", "json", "plot") and v is not None}
+    if "methods" not in given and not args.quick and eagle_head_for(given.get("model", DEFAULT_MODEL),
+                                                                    given.get("eagle_model")) is None:
+        given["methods"] = tuple(m for m in METHODS if m != "eagle3")  # no EAGLE-3 head for that model
     cfg = overridden(QUICK if args.quick else SpecBenchConfig(), given, parser)
     try:
         for method in cfg.methods:

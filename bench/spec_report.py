@@ -151,6 +151,20 @@ def analyse(runs: Sequence[Run]) -> tuple[list[Cell], list[str]]:
     return cells, problems
 
 
+def acceptance_summary(runs: Sequence[Run]) -> list[str]:
+    """Per workload, `acceptance_length <workload>: method=L ...` for every speculating
+    method, pooled over its runs (all concurrencies and repetitions)."""
+    lines = []
+    for workload in _in_order(r.workload for r in runs):
+        lengths = []
+        for method in _in_order(r.method for r in runs if r.method != "off"):
+            _, length, _ = acceptance(pooled([r for r in runs if (r.workload, r.method) == (workload, method)]))
+            lengths.append(f"{method}={fmt(length)}")
+        if lengths:
+            lines.append(f"acceptance_length {workload}: {' '.join(lengths)}")
+    return lines
+
+
 def last_line(cells: Sequence[Cell], runs: Sequence[Run]) -> str:
     """`tpot_ratio_c1=X throughput_ratio_c64=Y acceptance_length=Z`: ngram on the grounded
     workload (Y at the highest concurrency run, when 64 was not)."""

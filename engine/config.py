@@ -27,6 +27,8 @@ DEFAULT_MAX_LOGPROBS = 20  # as vLLM's max_logprobs
 DEFAULT_MODEL = str(Path(__file__).resolve().parent.parent / "models" / "pdserve-tiny-code")
 # Its draft model for speculative decoding: same tokenizer, trained on the same text.
 DEFAULT_DRAFT_MODEL = DEFAULT_MODEL + "-draft"
+# Its EAGLE-3 head (scripts/train_eagle_head.py), for speculative_config method eagle3.
+DEFAULT_EAGLE3_HEAD = DEFAULT_MODEL + "-eagle3"
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:

@@ -6,8 +6,8 @@ chat request through the router's OpenAI-compatible HTTP API with the `openai`
 client (the bench extra, which `make` installs), its reply printed; the KV bytes
 each worker moved, then a clean shutdown. Last, speculative decoding on the engine:
 one input-grounded prompt (a standard-library function, to be written again with a
-name changed) without speculation, with n-gram prompt lookup and with the embedded
-draft model, the same tokens each time, with their TPOT and acceptance. And quantization
+name changed) without speculation, with n-gram prompt lookup, the embedded draft
+model and its EAGLE-3 head, the same tokens each time, with their TPOT and acceptance. And quantization
 on the engine: each weight scheme and the FP8 KV cache, with the weight bytes, the KV
 blocks the same memory holds, and how many greedy tokens agree with full precision."""
 
@@ -18,7 +18,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from pdserve.engine.config import DEFAULT_DRAFT_MODEL
+from pdserve.engine.config import DEFAULT_DRAFT_MODEL, DEFAULT_EAGLE3_HEAD
 from pdserve.engine.llm import DEFAULT_MODEL, LLM
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
@@ -79,7 +79,8 @@ GROUNDED_SOURCE = '''def store(self, source):
 
 
 def speculation(model: str, draft: str) -> None:
-    """The same greedy request without speculation, with ngram and with the draft model."""
+    """The same greedy request without speculation, with ngram, the draft model and the
+    EAGLE-3 head."""
     prompt = (f"{GROUNDED_SOURCE}\n\n# The same function, with source renamed to new_source:\n"
               "def store(self, new_source):\n")
     params = SamplingParams(max_tokens=96, temperature=0.0)
@@ -87,6 +88,7 @@ def speculation(model: str, draft: str) -> None:
         "off": None,
         "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4},
         "draft_model": {"method": "draft_model", "num_speculative_tokens": 4, "model": draft},
+        "eagle3": {"method": "eagle3", "num_speculative_tokens": 4, "model": DEFAULT_EAGLE3_HEAD},
     }
     print("=" * 60)
     print("speculative decoding (engine, one request, greedy): the same function again, renamed")

@@ -297,6 +297,21 @@ def test_samples_forked_off_the_prompt_draft_from_its_features(family, kind):
     assert counts[1] == (3 * counts[0][0], 3 * counts[0][1]), counts
 
 
+def test_the_committed_head_drafts_for_the_embedded_model_losslessly():
+    """models/pdserve-tiny-code-eagle3 (scripts/train_eagle_head.py) loads against the
+    embedded model, its tokens are spec-off's, and it guesses right more than by chance."""
+    from pdserve.engine.config import DEFAULT_EAGLE3_HEAD, DEFAULT_MODEL
+
+    prompt = "def read_lines(path):\n    with open(path) as f:\n"
+    params = SamplingParams(max_tokens=48, temperature=0.0)
+    off = LLM(model=DEFAULT_MODEL, num_blocks=64).generate([prompt], params)[0].outputs[0].token_ids
+    llm = LLM(model=DEFAULT_MODEL, num_blocks=64, speculative_config=config(Path(DEFAULT_EAGLE3_HEAD), "eagle3"))
+    assert llm.generate([prompt], params)[0].outputs[0].token_ids == off
+    spec = llm.stats().spec_decode
+    assert spec.num_drafts > 0 and spec.num_accepted_tokens / spec.num_draft_tokens > 0.2, spec
+    llm.check_integrity()
+
+
 # -- heads that do not fit ------------------------------------------------------------------------
 
 
