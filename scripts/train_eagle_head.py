@@ -5,7 +5,7 @@ learns from the target's own features on the stdlib corpus that trained the targ
 with scripts/train_default_model.py's corpus, tokenizer and held-out split::
 
     .venv/bin/python scripts/train_eagle_head.py                  # writes models/pdserve-tiny-code-eagle3
-    .venv/bin/python scripts/train_eagle_head.py --steps 20 --out /tmp/h   # smoke run
+    .venv/bin/python scripts/train_eagle_head.py --steps 20 --self-distill 64 --out /tmp/h   # smoke run
 
 Training-time test (EAGLE-3), as engine/spec/eagle.py drafts. For a window t[0..L-1],
 row p (0 <= p <= L-2) of every step reads the embedding of t[p+1] and predicts t[p+2]:
@@ -22,6 +22,15 @@ draft vocabulary (softmax of its logits at p+1, restricted to the draft vocabula
 weighted by DECAY**j and summed over STEPS_DEEP steps. The draft vocabulary is the
 DRAFT_VOCAB most frequent tokens of the training text (d2t maps them back).
 
+Self-distillation (EAGLE's practice; --self-distill N, default 1024): at serving time the head
+drafts the target's own greedy continuations (which often loop), not human-written text, so
+before training the script draws N prompts (64-128 tokens, seeded) from the TRAINING split's
+tokens only and continues each by 192 greedy tokens with pdserve's engine (spec off,
+ignore_eos, one batched llm.generate call). A self-distillation window is a prompt's last 64
+tokens and its whole continuation (256 tokens); --sd-per-batch (default 6) of each batch's 8
+windows are drawn from them, the rest from the corpus. --self-distill 0 trains on corpus
+windows only.
+
 The run is seeded and its step count fixed, so the same torch, Python (the corpus is its
 stdlib) and --threads give the same head. At the end it runs pdserve's engine on held-out
 free-completion prompts (bench/spec_workloads.py: functions of files the target never
@@ -29,15 +38,17 @@ trained on), greedy, K=4, measure_payoff off, checks that eagle3's tokens equal 
 and prints ``eagle_acceptance_length=X draft_acceptance_length=Y ngram_acceptance_length=Z``
 (mean acceptance length = 1 + accepted / drafts); the line also goes to the head's README.md.
 
-The committed head (7.2 MB, fp32, 1.8M parameters) is this script's defaults: 600 steps of
-8 x 256 tokens, 14.7 min of training (1.47 s/step, --threads 1, on a 2-core box whose other
-core was busy; ~16 min in all with the acceptance check). Train top-1 agreement with the
-target by step 0.667 0.663 0.657 0.645 at the end. Held-out free completion, 24 prompts x
-96 tokens::
+The committed head (7.2 MB, fp32, 1.8M parameters) is this script's defaults: 1024 prompts x
+192 greedy tokens of self-distillation (2.7 min), then 500 steps of 8 x 256 tokens (6
+self-distilled + 2 corpus windows each), 11.8 min of training (1.41 s/step, --threads 1, on
+a 2-core box whose other core was busy); 14.9 min in all with the acceptance check. Train
+top-1 agreement with the target by step 0.726 0.727 0.718 0.704 at the end. Held-out free
+completion, 24 prompts x 96 tokens::
 
-    eagle_acceptance_length=2.228 draft_acceptance_length=2.329 ngram_acceptance_length=3.403
+    eagle_acceptance_length=2.705 draft_acceptance_length=2.329 ngram_acceptance_length=3.403
 
-(the greedy continuations of this tiny target often loop, which prompt lookup predicts best).
+(the head trained on corpus windows only, 600 steps: eagle 2.228; the greedy continuations
+of this tiny target often loop, which prompt lookup predicts best).
 """
 
 from __future__ import annotations
@@ -74,7 +85,7 @@ AUX_LAYERS = (1, 2, 3)  # layer inputs: hidden_states[j] of HF's output_hidden_s
 class HeadTrainConfig:
     target: Path = TARGET
     out: Path = Path("models/pdserve-tiny-code-eagle3")
-    steps: int = 600
+    steps: int = 500
     threads: int = 1
     seed: int = 0
     steps_deep: int = 4  # training-time test depth (K = 4 drafts at inference)
@@ -88,6 +99,12 @@ class HeadTrainConfig:
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     log_every: int = 25
+    # Self-distillation (EAGLE's practice): the target's own greedy continuations of
+    # training-split prompts; batches mix them with corpus windows.
+    self_distill: int = 1024  # prompts continued (0: corpus windows only)
+    sd_prompt_len: tuple[int, int] = (64, 128)  # prompt length drawn uniformly in [lo, hi]
+    sd_new_tokens: int = 192  # greedy tokens generated per prompt
+    sd_per_batch: int = 6  # windows of a batch drawn from the self-distillation data
     # Evaluation (held-out free completion).
     eval_prompts: int = 24
     eval_max_tokens: int = 96
@@ -101,13 +118,22 @@ def parse_args(argv: Sequence[str] | None = None) -> HeadTrainConfig:
     parser.add_argument("--threads", type=int, default=base.threads, help="CPU threads (%(default)s)")
     parser.add_argument("--out", type=Path, default=base.out, help="output directory (%(default)s)")
     parser.add_argument("--seed", type=int, default=base.seed, help="random seed (%(default)s)")
+    parser.add_argument("--self-distill", type=int, default=base.self_distill,
+                        help="training-split prompts whose greedy continuations by the target (pdserve's "
+                             "engine) are trained on (%(default)s; 0: corpus windows only)")
+    parser.add_argument("--sd-per-batch", type=int, default=base.sd_per_batch,
+                        help=f"windows of each {base.batch_size}-window batch drawn from the self-distillation "
+                             "data, the rest from the corpus (%(default)s)")
     parser.add_argument("--eval-prompts", type=int, default=base.eval_prompts,
                         help="held-out prompts of the acceptance check (%(default)s; 0 skips it)")
     args = parser.parse_args(argv)
-    if args.steps < 1 or args.threads < 1 or args.eval_prompts < 0:
-        parser.error("--steps and --threads must be >= 1, --eval-prompts >= 0")
+    if args.steps < 1 or args.threads < 1 or args.eval_prompts < 0 or args.self_distill < 0:
+        parser.error("--steps and --threads must be >= 1, --eval-prompts and --self-distill >= 0")
+    if not 0 <= args.sd_per_batch <= base.batch_size:
+        parser.error(f"--sd-per-batch must be in [0, {base.batch_size}]")
     return replace(base, steps=args.steps, threads=args.threads, out=args.out, seed=args.seed,
-                   eval_prompts=args.eval_prompts)
+                   eval_prompts=args.eval_prompts, self_distill=args.self_distill,
+                   sd_per_batch=args.sd_per_batch if args.self_distill else 0)
 
 
 # --------------------------------------------------------------------------- the head
@@ -247,6 +273,49 @@ def ttt_loss(cfg: HeadTrainConfig, logits: list[torch.Tensor], probs: torch.Tens
     return total, agree
 
 
+@torch.no_grad()
+def self_distill_data(cfg: HeadTrainConfig, data: torch.Tensor) -> torch.Tensor:
+    """Windows [N, seq_len] of the target's own greedy text: N prompts drawn (seeded) from the
+    TRAINING split's tokens, each continued by sd_new_tokens greedy tokens with pdserve's
+    engine (spec off, ignore_eos); a window is the prompt's last seq_len - sd_new_tokens
+    tokens and the whole continuation."""
+    from pdserve.engine import LLM, SamplingParams
+
+    context = cfg.seq_len - cfg.sd_new_tokens
+    lo, hi = cfg.sd_prompt_len
+    if not 0 < context <= lo <= hi:
+        raise ValueError("self-distillation windows need seq_len - sd_new_tokens in (0, prompt length]")
+    generator = torch.Generator().manual_seed(cfg.seed + 7)
+    lengths = torch.randint(lo, hi + 1, (cfg.self_distill,), generator=generator).tolist()
+    starts = torch.randint(0, data.numel() - hi, (cfg.self_distill,), generator=generator).tolist()
+    prompts = [data[s : s + n].tolist() for s, n in zip(starts, lengths)]
+    start = time.monotonic()
+    llm = LLM(model=str(cfg.target))
+    params = SamplingParams(max_tokens=cfg.sd_new_tokens, temperature=0.0, ignore_eos=True)
+    outputs = llm.generate(prompts, params)
+    windows = [list(p[-context:]) + list(o.outputs[0].token_ids) for p, o in zip(prompts, outputs)]
+    del llm
+    if any(len(w) != cfg.seq_len for w in windows):
+        raise RuntimeError("self-distillation: a continuation came back short")
+    elapsed = time.monotonic() - start
+    print(f"self-distillation: {len(windows)} prompts x {cfg.sd_new_tokens} greedy tokens in {elapsed / 60:.1f} min",
+          flush=True)
+    return torch.tensor(windows, dtype=torch.long)
+
+
+def mixed_batch(cfg: HeadTrainConfig, data: torch.Tensor, distilled: torch.Tensor | None,
+                generator: torch.Generator) -> torch.Tensor:
+    """A [batch_size, seq_len] batch: sd_per_batch self-distillation windows, then corpus windows."""
+    own = cfg.sd_per_batch if distilled is not None else 0
+    rows = []
+    if own:
+        rows.append(distilled[torch.randint(0, distilled.shape[0], (own,), generator=generator)])
+    if cfg.batch_size - own:
+        window = replace(tdm.TrainConfig(), seq_len=cfg.seq_len, batch_size=cfg.batch_size - own)
+        rows.append(tdm.sample_batch(data, window, generator))
+    return torch.cat(rows)
+
+
 # --------------------------------------------------------------------------- training
 
 
@@ -260,17 +329,16 @@ def lr_at(cfg: HeadTrainConfig, step: int) -> float:
 
 
 def train(cfg: HeadTrainConfig, head: Eagle3Head, target: LlamaForCausalLM, rope: RotaryEmbedding,
-          data: torch.Tensor, keep: torch.Tensor) -> None:
+          data: torch.Tensor, keep: torch.Tensor, distilled: torch.Tensor | None = None) -> None:
     optimizer = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     generator = torch.Generator().manual_seed(cfg.seed)
-    window = replace(tdm.TrainConfig(), seq_len=cfg.seq_len, batch_size=cfg.batch_size)
     start = time.monotonic()
     losses: list[float] = []
     agrees: list[list[float]] = []
     for step in range(cfg.steps):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(cfg, step)
-        batch = target_batch(target, tdm.sample_batch(data, window, generator), keep)
+        batch = target_batch(target, mixed_batch(cfg, data, distilled, generator), keep)
         loss, agree = ttt_loss(cfg, head_steps(head, batch.embeds, batch.features, rope, cfg.steps_deep),
                                batch.probs)
         optimizer.zero_grad(set_to_none=True)
@@ -368,11 +436,13 @@ def report_acceptance(cfg: HeadTrainConfig) -> str:
 
 
 def write_readme(cfg: HeadTrainConfig, line: str, minutes: float) -> None:
+    sd = (f"; {cfg.sd_per_batch} of each batch's windows from the target's own greedy continuations "
+          f"({cfg.self_distill} training-split prompts x {cfg.sd_new_tokens} tokens)" if cfg.self_distill else "")
     (cfg.out / "README.md").write_text(
         f"# pdserve-tiny-code-eagle3\n\nAn EAGLE-3 draft head for models/pdserve-tiny-code, trained by "
         f"scripts/train_eagle_head.py ({cfg.steps} steps of {cfg.batch_size} x {cfg.seq_len} tokens, "
         f"training-time test {cfg.steps_deep} steps deep, draft vocabulary {cfg.draft_vocab}, "
-        f"--threads {cfg.threads}, {minutes:.1f} min of training).\n\n"
+        f"--threads {cfg.threads}, {minutes:.1f} min of training{sd}).\n\n"
         f"Held-out free completion ({cfg.eval_prompts} prompts x {cfg.eval_max_tokens} tokens, greedy, "
         f"num_speculative_tokens {cfg.num_speculative_tokens}, measure_payoff false), mean acceptance "
         f"length = 1 + accepted / drafts:\n\n    {line}\n")
@@ -395,10 +465,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     target = LlamaForCausalLM.from_pretrained(cfg.target, dtype=torch.float32).eval().requires_grad_(False)
     model_cfg = ModelConfig.from_hf_config({**json.loads((cfg.target / "config.json").read_text())})
     rope = RotaryEmbedding(model_cfg.rope, model_cfg.head_dim, cfg.seq_len, torch.device("cpu"))
+    distilled = self_distill_data(cfg, data) if cfg.self_distill else None
     head = Eagle3Head(model_cfg, cfg.draft_vocab, len(AUX_LAYERS))
     print(f"head: {sum(p.numel() for p in head.parameters()):,} parameters", flush=True)
     start = time.monotonic()
-    train(cfg, head, target, rope, data, keep)
+    train(cfg, head, target, rope, data, keep, distilled)
     minutes = (time.monotonic() - start) / 60
     save_head(cfg, head, keep, len(tokenizer))
     if cfg.eval_prompts:
