@@ -42,7 +42,7 @@ def test_without_the_flag_nothing_speculates():
 
 
 @pytest.mark.parametrize("value, key", [
-    ({"method": "eagle", "num_speculative_tokens": 3}, "speculative_config.method"),
+    ({"method": "medusa", "num_speculative_tokens": 3}, "speculative_config.method"),
     ({"method": "ngram"}, "speculative_config.num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 3, "model": "/nowhere"}, "speculative_config.model"),
