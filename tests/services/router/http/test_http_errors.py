@@ -354,13 +354,19 @@ class Bare:
     def frozen(self):
         """The worker stopped (SIGSTOP) for the block, then every block free. A request
         sent at the freeze outlives its deadline (REQUEST_TIMEOUT) before the router's
-        keepalive pings find the worker gone (3 s after a ping goes unanswered)."""
+        keepalive pings find the worker gone (3 s after a ping goes unanswered). Each
+        freeze starts from a worker the router serves with: a freeze before may have
+        outlived those 3 s on a loaded machine, and a dropped worker takes a heartbeat
+        or two to register again (until then: 503, no worker, not the 504 a frozen one
+        gives)."""
+        wait_for(lambda: self.http.get("/health").status_code == 200, 30, "the worker to be registered and serving")
         os.kill(self.worker.pid, signal.SIGSTOP)
         try:
             yield
         finally:
             os.kill(self.worker.pid, signal.SIGCONT)
         wait_for(lambda: all_blocks_free(self.worker_address), 30, "the thawed worker to free every block")
+        wait_for(lambda: self.http.get("/health").status_code == 200, 30, "the thawed worker to serve again")
 
 
 @pytest.fixture(scope="module")
