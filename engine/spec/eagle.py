@@ -122,8 +122,9 @@ class EagleProposer:
         for _, seq, _ in rows:
             for position in [p for p in seq.features if p < seq.base + seq.fed - 1]:
                 del seq.features[position]  # the last one stays: a proposal may feed it again
-            for position, feature in seq.features.items():  # a row of a whole prefill's
-                seq.features[position] = feature.clone()  # features must not keep it all alive
+            for position, feature in seq.features.items():  # a row of a whole step's features
+                if feature._base is not None:  # must not keep them all alive (once: a clone has none)
+                    seq.features[position] = feature.clone()
         return drafts
 
     def _sync(self, request: Request) -> HeadSeq | None:
