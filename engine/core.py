@@ -42,6 +42,7 @@ from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.sampling_params import SamplingParams, check_field
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
+from pdserve.engine.spec.draft_state import DraftState
 from pdserve.engine.spec.speculator import Speculator
 from pdserve.engine.spec.verify import accept_matching, positions
 from pdserve.engine.validation import MAX_REQUEST_ID
@@ -71,6 +72,7 @@ class EngineCore:
         # Prefill role: finished requests whose blocks wait to be shipped, and the
         # hook told after each layer which exported tokens it has written.
         self.held: dict[str, Request] = {}
+        self.held_drafts: dict[str, DraftState] = {}  # of held requests: the EAGLE head's state to ship
         self.layer_hook: LayerHook | None = None
         self._seq_group: dict[str, SequenceGroup] = {}
         self._numbers = itertools.count()  # arrival numbers of groups and sequences (priority)
@@ -129,6 +131,8 @@ class EngineCore:
             self.held[seq.request_id] = seq
         self._seq_group.pop(seq.request_id, None)
         if self.speculator is not None:
+            if hold:
+                self._export_draft(self.speculator, seq)
             self.speculator.release(seq.request_id)
         self.output.untrack(seq)
         group.pending.pop(seq.request_id, None)
@@ -284,13 +288,31 @@ class EngineCore:
 
     def _observe(self, scheduled: Scheduled, features: torch.Tensor) -> None:
         """Hand the proposer the target's features of every sequence that may speculate
-        (not a beam): item i's rows, from its first position computed this step."""
-        first = 0
+        (not a beam): item i's rows, from its first position computed this step; then
+        let it take in the prompt rows among them (Speculator.prime)."""
+        speculator = self.speculator
+        if speculator is None:
+            return
+        first, observed = 0, []
         for request, n in scheduled:
             group = self._seq_group.get(request.request_id)
-            if group is not None and group.beam is None and self.speculator is not None:
-                self.speculator.observe(request.request_id, request.num_computed_tokens, features[first : first + n])
+            if group is not None and group.beam is None:
+                speculator.observe(request.request_id, request.num_computed_tokens, features[first : first + n])
+                observed.append(request)
             first += n
+        try:
+            speculator.prime(observed)
+        except Exception as exc:  # a fault in the head costs drafts, never a request
+            log.warning("speculative proposer failed to take in prompts (%s: %s)", type(exc).__name__, exc)
+
+    def _export_draft(self, speculator: Speculator, seq: Request) -> None:
+        try:
+            draft = speculator.export(seq)
+        except Exception as exc:  # the decode worker's head then starts at its first token
+            log.warning("speculative proposer failed to export %r (%s: %s)", seq.request_id, type(exc).__name__, exc)
+            return
+        if draft is not None:
+            self.held_drafts[seq.request_id] = draft
 
     def _advance(self, group: SequenceGroup, request: Request, n: int, rows: torch.Tensor) -> list[Request]:
         """Account for the n tokens just computed; the sequences that sample from this

@@ -5,6 +5,8 @@
     layer_hook(layer, [ExportSlice]) per layer    ... pages land in the blocks ...
       (engine/export.py)
     finished: blocks held until release()       commit_remote -> decoding starts
+      held_draft: an EAGLE head's DraftState      (with the DraftState: the head goes on
+      (shipped with the final message)             where the prefill worker's stopped)
 
 Held blocks (prefill) and reservations (decode) only change through calls: their
 owner (services/worker) keeps the deadlines.
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pdserve.engine.errors import NoCapacityError
+from pdserve.engine.spec.draft_state import DraftState
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.request import RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
@@ -52,7 +55,7 @@ class RemoteKV:
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         return Reservation(request_id, core.kv.block_ids(request_id), num_hit)
 
-    def commit(self, request_id: str, first_token: int | None) -> list[RequestOutput]:
+    def commit(self, request_id: str, first_token: int | None, draft: DraftState | None = None) -> list[RequestOutput]:
         core = self.core
         group = core.groups.get(request_id)
         if group is None or group.live[0].status != RequestStatus.WAITING_FOR_REMOTE_KV:
@@ -60,6 +63,8 @@ class RemoteKV:
         request = group.live[0]
         request.kv_committed_time = request.first_scheduled_time = time.monotonic()
         request.num_computed_tokens = request.num_prompt_tokens - (first_token is None)
+        if draft is not None and core.speculator is not None:
+            core.speculator.adopt(request, draft)  # before the first token: a fork copies it
         core.kv.cache_full_blocks(request)
         core.scheduler.adopt(request)
         finished: list[RequestOutput] = []
@@ -68,6 +73,7 @@ class RemoteKV:
         return finished
 
     def release(self, request_id: str) -> None:
+        self.core.held_drafts.pop(request_id, None)
         if self.core.held.pop(request_id, None) is not None:
             self.core.kv.free(request_id)
 
@@ -75,3 +81,8 @@ class RemoteKV:
         if request_id not in self.core.held:
             raise ValueError(f"request_id: {request_id!r} holds no exported blocks")
         return self.core.kv.block_ids(request_id)
+
+    def held_draft(self, request_id: str) -> DraftState | None:
+        """Prefill side: the EAGLE head's state at the end of a held prompt (None: no
+        head, or it has none to give); shipped with the final message."""
+        return self.core.held_drafts.get(request_id)

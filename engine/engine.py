@@ -40,6 +40,7 @@ from pdserve.engine.sampling_params import SamplingParams, continues_from_first_
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.quant.apply import weight_bytes
 from pdserve.engine.spec.draft_model import DraftModelProposer, check_draft_model
+from pdserve.engine.spec.draft_state import DraftLayout, DraftState
 from pdserve.engine.spec.eagle import EagleProposer
 from pdserve.engine.spec.eagle_head import KINDS as EAGLE_KINDS
 from pdserve.engine.spec.eagle_head import EagleHead, load_head, read_spec
@@ -266,12 +267,35 @@ class LLMEngine:
         self.validate(prompt_token_ids, params)
         return self.remote.reserve(request_id, prompt_token_ids, params)
 
-    def commit_remote(self, request_id: str, first_token: int | None = None) -> list[RequestOutput]:
+    def commit_remote(self, request_id: str, first_token: int | None = None,
+                      draft: DraftState | None = None) -> list[RequestOutput]:
         """The reserved blocks now hold the prompt's KV: start decoding. With
         `first_token` (sampled by the prefill worker) decoding continues from it;
         without (n > 1, beams) this worker recomputes the last prompt token and samples
-        itself. Returns the request's output if that token already finished it."""
-        return self.remote.commit(request_id, first_token)
+        itself. `draft`: the prefill worker's EAGLE head state for the prompt. Returns
+        the request's output if that token already finished it."""
+        return self.remote.commit(request_id, first_token, draft)
+
+    def held_draft(self, request_id: str) -> DraftState | None:
+        """Prefill side: the EAGLE head's state at the end of a held prompt, to ship."""
+        return self.remote.held_draft(request_id)
+
+    @property
+    def draft_layout(self) -> DraftLayout | None:
+        """Decode side: the EAGLE head state this engine takes with a prompt's KV."""
+        return self.speculator.draft_layout if self.speculator is not None else None
+
+    @property
+    def kv_format(self) -> str:
+        """The runner's kv_format, and the EAGLE head's digest: a prefill worker's head
+        fills its decode worker's, so workers with different heads do not pair."""
+        text = self.runner.kv_format
+        return text if self.eagle_head is None else f"{text};eagle_head={self.eagle_head.digest}"
+
+    @property
+    def kv_layout(self) -> str:
+        """What two workers exchanging KV (and head state) must share (WorkerInfo.kv_layout)."""
+        return f"{str(self.runner.kv_dtype).removeprefix('torch.')};{self.kv_format}"
 
     def release(self, request_id: str) -> None:
         """Free the blocks of a finished exported request (its KV has been shipped, or

@@ -27,6 +27,7 @@ from pdserve.engine.sampling_params import check_field, short_repr
 
 Method = Literal["ngram", "draft_model", "eagle", "eagle3"]
 METHODS = ("ngram", "draft_model", "eagle", "eagle3")
+EAGLE_METHODS = ("eagle", "eagle3")  # a head over the target's hidden states: it runs on prefill workers too
 PREFIX = "speculative_config"
 # vLLM's defaults: with neither bound given both are 5; with one, the other equals it.
 DEFAULT_PROMPT_LOOKUP = 5

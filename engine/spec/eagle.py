@@ -16,12 +16,20 @@ The draft rows' KV is never kept: `fed` stops at N-2, so a rejected draft is rol
 back by being written over. A feature at position p is the target's only while every
 token up to p is the sequence's own: features at p >= N-1 (a rejected draft's) are
 never read, and a position computed again (preemption, a verification) replaces its
-feature; a sample forked off a prompt (n > 1) starts with the prompt's features. A
-sequence whose features do not reach back to where the head's KV ends (a prompt
-prefilled on another worker) starts a fresh head KV at its first contiguous feature: its early drafts see less context (they guess worse),
-its tokens do not change. The head's position p sits at its KV's row p - base; RoPE
-turns on p itself, so attention is as with the full context shifted, which RoPE does
-not see.
+feature. A sequence whose features do not reach back to where the head's KV ends
+starts a fresh head KV at its first contiguous feature: its early drafts see less
+context (they guess worse), its tokens do not change. The head's position p sits at
+its KV's row p - base; RoPE turns on p itself, so attention is as with the full
+context shifted, which RoPE does not see.
+
+A prompt (P tokens) is taken in as its features arrive, chunk by chunk (`prime`):
+rows p <= P-2, whose next token the prompt already holds, so the target's features
+are not kept for long prompts. What is left at the prompt's end is the DraftState
+(draft_state.py): the head's KV of rows base .. P-2 and the feature at P-1. A
+prefill worker ships it with the prompt's KV (`export`); the decode worker takes it
+in (`adopt`) and drafts from the first decoded token exactly as a local prefill
+would (the same rows, computed in the same passes). A sample forked off a prompt
+(n > 1) gets a copy of its parent's head KV (`fork`).
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ import torch
 
 from pdserve.engine.attention.base import AttentionBackend
 from pdserve.engine.block_pool import BlockPool
+from pdserve.engine.spec.draft_state import DraftLayout, DraftState
 from pdserve.engine.kv_cache import KVCacheManager
 from pdserve.engine.model.llama import FeatureCapture
 from pdserve.engine.model_runner import attention_metadata
@@ -85,13 +94,93 @@ class EagleProposer:
         for i in range(features.shape[0]):
             kept[start + i] = features[i]
 
+    @property
+    def layout(self) -> DraftLayout:
+        """What a DraftState of this head holds."""
+        cfg = self.head.spec.cfg
+        return DraftLayout(self.kv_cache.dtype, cfg.num_kv_heads, cfg.head_dim, self.head.spec.feature_size)
+
     def fork(self, parent_id: str, child_id: str) -> None:
         """A sample forked off the parent's prompt (the engine forks right after the
-        prompt's prefill, before any proposal): the same features (shared tensors), so
-        its head catches up over the whole prompt as the parent's does."""
+        prompt's prefill, before any proposal): a copy of the parent's head KV and the
+        same features (shared tensors); without room for the copy, the features alone
+        (its head starts at the first of them)."""
         seq = self._seqs.get(parent_id)
-        features = seq.features if seq is not None else self._features.get(parent_id, {})
-        self._features[child_id] = dict(features)
+        if seq is None:
+            self._features[child_id] = dict(self._features.get(parent_id, {}))
+            return
+        child = HeadSeq(child_id, seq.base, 0, dict(seq.features))
+        if seq.fed and self.kv.allocate_slots(child, seq.fed):
+            n = -(-seq.fed // self.block_size)
+            src = torch.tensor(self.kv.block_ids(parent_id)[:n], device=self.device)
+            dst = torch.tensor(self.kv.block_ids(child_id)[:n], device=self.device)
+            self.kv_cache[dst] = self.kv_cache[src]
+            child.fed = seq.fed
+            self._seqs[child_id] = child
+        else:
+            self._features[child_id] = child.features
+
+    def prime(self, requests: Sequence[Request]) -> None:
+        """Feed the head the prompt rows whose features just arrived (rows p <= P-2:
+        their next token is the prompt's), in one pass for all of `requests`."""
+        rows: list[tuple[int, HeadSeq, list[int]]] = []
+        for i, request in enumerate(requests):
+            rid = request.request_id
+            seq = self._seqs.get(rid)
+            features = seq.features if seq is not None else self._features.get(rid, {})
+            last = min(request.num_prompt_tokens - 2, max(features, default=-1))
+            if last < 0 or last not in features or (seq is not None and seq.base + seq.fed > last):
+                continue  # nothing of the prompt's is new (a decoding step, or a recomputation)
+            seq = self._sync(request, last)
+            if seq is None:
+                continue
+            need = seq.base + seq.fed
+            if need <= last and self.kv.allocate_slots(seq, last - need + 1):
+                rows.append((i, seq, list(range(need, last + 1))))
+        if rows:
+            self._catch_up(requests, rows)
+            for _, seq, _ in rows:
+                self._trim(seq)
+
+    def export(self, request: Request) -> DraftState | None:
+        """The head's state at the end of `request`'s prompt, to ship (None without the
+        target's feature at its last position)."""
+        rid, last = request.request_id, request.num_prompt_tokens - 1
+        seq = self._seqs.get(rid)
+        features = seq.features if seq is not None else self._features.get(rid, {})
+        feature = features.get(last)
+        if feature is None:
+            return None
+        layout = self.layout
+        if seq is None or seq.base + seq.fed != last:  # no head KV for the prompt: start at its end
+            empty = torch.empty((0, 2, layout.num_kv_heads, layout.head_dim), dtype=layout.dtype)
+            return DraftState(last, empty, feature.to("cpu", copy=True))
+        n = -(-seq.fed // self.block_size)
+        blocks = torch.tensor(self.kv.block_ids(rid)[:n], device=self.device)
+        pages = self.kv_cache[blocks].transpose(1, 2)  # [n, block_size, 2, heads, dim]
+        kv = pages.reshape(n * self.block_size, *pages.shape[2:])[: seq.fed]
+        return DraftState(seq.base, kv.to("cpu").contiguous(), feature.to("cpu", copy=True))
+
+    def adopt(self, request: Request, state: DraftState) -> None:
+        """Take in a prompt's DraftState from the worker that prefilled it (ValueError
+        if it does not fit this head); without room for its KV, start at the prompt's end."""
+        rid, last = request.request_id, request.num_prompt_tokens - 1
+        state.check(self.layout, request.num_prompt_tokens)
+        self.release(rid)
+        feature = state.feature.to(self.device)
+        rows = state.kv.shape[0]
+        seq = HeadSeq(rid, state.base, 0, {last: feature})
+        if rows and self.kv.allocate_slots(seq, rows):
+            n = -(-rows // self.block_size)
+            pages = torch.zeros((n * self.block_size, *state.kv.shape[1:]), dtype=self.kv_cache.dtype,
+                                device=self.device)
+            pages[:rows] = state.kv.to(self.device)
+            blocks = torch.tensor(self.kv.block_ids(rid)[:n], device=self.device)
+            self.kv_cache[blocks] = pages.view(n, self.block_size, *pages.shape[1:]).transpose(1, 2)
+            seq.fed = rows
+        elif rows:
+            seq = HeadSeq(rid, last, 0, {last: feature})
+        self._seqs[rid] = seq
 
     def propose(self, requests: Sequence[Request], ks: Sequence[int]) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in requests]
@@ -120,17 +209,24 @@ class EagleProposer:
             for (i, _, _), token in zip(live, tokens):
                 drafts[i].append(int(token))
         for _, seq, _ in rows:
-            for position in [p for p in seq.features if p < seq.base + seq.fed - 1]:
-                del seq.features[position]  # the last one stays: a proposal may feed it again
-            for position, feature in seq.features.items():  # a row of a whole step's features
-                if feature._base is not None:  # must not keep them all alive (once: a clone has none)
-                    seq.features[position] = feature.clone()
+            self._trim(seq)
         return drafts
 
-    def _sync(self, request: Request) -> HeadSeq | None:
-        """The head's view of `request`: its KV kept while the features reach back to it,
-        else started afresh at the first of the contiguous features ending at N-2."""
-        rid, last = request.request_id, request.num_tokens - 2
+    @staticmethod
+    def _trim(seq: HeadSeq) -> None:
+        """Drop the features the head's KV has taken in."""
+        for position in [p for p in seq.features if p < seq.base + seq.fed - 1]:
+            del seq.features[position]  # the last one stays: a proposal may feed it again
+        for position, feature in seq.features.items():  # a row of a whole step's features
+            if feature._base is not None:  # must not keep them all alive (once: a clone has none)
+                seq.features[position] = feature.clone()
+
+    def _sync(self, request: Request, last: int | None = None) -> HeadSeq | None:
+        """The head's view of `request` up to row `last` (default N-2): its KV kept while
+        the features reach back to it, else started afresh at the first of the
+        contiguous features ending at `last`."""
+        rid = request.request_id
+        last = request.num_tokens - 2 if last is None else last
         seq = self._seqs.get(rid)
         features = seq.features if seq is not None else self._features.get(rid, {})
         if last < 0 or last not in features:

@@ -27,6 +27,7 @@ refused by name.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -142,6 +143,7 @@ class EagleHead(nn.Module):
         cfg, hidden = spec.cfg, spec.cfg.hidden_size
         self.spec = spec
         self.rope = rope
+        self.digest = ""  # the checkpoint's fingerprint (load_head): workers pair only with the same head
         fc_in = spec.feature_size if spec.kind == "eagle3" else 2 * hidden
         self.fc = nn.Linear(fc_in, hidden, bias=fc_bias)  # EAGLE-1's own checkpoints have a bias
         self.self_attn = HeadAttention(cfg, spec.qkv_in)
@@ -183,6 +185,10 @@ def load_head(spec: HeadSpec, head_dir: str | Path, dtype: torch.dtype, device: 
     """The head with its checkpoint's weights; ValueError naming a tensor that is
     missing, unknown, or of a shape that does not fit."""
     tensors = [(_canonical(name), tensor) for name, tensor in iter_tensors(Path(head_dir))]
+    digest = hashlib.sha256(f"{spec.kind};{spec.aux_layers};{spec.draft_vocab}".encode())
+    for name, tensor in sorted(tensors, key=lambda item: item[0]):  # the checkpoint, as stored
+        digest.update(f"{name};{tensor.dtype};{tuple(tensor.shape)};".encode())
+        digest.update(tensor.contiguous().view(torch.uint8).reshape(-1).numpy().tobytes())
     rope = RotaryEmbedding(spec.cfg.rope, spec.cfg.head_dim, max_positions, device)
     with torch.device("meta"):
         head = EagleHead(spec, rope, fc_bias=any(name == "fc.bias" for name, _ in tensors)).to(dtype)
@@ -199,6 +205,7 @@ def load_head(spec: HeadSpec, head_dir: str | Path, dtype: torch.dtype, device: 
     missing = sorted(n for n in params if n not in optional and len(filled.get(n, ())) < shards.get(n, 1))
     if missing:
         raise ValueError(f"{KEY}: the head's checkpoint lacks {', '.join(missing)} ({head_dir})")
+    head.digest = digest.hexdigest()[:16]
     return head.eval()
 
 

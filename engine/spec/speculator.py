@@ -25,18 +25,22 @@ string, known only from the text, can still cut an accepted run short).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from pdserve.engine.spec.draft_state import DraftLayout, DraftState
 from pdserve.engine.model.llama import FeatureCapture
 from pdserve.engine.request import Request
 from pdserve.engine.spec.adaptive import DraftLength, Payoff
 from pdserve.engine.spec.eagle import EagleProposer
 from pdserve.engine.spec.config import SpeculativeConfig
 from pdserve.engine.spec.ngram import propose_ngram
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -178,6 +182,31 @@ class Speculator:
         """A sample forked off `parent_id`'s prompt: it drafts from the same history."""
         if isinstance(self.proposer, EagleProposer):
             self.proposer.fork(parent_id, child_id)
+
+    def prime(self, requests: Sequence[Request]) -> None:
+        """Prompts whose features just arrived: the proposer may take them in now."""
+        if isinstance(self.proposer, EagleProposer):
+            self.proposer.prime(requests)
+
+    @property
+    def draft_layout(self) -> DraftLayout | None:
+        """What the proposer's per-prompt state for a decode worker is (None: it keeps none)."""
+        return self.proposer.layout if isinstance(self.proposer, EagleProposer) else None
+
+    def export(self, request: Request) -> DraftState | None:
+        """Prefill side: the proposer's state at the end of `request`'s prompt, to ship."""
+        return self.proposer.export(request) if isinstance(self.proposer, EagleProposer) else None
+
+    def adopt(self, request: Request, state: DraftState) -> None:
+        """Decode side: the state a prefill worker shipped for `request`'s prompt (a
+        state that does not fit is dropped, logged: drafting then starts afresh, the
+        tokens do not change)."""
+        if not isinstance(self.proposer, EagleProposer):
+            return
+        try:
+            self.proposer.adopt(request, state)
+        except ValueError as exc:
+            log.warning("speculative state shipped for %r dropped: %s", request.request_id, exc)
 
     def skip(self) -> None:
         """A request that will decode without speculation (beam search)."""
