@@ -41,6 +41,7 @@ import torch
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
+from pdserve.engine.spec.draft_state import DraftLayout, DraftState
 from pdserve.kvtransfer.curve import CurveConfig
 from pdserve.kvtransfer.wire import (
     MAX_HEADER_BYTES,
@@ -56,6 +57,7 @@ from pdserve.kvtransfer.wire import (
     TransferError,
     TransferEvent,
     WireError,
+    as_bytes_view,
     check_secret,
     decode,
     deliver,
@@ -210,10 +212,11 @@ class ReceiverChannel:
         return self.pages.host_buffers
 
     def expect(self, request_id: str, block_ids: Sequence[int], skip: int, num_tokens: int,
-               digest: bytes, secret: bytes) -> None:
+               digest: bytes, secret: bytes, draft: DraftLayout | None = None) -> None:
         """Pages of blocks [skip, len(block_ids)) of a reservation will arrive, proving
-        `secret`. No deadline here: the reservation's owner cancels it when it gives up."""
-        self.inbox.expect(request_id, block_ids, skip, num_tokens, digest, secret)
+        `secret` (and maybe a head state of `draft`'s layout). No deadline here: the
+        reservation's owner cancels it when it gives up."""
+        self.inbox.expect(request_id, block_ids, skip, num_tokens, digest, secret, draft)
 
     @property
     def max_message_bytes(self) -> int:
@@ -427,9 +430,19 @@ class SenderChannel:
         self.counters["messages"] += 1
         return sum(nbytes)
 
-    def send_final(self, out: Outgoing, num_tokens: int, digest: bytes, first_tokens: Sequence[int]) -> None:
-        header = FinalHeader(out.request_id, out.seq, num_tokens, digest, tuple(first_tokens))
-        self.send(out, [encode(sign(header, out.secret))])
+    def send_final(self, out: Outgoing, num_tokens: int, digest: bytes, first_tokens: Sequence[int],
+                   draft: DraftState | None = None) -> None:
+        """The last message; `draft` (an EAGLE head's state for the prompt) follows the
+        header in frames of at most max_frame_bytes (wire.py)."""
+        frames: list[Any] = []
+        described = None
+        if draft is not None:
+            flat = torch.cat([draft.kv.reshape(-1).view(torch.uint8), draft.feature.reshape(-1).view(torch.uint8)])
+            data, step = as_bytes_view(flat), self.config.max_frame_bytes
+            frames = [data[i : i + step] for i in range(0, len(data), step)]
+            described = (draft.base, len(data), str(draft.kv.dtype).removeprefix("torch."))
+        header = FinalHeader(out.request_id, out.seq, num_tokens, digest, tuple(first_tokens), described)
+        self.send(out, [encode(sign(header, out.secret)), *frames])
         out.seq += 1
 
     def send_abort(self, out: Outgoing, reason: str) -> None:

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from pdserve.engine.spec.draft_state import DraftLayout, DraftState
 from pdserve.engine.hashing import hash_blocks  # the one block hash every worker agrees on
 from pdserve.engine.sampling_params import continues_from_first_token
 from pdserve.kvtransfer.plan import TransferPlan
@@ -76,7 +77,7 @@ class Receiver(Protocol):
 
     def start(self) -> str: ...
     def expect(self, request_id: str, block_ids: Sequence[int], skip: int, num_tokens: int,
-               digest: bytes, secret: bytes) -> None: ...
+               digest: bytes, secret: bytes, draft: DraftLayout | None = None) -> None: ...
     def cancel(self, request_id: str, reason: str = ...) -> bool: ...
     def events(self) -> list[TransferEvent]: ...
     def receiving(self) -> list[str]: ...
@@ -91,7 +92,8 @@ class Sender(Protocol):
 
     def open(self, request_id: str, endpoint: str, server_key: bytes | None = None, *, secret: bytes) -> Outgoing: ...
     def send_pages(self, out: Outgoing, layer: int, runs: Sequence[tuple[int, torch.Tensor]], layout: PageLayout) -> int: ...
-    def send_final(self, out: Outgoing, num_tokens: int, digest: bytes, first_tokens: Sequence[int]) -> None: ...
+    def send_final(self, out: Outgoing, num_tokens: int, digest: bytes, first_tokens: Sequence[int],
+                   draft: DraftState | None = None) -> None: ...
     def send_abort(self, out: Outgoing, reason: str) -> None: ...
     def poll(self, timeout_s: float = 0.0) -> list[AckHeader]: ...
     def close(self) -> None: ...
@@ -139,6 +141,7 @@ class DecodeUpdate:
 
     receiving: list[str] = field(default_factory=list)
     arrived: dict[str, int | None] = field(default_factory=dict)
+    drafts: dict[str, DraftState] = field(default_factory=dict)  # of arrived ones: the prefill worker's head state
     failed: dict[str, str] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)  # expect -> arrival, per arrived
 
@@ -156,10 +159,13 @@ class DecodeConnector:
 
     def __init__(self, receiver: Receiver, kv_cache: torch.Tensor, vocab_size: int,
                  on_received: Callable[[Reservation], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic, kv_format: str = "") -> None:
-        """`kv_format`: what the pages mean (the engine's ModelRunner.kv_format); every
-        plan carries it, and a prefill worker whose own differs refuses the plan."""
+                 clock: Callable[[], float] = time.monotonic, kv_format: str = "",
+                 draft: DraftLayout | None = None) -> None:
+        """`kv_format`: what the pages mean (the engine's kv_format); every plan
+        carries it, and a prefill worker whose own differs refuses the plan. `draft`:
+        the EAGLE head state this worker takes with a prompt's KV (None: none)."""
         self.receiver = receiver
+        self.draft = draft
         self.layout = PageLayout.of(kv_cache, kv_format)
         self.vocab_size = vocab_size
         self.on_received = on_received  # after a transfer's pages landed, before it is reported arrived
@@ -178,7 +184,8 @@ class DecodeConnector:
         bs = self.layout.block_size
         skip = reservation.num_cached_tokens // bs
         secret = new_secret()  # one per reservation: nothing from an earlier one proves it
-        self.receiver.expect(request_id, reservation.block_ids, skip, len(prompt), prompt_digest(prompt), secret)
+        self.receiver.expect(request_id, reservation.block_ids, skip, len(prompt), prompt_digest(prompt), secret,
+                             self.draft)
         sample_first = continues_from_first_token(params)
         self._expected[request_id] = _Expected(reservation, self.clock(), sample_first)
         self.stats["reserved"] += 1
@@ -234,6 +241,8 @@ class DecodeConnector:
         if self.on_received is not None:
             self.on_received(expected.reservation)
         update.arrived[rid] = tokens[0] if tokens and expected.sample_first_token else None
+        if event.draft is not None:
+            update.drafts[rid] = event.draft
         update.seconds[rid] = self.clock() - expected.started
         self.stats["committed"] += 1
         self.stats["bytes"] += event.nbytes
@@ -310,9 +319,10 @@ class PrefillConnector:
                 export.failed = f"send: {exc}"
                 self.stats["send_errors"] += 1
 
-    def finish(self, request_id: str, first_token: int | None) -> None:
+    def finish(self, request_id: str, first_token: int | None, draft: DraftState | None = None) -> None:
         """The request's prefill is over (its blocks held): send the final message, with
-        `first_token` if the plan uses it. From now on the blocks wait for the ack
+        `first_token` if the plan uses it and the EAGLE head's `draft` state (the
+        workers' kv_format says they run the same head). From now on the blocks wait for the ack
         (`poll`). Raises TransferError when the transfer has failed (the receiver is
         told, the export forgotten)."""
         export = self._exports.get(request_id)
@@ -321,7 +331,7 @@ class PrefillConnector:
         tokens = [first_token] if first_token is not None and export.plan.sample_first_token else []
         if export.failed is None:
             try:
-                self.sender.send_final(export.out, export.plan.num_tokens, export.digest, tokens)
+                self.sender.send_final(export.out, export.plan.num_tokens, export.digest, tokens, draft)
                 export.final_at = self.clock()
                 return
             except TransferError as exc:
@@ -417,12 +427,14 @@ class KVConnector:
 
     def __init__(self, transport: Transport, kv_cache: torch.Tensor, vocab_size: int,
                  clock: Callable[[], float] = time.monotonic,
-                 on_received: Callable[[Reservation], None] | None = None, kv_format: str = "") -> None:
-        """`kv_format`: what the engine's pages mean (ModelRunner.kv_format), part of
-        the page layout both sides of a transfer must share."""
+                 on_received: Callable[[Reservation], None] | None = None, kv_format: str = "",
+                 draft: DraftLayout | None = None) -> None:
+        """`kv_format`: what the engine's pages mean (LLMEngine.kv_format), part of
+        the page layout both sides of a transfer must share; `draft`: the EAGLE head
+        state a receiver takes (LLMEngine.draft_layout)."""
         self.transport = transport
         self.decode = None if transport.receiver is None else DecodeConnector(
-            transport.receiver, kv_cache, vocab_size, on_received, clock, kv_format)
+            transport.receiver, kv_cache, vocab_size, on_received, clock, kv_format, draft)
         self.prefill = None if transport.sender is None else PrefillConnector(
             transport.sender, kv_cache, clock, kv_format)
         self._started = self._closed = False

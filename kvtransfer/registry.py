@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pdserve.engine.spec.draft_state import DraftLayout
 from pdserve.kvtransfer.connector import KVConnector, Receiver, Sender, Transport
 
 if TYPE_CHECKING:
@@ -68,7 +69,8 @@ class TransportContext:
     credentials: KVCredentials = KVCredentials()
     host: str = "127.0.0.1"  # where a receiver binds and what it advertises
     ipc_dir: str | None = None  # directory of ipc sockets (None: a temporary one)
-    kv_format: str = ""  # what the KV cache's pages mean (the engine's ModelRunner.kv_format)
+    kv_format: str = ""  # what the KV cache's pages mean (the engine's kv_format)
+    draft: DraftLayout | None = None  # the EAGLE head state a receiver takes (the engine's draft_layout)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -76,10 +78,11 @@ class TransportContext:
 
     @classmethod
     def from_env(cls, role: str, worker_id: str, kv_cache: torch.Tensor, credentials: KVCredentials = KVCredentials(),
-                 environ: Mapping[str, str] | None = None, kv_format: str = "") -> "TransportContext":
+                 environ: Mapping[str, str] | None = None, kv_format: str = "",
+                 draft: DraftLayout | None = None) -> "TransportContext":
         env = os.environ if environ is None else environ
         return cls(role, worker_id, kv_cache, credentials, env.get(HOST_ENV) or "127.0.0.1",
-                   env.get(IPC_DIR_ENV) or None, kv_format)
+                   env.get(IPC_DIR_ENV) or None, kv_format, draft)
 
 
 Factory = Callable[[TransportContext], Transport]
@@ -180,4 +183,4 @@ def open_connector(spec: str, ctx: TransportContext, vocab_size: int) -> KVConne
     """The worker's KV connector for `--kv-connector spec` (not started)."""
     make = factory(spec)
     return KVConnector(make(ctx) if make is not None else Transport(), ctx.kv_cache, vocab_size,
-                       kv_format=ctx.kv_format)
+                       kv_format=ctx.kv_format, draft=ctx.draft)

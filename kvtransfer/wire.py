@@ -1,9 +1,11 @@
-"""The KV-transfer wire format (version 2) and the receiver's rules for accepting it.
+"""The KV-transfer wire format (version 3) and the receiver's rules for accepting it.
 
 A message is a multipart ZeroMQ message:
 
     frame 0       header: a msgpack map, at most MAX_HEADER_BYTES, no pickle anywhere
-    frame 1..n    raw page bytes, one frame per run (`pages` headers only)
+    frame 1..n    raw page bytes, one frame per run (`pages` headers), or the EAGLE
+                  head's state in frames of at most the receiver's frame size (a
+                  `final` header whose `draft` is not nil)
 
 Over torch.distributed the header still travels over ZeroMQ and each run follows as
 one point-to-point tensor instead of a frame.
@@ -32,7 +34,7 @@ receiver's cached prefix (`skip`) are refused.
 Headers (every key is required; unknown keys are ignored):
 
     pages    v kind rid seq layer runs nbytes dtype page via mac
-    final    v kind rid seq num_tokens digest first mac
+    final    v kind rid seq num_tokens digest first draft mac
     abort    v kind rid reason mac
     ack      v kind rid ok reason
     hello    v kind pair                  (torch.distributed pairing, sender -> receiver)
@@ -54,6 +56,13 @@ The receiver accepts exactly the next number: a smaller one is a replay and a la
 one means a message was lost; either fails the transfer. A final message is accepted
 only when every page of every layer from `skip` on has arrived intact, and only then
 may the pages enter the decode worker's prefix cache (on commit).
+
+A final message's `draft` is nil, or [base, nbytes, dtype]: the prefill worker's EAGLE
+head state for the prompt (engine/spec/draft_state.py DraftState), its bytes in the frames
+after the header: the head's KV rows base .. num_tokens-2 ([rows, 2, kv_heads,
+head_dim], row-major) and then the target's feature at num_tokens-1. The receiver
+takes it only if it expects one (its own head's DraftLayout) and nbytes and dtype
+are exactly that layout's for those rows; anything else fails the transfer.
 """
 
 from __future__ import annotations
@@ -73,9 +82,10 @@ from typing import Any, Protocol, Union
 import msgpack
 import torch
 
+from pdserve.engine.spec.draft_state import DraftLayout, DraftState
 from pdserve.engine.validation import MAX_REQUEST_ID
 
-VERSION = 2
+VERSION = 3  # 3: final messages carry `draft` (an EAGLE head's state)
 MAX_HEADER_BYTES = 1 << 16
 MAX_REASON_CHARS = 1024
 MAX_FIRST_TOKENS = 16
@@ -243,6 +253,7 @@ class FinalHeader:
     num_tokens: int
     digest: bytes
     first_tokens: tuple[int, ...]
+    draft: tuple[int, int, str] | None = None  # (base, nbytes, dtype) of the head state that follows
     mac: bytes = b""
     kind = "final"
 
@@ -300,7 +311,8 @@ def _signed_fields(h: Signed) -> list[Any]:
     if isinstance(h, PagesHeader):
         return [h.request_id, h.seq, h.layer, [list(r) for r in h.runs], list(h.nbytes), h.dtype, list(h.page), h.via]
     if isinstance(h, FinalHeader):
-        return [h.request_id, h.seq, h.num_tokens, h.digest, list(h.first_tokens)]
+        return [h.request_id, h.seq, h.num_tokens, h.digest, list(h.first_tokens),
+                None if h.draft is None else list(h.draft)]
     return [h.request_id, h.reason]
 
 
@@ -327,7 +339,7 @@ def encode(h: Header) -> bytes:
                  nbytes=list(h.nbytes), dtype=h.dtype, page=list(h.page), via=h.via, mac=h.mac)
     elif isinstance(h, FinalHeader):
         d.update(rid=h.request_id, seq=h.seq, num_tokens=h.num_tokens, digest=h.digest, first=list(h.first_tokens),
-                 mac=h.mac)
+                 draft=None if h.draft is None else list(h.draft), mac=h.mac)
     elif isinstance(h, AbortHeader):
         d.update(rid=h.request_id, reason=h.reason, mac=h.mac)
     elif isinstance(h, AckHeader):
@@ -424,7 +436,14 @@ def _parse_final(d: dict) -> FinalHeader:
     if not isinstance(digest, bytes) or len(digest) != DIGEST_BYTES:
         raise WireError("bad_header", f"digest: must be {DIGEST_BYTES} bytes")
     first = _int_list(d, "first", MAX_FIRST_TOKENS, 0, (1 << 31) - 1)
-    return FinalHeader(_rid(d), _int(d, "seq"), _int(d, "num_tokens", 1), digest, first, _mac(d))
+    if "draft" not in d:
+        raise WireError("bad_header", "draft: required (nil or [base, nbytes, dtype])")
+    raw, draft = d["draft"], None
+    if raw is not None:
+        if raw.__class__ is not list or len(raw) != 3 or not isinstance(raw[2], str) or len(raw[2]) > 16:
+            raise WireError("bad_header", "draft: must be nil or [base, nbytes, dtype]")
+        draft = (_check_int(raw[0], "draft.base"), _check_int(raw[1], "draft.nbytes", 1), raw[2])
+    return FinalHeader(_rid(d), _int(d, "seq"), _int(d, "num_tokens", 1), digest, first, draft, _mac(d))
 
 
 def _parse_abort(d: dict) -> AbortHeader:
@@ -465,6 +484,7 @@ class TransferEvent:
     first_tokens: tuple[int, ...] = ()
     peer: bytes | None = None
     nbytes: int = 0
+    draft: DraftState | None = None  # the prefill worker's EAGLE head state, when one came
 
 
 @dataclass
@@ -478,6 +498,7 @@ class _Expected:
     num_tokens: int
     digest: bytes
     secret: bytes  # every message of the transfer proves it (see `sign`)
+    draft: DraftLayout | None  # the head state it takes with the final message (None: none)
     have: list[bytearray]
     missing: int
     peer: bytes | None = None
@@ -569,9 +590,10 @@ class Inbox:
     # -- engine side -------------------------------------------------------------
 
     def expect(self, request_id: str, block_ids: Sequence[int], skip: int, num_tokens: int,
-               digest: bytes, secret: bytes) -> None:
+               digest: bytes, secret: bytes, draft: DraftLayout | None = None) -> None:
         """Register a reservation: pages of blocks [skip, len(block_ids)) will arrive, in
-        messages that prove `secret` (which only the chosen sender knows)."""
+        messages that prove `secret` (which only the chosen sender knows), and maybe
+        the head state of `draft`'s layout with the final message."""
         check_secret(secret)
         n = len(block_ids)
         num_blocks = self.kv.shape[1]
@@ -585,7 +607,7 @@ class Inbox:
             have = [bytearray(n) for _ in range(self.layout.num_layers)]
             missing = (n - skip) * self.layout.num_layers
             self._table[request_id] = _Expected(
-                request_id, tuple(block_ids), skip, num_tokens, digest, secret, have, missing,
+                request_id, tuple(block_ids), skip, num_tokens, digest, secret, draft, have, missing,
             )
 
     def cancel(self, request_id: str, reason: str = "cancelled") -> bool:
@@ -686,8 +708,9 @@ class Inbox:
                 if t.doomed is not None:
                     self._fail(t, t.doomed)
 
-    def final(self, h: FinalHeader, peer: bytes) -> None:
-        """The last message: complete the transfer (or fail it if pages are missing)."""
+    def final(self, h: FinalHeader, peer: bytes, src: FrameSource | None = None) -> None:
+        """The last message: complete the transfer (or fail it if pages are missing, or
+        the head state in its frames (`src`) is not what the reservation takes)."""
         with self.lock:
             t = self._check_seq(self._proven(h, peer), h.seq, peer)
             if t is None:
@@ -695,12 +718,20 @@ class Inbox:
             t.peer = peer
             if h.num_tokens != t.num_tokens or h.digest != t.digest:
                 self._fail(t, "final: prompt does not match the reservation")
-            elif t.missing:
+                return
+            if t.missing:
                 self._fail(t, f"final: {t.missing} pages never arrived intact")
-            else:
-                del self._table[t.request_id]
-                self.stats["done"] += 1
-                self._events.append(TransferEvent(t.request_id, True, "", h.first_tokens, t.peer, t.nbytes))
+                return
+            draft = None
+            if h.draft is not None:
+                try:
+                    draft = _read_draft(t, h.draft, src)
+                except WireError as exc:
+                    self._fail(t, f"final: {exc}")
+                    raise
+            del self._table[t.request_id]
+            self.stats["done"] += 1
+            self._events.append(TransferEvent(t.request_id, True, "", h.first_tokens, t.peer, t.nbytes, draft))
 
     def abort(self, h: AbortHeader, peer: bytes) -> None:
         """The sender gave up: fail the transfer now instead of leaving it to its owner's deadline."""
@@ -777,6 +808,38 @@ class Inbox:
         self._events.append(TransferEvent(t.request_id, False, reason, (), t.peer, t.nbytes))
 
 
+def _read_draft(t: _Expected, draft: tuple[int, int, str], src: FrameSource | None) -> DraftState:
+    """The head state that follows a final header, checked against the reservation's
+    layout by dtype and size before a byte is read; WireError if it does not fit."""
+    base, nbytes, dtype = draft
+    layout = t.draft
+    if layout is None:
+        raise WireError("bad_draft", "head state sent to a worker without an EAGLE head")
+    ours = str(layout.dtype).removeprefix("torch.")
+    if dtype != ours:
+        raise WireError("bad_draft", f"head state of {dtype}, this worker's head holds {ours}")
+    if base > t.num_tokens - 1:
+        raise WireError("bad_draft", f"head state from position {base} of a {t.num_tokens}-token prompt")
+    rows = t.num_tokens - 1 - base
+    want = rows * layout.row_bytes + layout.feature_bytes
+    if nbytes != want:
+        raise WireError("bad_draft", f"head state of {nbytes} bytes, {rows} rows and a feature of this worker's "
+                                     f"head are {want}")
+    buf = bytearray(want)
+    view, got = memoryview(buf), 0
+    while src is not None and src.more():
+        n = src.recv_into(view[got:])
+        if n > want - got:
+            raise WireError("oversized", f"head state frames exceed the {want} bytes declared")
+        got += n
+    if got != want:
+        raise WireError("truncated", f"head state of {got} bytes, {want} declared")
+    flat = torch.frombuffer(buf, dtype=torch.uint8)
+    kv_bytes = rows * layout.row_bytes
+    kv = flat[:kv_bytes].view(layout.dtype).view(rows, 2, layout.num_kv_heads, layout.head_dim)
+    return DraftState(base, kv, flat[kv_bytes:].view(layout.dtype))
+
+
 # -- reading one message -----------------------------------------------------------
 
 
@@ -822,6 +885,9 @@ def deliver(inbox: Inbox, peer: bytes, src: FrameSource, pages: PagesHandler | N
             raise WireError("bad_header", f"via {header.via!r}: this receiver takes pages as frames only")
         with inbox.pages(header, peer, host=True) as landings:
             fill_frames(src, landings)
+        return None
+    if isinstance(header, FinalHeader) and header.draft is not None:
+        inbox.final(header, peer, src)
         return None
     if src.more():
         raise WireError("extra_frames", f"{header.kind} message carries data frames")

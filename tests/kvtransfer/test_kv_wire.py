@@ -12,6 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pdserve.engine.spec.draft_state import DraftLayout
 from pdserve.kvtransfer.wire import (
     VERSION,
     AbortHeader,
@@ -139,6 +140,7 @@ def block_content(kv: torch.Tensor, layer: int, block_id: int) -> bytes:
     sign(PagesHeader("r", 3, 1, ((1, 2), (5, 1)), (2 * PAGE, PAGE), "bfloat16", (4, 2, 8), "p2p"), SECRET),
     sign(FinalHeader("r", 4, 18, DIGEST, (7,)), SECRET),
     sign(FinalHeader("r", 0, 1, DIGEST, ()), SECRET),
+    sign(FinalHeader("r", 2, 18, DIGEST, (7,), (3, 1000, "bfloat16")), SECRET),
     sign(AbortHeader("r", "out of memory"), SECRET),
     AckHeader("r", False, "deadline exceeded"),
     HelloHeader("abc"),
@@ -161,7 +163,8 @@ def _raw(**fields) -> bytes:
     (msgpack.packb([1, 2, 3]), "bad_header"),
     (b"\x00" * (1 << 17), "oversized"),
     (_raw(v=1), "bad_version"),  # before reservation secrets
-    (_raw(v=3), "bad_version"),
+    (_raw(v=2), "bad_version"),  # before EAGLE head state in final messages
+    (_raw(v=4), "bad_version"),
     (_raw(v=0), "bad_version"),
     (_raw(v="1"), "bad_version"),
     (_raw(v=True), "bad_version"),
@@ -193,6 +196,12 @@ def _raw(**fields) -> bytes:
                     "first": list(range(17)), "mac": b"m" * 32}), "bad_header"),
     (msgpack.packb({"v": VERSION, "kind": "final", "rid": "r", "seq": 0, "num_tokens": 3, "digest": DIGEST, "first": []}),
      "bad_header"),
+    (msgpack.packb({"v": VERSION, "kind": "final", "rid": "r", "seq": 0, "num_tokens": 3, "digest": DIGEST, "first": [],
+                    "mac": b"m" * 32}), "bad_header"),  # no draft key
+    (msgpack.packb({"v": VERSION, "kind": "final", "rid": "r", "seq": 0, "num_tokens": 3, "digest": DIGEST, "first": [],
+                    "draft": [0, 0, "float32"], "mac": b"m" * 32}), "bad_header"),  # an empty state
+    (msgpack.packb({"v": VERSION, "kind": "final", "rid": "r", "seq": 0, "num_tokens": 3, "digest": DIGEST, "first": [],
+                    "draft": [0, 8], "mac": b"m" * 32}), "bad_header"),
     (msgpack.packb({"v": VERSION, "kind": "abort", "rid": "r", "reason": "x"}), "bad_header"),
     (msgpack.packb({"v": VERSION, "kind": "ack", "rid": "r", "ok": 1, "reason": ""}), "bad_header"),
     (msgpack.packb({1: 2}), "bad_header"),
@@ -603,3 +612,97 @@ def _signed(raw: bytes) -> bytes:
     except WireError:
         return raw
     return encode(sign(header, SECRET))
+
+
+# -- an EAGLE head's state with the final message ---------------------------------------
+
+DRAFT = DraftLayout(torch.float32, num_kv_heads=2, head_dim=4, feature_size=6)  # rows of 64 bytes, a 24-byte feature
+
+
+def draft_inbox(layout: DraftLayout | None = DRAFT) -> Inbox:
+    inbox = Inbox(make_kv())
+    inbox.expect("r", RESERVED, SKIP, len(PROMPT), DIGEST, SECRET, layout)
+    return inbox
+
+
+def draft_bytes(base: int) -> bytes:
+    rows = len(PROMPT) - 1 - base
+    return (torch.arange(rows * 16 + 6, dtype=torch.float32) + 0.5).numpy().tobytes()
+
+
+def final_with_draft(seq: int, base: int, data: bytes, frame: int = 40, dtype: str = "float32",
+                     nbytes: int | None = None) -> list[bytes]:
+    header = FinalHeader("r", seq, len(PROMPT), DIGEST, (7,), (base, len(data) if nbytes is None else nbytes, dtype))
+    return [encode(sign(header, SECRET)), *[data[i : i + frame] for i in range(0, len(data), frame)]]
+
+
+@pytest.mark.parametrize("base", [0, 5, len(PROMPT) - 1])
+def test_a_final_message_carries_the_head_state_in_frames(base):
+    """Rows base .. num_tokens-2 of the head's KV, then the feature at num_tokens-1, cut
+    into frames of any size: the event holds them as tensors of the head's layout."""
+    inbox = draft_inbox()
+    seq = send_all(inbox)
+    data = draft_bytes(base)
+    assert feed(inbox, final_with_draft(seq, base, data)) is None
+    [event] = inbox.take_events()
+    assert event.ok, event.reason
+    rows = len(PROMPT) - 1 - base
+    draft = event.draft
+    assert draft.base == base and draft.kv.shape == (rows, 2, 2, 4) and draft.feature.shape == (6,)
+    assert draft.kv.dtype == draft.feature.dtype == torch.float32
+    assert draft.kv.numpy().tobytes() + draft.feature.numpy().tobytes() == data
+
+
+@pytest.mark.parametrize("change, why", [
+    (dict(dtype="float16"), "head state of float16"),
+    (dict(nbytes=16 * 4 * 12 + 24 + 4), "head state of"),  # a row's worth off
+    (dict(base=len(PROMPT)), "from position"),
+    (dict(data_cut=4), "truncated"),
+    (dict(data_extra=4), "exceed"),
+])
+def test_a_head_state_that_does_not_fit_fails_the_transfer(change, why):
+    """Checked by dtype and size against the reservation's layout before a byte is read,
+    and the frames must hold exactly the bytes declared."""
+    inbox = draft_inbox()
+    seq = send_all(inbox)
+    base = change.get("base", 5)
+    data = draft_bytes(min(base, len(PROMPT) - 1))
+    nbytes = change.get("nbytes", len(data))
+    if "data_cut" in change:
+        data = data[: -change["data_cut"]]
+    if "data_extra" in change:
+        data += b"\0" * change["data_extra"]
+    message = final_with_draft(seq, base, data, dtype=change.get("dtype", "float32"), nbytes=nbytes)
+    assert feed(inbox, message) in ("bad_draft", "truncated", "oversized")
+    [event] = inbox.take_events()
+    assert not event.ok and why in event.reason, event.reason
+    assert inbox.pending() == []
+
+
+def test_a_head_state_for_a_worker_without_a_head_fails_the_transfer():
+    inbox = draft_inbox(None)
+    seq = send_all(inbox)
+    assert feed(inbox, final_with_draft(seq, 5, draft_bytes(5))) == "bad_draft"
+    [event] = inbox.take_events()
+    assert not event.ok and "without an EAGLE head" in event.reason
+
+
+def test_a_final_without_a_head_state_is_taken_by_a_worker_with_a_head():
+    """The prefill worker had none to give (its head never saw the prompt's last
+    position): the decode worker's head starts at the first decoded token."""
+    inbox = draft_inbox()
+    seq = send_all(inbox)
+    assert feed(inbox, final("r", seq)) is None
+    [event] = inbox.take_events()
+    assert event.ok and event.draft is None
+
+
+def test_the_mac_covers_the_head_state_header():
+    """A head state's description cannot be swapped under a proven final message."""
+    inbox = draft_inbox()
+    seq = send_all(inbox)
+    data = draft_bytes(5)
+    good = final_with_draft(seq, 5, data)
+    forged = decode(good[0])
+    forged_raw = encode(FinalHeader("r", seq, len(PROMPT), DIGEST, (7,), (4, len(data) + 64, "float32"), forged.mac))
+    assert feed(inbox, [forged_raw, data + b"\0" * 64]) == "bad_mac"

@@ -377,7 +377,7 @@ def poison(endpoint: str, server_key: bytes, keys: tuple[bytes, bytes], rid: str
             sock.send_multipart([msgpack.packb(header, use_bin_type=True), b"\x7f" * (num_blocks * layout.page_bytes)])
             seq += 1
         final = {"v": VERSION, "kind": "final", "rid": rid, "seq": seq, "num_tokens": len(prompt),
-                 "digest": prompt_digest(prompt), "first": [7], "mac": guess}
+                 "digest": prompt_digest(prompt), "first": [7], "draft": None, "mac": guess}
         sock.send_multipart([msgpack.packb(final, use_bin_type=True)])
         time.sleep(0.5)  # let ZeroMQ deliver before the socket goes
     finally:
