@@ -69,6 +69,7 @@ from typing import IO, TYPE_CHECKING
 
 import grpc
 
+from pdserve.engine.spec.config import EAGLE_METHODS
 from pdserve.launch.credentials import LaunchCredentials, generate
 from pdserve.launch.supervise import Backoff
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
@@ -168,10 +169,12 @@ def kv_connector(template: WorkerConfig, role: str) -> str:
 
 def speculative_config(template: WorkerConfig, role: str) -> str | None:
     """The template's --speculative-config for the roles that decode; none for prefill
-    workers, which never decode (and with a draft model would load it for nothing).
-    The draft's KV is computed on the decode worker, never shipped: no pair needs the
-    same setting (kvtransfer/plan.py)."""
-    return template.speculative_config if role != "prefill" else None
+    workers, which never decode (and with a draft model would load it for nothing:
+    its KV is computed on the decode worker, never shipped), unless it names an EAGLE
+    head: the prefill worker runs it over the prompt and ships its state, and workers
+    pair only with the same head (its digest is in their kv_layout)."""
+    spec = template.speculative
+    return template.speculative_config if role != "prefill" or (spec and spec.method in EAGLE_METHODS) else None
 
 
 def render_router(spec: ClusterSpec, address_file: Path, credentials: LaunchCredentials, index: int = 0) -> RouterConfig:

@@ -10,7 +10,8 @@ Each child's command line names its role (`python -m pdserve decode --router
 the worker template names a KV connector (`--kv-connector`; '' for none), prefill and
 decode workers get the ZeroMQ tcp one (KV pages travel from prefill to decode
 workers) and mixed workers none (they prefill what they decode themselves); decode
-and mixed workers get the template's --speculative-config, prefill workers none;
+and mixed workers get the template's --speculative-config, prefill workers only
+an EAGLE head's (they run it over the prompt and ship its state);
 every worker gets the same --quantization and --kv-cache-dtype (the KV pages a
 prefill worker ships are read as stored by its decode worker). The
 router binds the port asked for (0: any) and writes its address to a file the

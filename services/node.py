@@ -51,12 +51,14 @@ class Worker:
         self.config = config
         self.auth = ClusterAuth(config.credentials)
         self.engine = LLMEngine(config.engine_config())
-        if config.role == "prefill" and config.speculative_config is not None:
-            log.info("prefill worker %s: --speculative-config is not used here (only decoding speculates)", config.id)
+        if config.role == "prefill" and config.speculative_config is not None and self.engine.speculator is None:
+            log.info("prefill worker %s: --speculative-config is not used here (only decoding speculates; an "
+                     "EAGLE head would run here to hand its state over)", config.id)
         self.metrics = worker_metrics(config.metrics, config.model_name, config.role, config.id)
         kv = KVCredentials(self.auth.kv_curve(), self.auth.rendezvous_token)
         context = TransportContext.from_env(config.role, config.id, self.engine.runner.kv_cache, kv,
-                                            kv_format=self.engine.runner.kv_format)
+                                            kv_format=self.engine.kv_format,
+                                            draft=self.engine.draft_layout)
         self.connector: KVConnector = open_connector(config.kv_connector or "", context,
                                                      self.engine.model_config.vocab_size)
         self.loop = EngineLoop(self.engine, connector=self.connector, held_lease=config.held_lease,
@@ -101,7 +103,7 @@ class Worker:
             model=self.config.model_name, kv_endpoint=self.connector.endpoint,
             block_size=self.config.block_size, max_model_len=self.engine.max_model_len,
             num_blocks=self.engine.pool.num_blocks, pid=os.getpid(), metrics_port=self.metrics_port,
-            kv_layout=self.engine.runner.kv_layout,
+            kv_layout=self.engine.kv_layout,
         )
 
     def drain(self, grace: float) -> tuple[bool, int]:

@@ -153,7 +153,8 @@ class WorkerRegistry:
                 raise ValueError(
                     f"worker.kv_layout: {info.kv_layout!r}, the registered workers hold {sorted(others)[0]!r}: KV "
                     "pages move as stored, never converted; start every worker with the same --dtype, "
-                    "--quantization, --kv-cache-dtype and checkpoint")
+                    "--quantization, --kv-cache-dtype and checkpoint (and the same EAGLE head in --speculative-config: "
+                    "a prefill worker's head state fills its decode worker's)")
 
     def heartbeat(self, worker_id: str, load: pb.Load) -> bool:
         """False when the worker is unknown (it must register again)."""

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from pdserve.engine.config import DEFAULT_MODEL, CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.quant.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS, parse_kv_cache_dtype
-from pdserve.engine.spec.config import SpeculativeConfig
+from pdserve.engine.spec.config import EAGLE_METHODS, SpeculativeConfig
 from pdserve.services.common.credentials import ClusterCredentials
 from pdserve.services.common.flags import check, flag
 from pdserve.services.worker.registration import parse_routers
@@ -155,5 +155,10 @@ class WorkerConfig:
             # Every role alike: the KV a prefill worker ships is read as stored by its decode worker.
             quantization=self.quantization, kv_cache_dtype=self.kv_cache_dtype,
             # Only decoding speculates: a prefill worker would load a draft model for nothing.
-            speculative=self.speculative if self.role != "prefill" else None,
+            # An EAGLE head runs on both: the prefill worker hands its state for the prompt over.
+            speculative=self.speculative if self.role != "prefill" or _eagle(self.speculative) else None,
         )
+
+
+def _eagle(spec: SpeculativeConfig | None) -> bool:
+    return spec is not None and spec.method in EAGLE_METHODS

@@ -41,6 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.engine.core import NO_ROOM_PREFIX
+from pdserve.engine.spec.draft_state import DraftState
 from pdserve.engine.engine import LLMEngine, Reservation, TokenDelta
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
@@ -374,7 +375,7 @@ class RequestTable:
             record = self._records.get(request_id)
             if record is not None and record.expected and record.state in AWAITING_KV:
                 record.expected = False
-                self._commit(record, first_token)
+                self._commit(record, first_token, update.drafts.get(request_id))
         for request_id, why in update.failed.items():
             record = self._records.get(request_id)
             if record is None:
@@ -387,10 +388,10 @@ class RequestTable:
                 record.expected = False
                 self._end(record, Failure.TRANSFER, f"KV transfer: {why}")
 
-    def _commit(self, record: Record, first_token: int | None) -> None:
+    def _commit(self, record: Record, first_token: int | None, draft: DraftState | None = None) -> None:
         self._move(record, State.QUEUED)
         try:
-            outputs = self.engine.commit_remote(record.request_id, first_token)
+            outputs = self.engine.commit_remote(record.request_id, first_token, draft)
         except Exception as e:
             self._end(record, Failure.INTERNAL, f"commit: {e}")
             return
@@ -416,7 +417,8 @@ class RequestTable:
         if output.request_id in self.engine.held:
             if record.exporting:
                 try:
-                    self.connector.prefill.finish(output.request_id, _first_token(output))
+                    self.connector.prefill.finish(output.request_id, _first_token(output),
+                                                  self.engine.held_draft(output.request_id))
                 except TransferError as e:
                     record.exporting = False  # the connector has told the receiver
                     self._end(record, Failure.TRANSFER, f"KV transfer of {output.request_id!r} failed: {e}")

@@ -508,6 +508,20 @@ def test_decode_pods_speculate_with_the_speculative_config_value(given, tmp_path
     assert "--speculative-config" not in pod_argv(objects, "prefill")[0]
 
 
+EAGLE = {"method": "eagle3", "num_speculative_tokens": 4, "model": "/models/head"}
+
+
+@pytest.mark.parametrize("given", [EAGLE, json.dumps(EAGLE)], ids=["object", "json-string"])
+def test_an_eagle_head_goes_to_the_prefill_pool_too(given) -> None:
+    """An EAGLE head runs on prefill workers as well (they ship its state for the
+    prompt, and workers pair only with the same head): both pools get the same
+    --speculative-config."""
+    objects = render({"decode": {"config": {"speculativeConfig": given}}})
+    for pool in POOLS:
+        argv, _ = pod_argv(objects, pool)
+        assert json.loads(argv[argv.index("--speculative-config") + 1]) == EAGLE, pool
+
+
 @pytest.mark.parametrize("model", [{}, {"quantization": "fp8", "kvCacheDtype": "fp8_e5m2"}], ids=["default", "fp8"])
 def test_both_pools_store_the_model_alike(model, tmp_path, monkeypatch, capsys) -> None:
     """model.quantization and model.kvCacheDtype reach every pool as the same

@@ -220,37 +220,56 @@ def test_a_call_whose_deadline_passed_counts_as_deadline_exceeded(cluster):
     wait_for(lambda: all_blocks_free(cluster["decode"].address), 10, "the decode worker's blocks to be free")
 
 
-def test_an_eagle3_decode_worker_serves_remotely_prefilled_prompts_token_for_token(tmp_path, llm):
-    """Issue 22, first slice: the decode worker drafts with an EAGLE-3 head (random,
-    in the public layout) over KV a prefill worker shipped. The prompt's features
-    stayed on the prefill worker, so the head starts at the first decoded position
-    (it sees less context: guesses worse); the tokens are the engine's."""
+def test_an_eagle3_pair_drafts_as_a_local_prefill_would(tmp_path):
+    """Issue 22: the prefill worker runs the EAGLE-3 head (the embedded model's) over each
+    prompt and ships its state with the KV; the decode worker's acceptance counters equal
+    an engine's that prefilled the same prompts itself (vLLM's P/D acceptance test), and
+    its tokens are that engine's. A prefill worker with another head, or none, is refused
+    at registration: its state would not be this head's."""
     import json
 
     from eagle_heads import build_eagle_head
-    from pdserve.engine.llm import DEFAULT_MODEL
+    from pdserve.engine.config import DEFAULT_EAGLE3_HEAD, DEFAULT_MODEL
 
-    head = tmp_path / "eagle3"
-    build_eagle_head(head, DEFAULT_MODEL, "eagle3", draft_vocab=1024, aux_layers=[1, 2, 3])
-    spec = json.dumps({"method": "eagle3", "num_speculative_tokens": 3, "model": str(head), "measure_payoff": False})
+    config = {"method": "eagle3", "num_speculative_tokens": 4, "model": DEFAULT_EAGLE3_HEAD, "measure_payoff": False}
+    spec = json.dumps(config)
     router = Router(RouterConfig(port=0, local_prefill_threshold=20, worker_timeout=3.0))
     address = router.start()
     decode = Worker(WorkerConfig(role="decode", router=router.internal_address, worker_id="decode-eagle",
                                  num_blocks=256, kv_connector="zmq", speculative_config=spec))
     prefill = Worker(WorkerConfig(role="prefill", router=router.internal_address, worker_id="prefill-eagle",
-                                  num_blocks=256, kv_connector="zmq"))
+                                  num_blocks=256, kv_connector="zmq", speculative_config=spec))
+    local = LLM(num_blocks=256, speculative_config=config)
+    prompts = [FIB, SORT, PROMPTS[1]]
     try:
         decode.start()
         prefill.start()
+        assert prefill.engine.kv_layout == decode.engine.kv_layout and "eagle_head=" in decode.engine.kv_layout
         with Client(address, timeout=60) as client:
-            for prompt in (FIB, SORT):
-                out = collect(client.generate(prompt, max_tokens=24, temperature=0.0, ignore_eos=True))[0]
-                want = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+            for prompt in prompts:  # one at a time: the same passes on both sides
+                out = collect(client.generate(prompt, max_tokens=32, temperature=0.0, ignore_eos=True))[0]
+                want = local.generate([prompt], SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
                 assert list(out.token_ids) == want[0].outputs[0].token_ids
-        assert shipped(prefill) >= 2  # both prompts crossed
-        spec_stats = stats(decode.address)
-        assert spec_stats.spec_decode_num_draft_tokens > 0
+        assert shipped(prefill) == len(prompts)  # every prompt crossed
+        got, expected = stats(decode.address), local.stats().spec_decode
+        assert (got.spec_decode_num_drafts, got.spec_decode_num_draft_tokens, got.spec_decode_num_accepted_tokens,
+                tuple(got.spec_decode_num_accepted_tokens_per_pos)) == (
+            expected.num_drafts, expected.num_draft_tokens, expected.num_accepted_tokens,
+            expected.num_accepted_tokens_per_pos)
+        assert expected.num_accepted_tokens > 0
         wait_for(lambda: all_blocks_free(decode.address) and all_blocks_free(prefill.address), 15, "every block free")
+
+        other = tmp_path / "other-head"
+        build_eagle_head(other, DEFAULT_MODEL, "eagle3", draft_vocab=1024, aux_layers=[1, 2, 3])
+        for worker_id, extra in (("prefill-other-head", {"speculative_config": json.dumps({**config, "model": str(other)})}),
+                                 ("prefill-no-head", {})):
+            stranger = Worker(WorkerConfig(role="prefill", router=router.internal_address, worker_id=worker_id,
+                                           num_blocks=64, kv_connector="zmq", register_timeout=10.0, **extra))
+            try:
+                with pytest.raises(Exception, match="kv_layout"):
+                    stranger.start()
+            finally:
+                stranger.stop()
     finally:
         prefill.stop()
         decode.stop()

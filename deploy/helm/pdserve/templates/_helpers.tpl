@@ -171,6 +171,14 @@ a pool's: both pools get the same --quantization and --kv-cache-dtype.
 {{- end }}
 {{- $engine := include "pdserve.overlay" (dict "dst" $root.Values.engine "src" $pool.engine) | fromJson }}
 {{- $flags := include "pdserve.overlay" (dict "dst" $engine "src" $pool.config) | fromJson }}
+{{- /* An EAGLE head runs on prefill workers too: they ship its state for the prompt, and
+       workers pair only with the same head. Other methods stay on the decode pool. */}}
+{{- $spec := $root.Values.decode.config.speculativeConfig }}
+{{- $parsed := $spec }}
+{{- if kindIs "string" $spec }}{{ $parsed = fromJson $spec }}{{ end }}
+{{- if and (eq .pool "prefill") (kindIs "map" $parsed) (has (get $parsed "method") (list "eagle" "eagle3")) }}
+{{- $_ := set $flags "speculativeConfig" $spec }}
+{{- end }}
 {{- $set := dict
   "model" (include "pdserve.modelPath" $root)
   "servedModelName" $root.Values.model.servedModelName
