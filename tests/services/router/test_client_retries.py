@@ -158,8 +158,15 @@ def test_the_deadline_bounds_every_retry(routers):
             list(client.generate("x"))
         took = time.monotonic() - started
     assert took <= 1.05, took
-    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert "gave up: the deadline" in info.value.details() and len(down.arrivals) >= 2
+    # Either the client gives up before a backoff that would outlast the deadline, or,
+    # on a loaded machine, the deadline passes inside an attempt; both end by it.
+    code, details = info.value.code(), info.value.details()
+    if code == grpc.StatusCode.UNAVAILABLE:
+        assert "gave up: the deadline" in details, details
+    else:
+        assert code == grpc.StatusCode.DEADLINE_EXCEEDED, code
+        assert "deadline passed during attempt" in details and "UNAVAILABLE x" in details, details
+    assert len(down.arrivals) >= 2
 
 
 def test_a_hint_past_the_deadline_fails_at_once_saying_so(routers):
