@@ -221,6 +221,9 @@ class EngineConfig:
     quantization: str | None = None
     # KV pages' dtype: auto (the model's) | fp8 (= fp8_e4m3) | fp8_e4m3 | fp8_e5m2
     kv_cache_dtype: str = "auto"
+    # vLLM's --enforce-eager: every step runs the eager forward; False captures the
+    # decode step once per batch-size bucket (engine/fast_decode.py) where it helps.
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
