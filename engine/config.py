@@ -2,25 +2,30 @@
 
 `ModelConfig.from_hf_config` reads a Hugging Face `config.json` dict. It accepts both
 the transformers 4 spelling (`rope_theta` + `rope_scaling`) and the transformers 5
-spelling (`rope_parameters`), and refuses features the forward pass does not
-implement instead of silently computing something else.
+spelling (`rope_parameters`, nested per layer type for Gemma 3), and refuses features
+the forward pass does not implement instead of silently computing something else.
+Which architectures exist, and how each one's config reads, is the model registry's
+(engine/model/registry.py); derived RoPE values (yarn's and longrope's attention
+factor, a missing factor) are resolved here as transformers resolves them.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pdserve.engine.model.registry import SUPPORTED_ARCHITECTURES, Family, family, resolve_architecture  # noqa: F401
 from pdserve.engine.quant.config import QUANTIZATION_METHODS, parse_kv_cache_dtype
 from pdserve.engine.spec.config import SpeculativeConfig
 
 if TYPE_CHECKING:
     import torch
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn", "longrope")
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 DTYPES = ("float32", "float16", "bfloat16")
 DEFAULT_MAX_LOGPROBS = 20  # as vLLM's max_logprobs
 # The embedded default model (models/ at the repository root).
@@ -45,12 +50,24 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 
 @dataclass(frozen=True)
 class RopeConfig:
+    """One RoPE's parameters, as transformers' rope_parameters holds them, with the
+    derived ones resolved: `factor` (yarn / longrope without one: max / original
+    positions) and `attention_factor` (the scale of cos and sin: yarn's mscale,
+    longrope's sqrt(1 + ln(factor) / ln(original)), 1.0 for the other types)."""
+
     theta: float
     rope_type: str = "default"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    max_position_embeddings: int = 2048  # dynamic's reference length
+    attention_factor: float = 1.0
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0
+    truncate: bool = True
+    short_factor: tuple[float, ...] = ()  # longrope
+    long_factor: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -74,6 +91,13 @@ class ModelConfig:
     sliding_windows: tuple[int | None, ...]
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    hidden_act: str = "silu"
+    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3, Gemma 3)
+    query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power (Gemma); None: head_dim
+    attn_logit_softcapping: float | None = None  # tanh(s / cap) * cap on attention scores (Gemma 2)
+    final_logit_softcapping: float | None = None  # the same on the LM head's logits (Gemma)
+    # Sliding-window layers' own RoPE (Gemma 3's local base); None: `rope` everywhere.
+    rope_local: RopeConfig | None = None
 
     @property
     def q_size(self) -> int:
@@ -95,10 +119,8 @@ class ModelConfig:
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any], generation: dict[str, Any] | None = None) -> "ModelConfig":
-        archs = cfg.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
-            raise ValueError(f"architectures: {archs} not supported; pdserve runs {SUPPORTED_ARCHITECTURES}")
+        arch = resolve_architecture(list(cfg.get("architectures") or []))
+        fam = family(arch)
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         head_dim = cfg.get("head_dim") or hidden // num_heads
@@ -106,9 +128,11 @@ class ModelConfig:
         if num_heads % num_kv:
             raise ValueError(f"num_key_value_heads: {num_kv} does not divide num_attention_heads {num_heads}")
         num_layers = int(cfg["num_hidden_layers"])
-        is_qwen2 = arch == "Qwen2ForCausalLM"
         attention_bias = bool(cfg.get("attention_bias", False))
         eos = _eos_ids(cfg, generation or {})
+        if cfg.get("use_bidirectional_attention"):
+            raise ValueError("use_bidirectional_attention: only causal attention is supported")
+        rope, rope_local = _ropes(cfg, fam)
         return cls(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
@@ -119,15 +143,21 @@ class ModelConfig:
             num_kv_heads=num_kv,
             head_dim=int(head_dim),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope=_rope_config(cfg),
+            rope=rope,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=is_qwen2 or attention_bias,
-            o_bias=attention_bias and not is_qwen2,
+            qkv_bias=fam.qkv_bias or attention_bias,
+            o_bias=attention_bias and not fam.qkv_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            sliding_windows=_sliding_windows(cfg, arch, num_layers),
+            sliding_windows=_sliding_windows(cfg, fam, num_layers),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos,
+            hidden_act=_activation(cfg),
+            qk_norm=fam.qk_norm,
+            query_pre_attn_scalar=_optional_float(cfg, "query_pre_attn_scalar"),
+            attn_logit_softcapping=_optional_float(cfg, "attn_logit_softcapping") if fam.attn_softcap else None,
+            final_logit_softcapping=_optional_float(cfg, "final_logit_softcapping"),
+            rope_local=rope_local,
         )
 
 
@@ -138,36 +168,118 @@ def _eos_ids(cfg: dict[str, Any], generation: dict[str, Any]) -> tuple[int, ...]
     return tuple(int(e) for e in eos) if isinstance(eos, list) else (int(eos),)
 
 
-def _rope_config(cfg: dict[str, Any]) -> RopeConfig:
+def _optional_float(cfg: dict[str, Any], name: str) -> float | None:
+    value = cfg.get(name)
+    if value is None:
+        return None
+    if not float(value) > 0:
+        raise ValueError(f"{name}: must be a positive number or null, got {value!r}")
+    return float(value)
+
+
+def _activation(cfg: dict[str, Any]) -> str:
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+    if act not in SUPPORTED_ACTIVATIONS:
+        raise ValueError(f"hidden_act: {act!r} not supported ({', '.join(SUPPORTED_ACTIVATIONS)})")
+    return act
+
+
+def _ropes(cfg: dict[str, Any], fam: Family) -> tuple[RopeConfig, RopeConfig | None]:
+    """The global RoPE and, for a family with local RoPE (Gemma 3), the sliding layers'
+    one: transformers 5 nests rope_parameters by layer type; transformers 4 spelled the
+    local base `rope_local_base_freq` beside `rope_theta` + `rope_scaling` (global)."""
     params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    if not fam.local_rope:
+        return _rope_config(params, cfg, "rope_parameters"), None
+    if "full_attention" in params or "sliding_attention" in params:
+        full = dict(params.get("full_attention") or {})
+        local = dict(params.get("sliding_attention") or {})
+    else:
+        full, local = params, {}
+    full.setdefault("rope_theta", cfg.get("rope_theta", 1000000.0))
+    local.setdefault("rope_theta", cfg.get("rope_local_base_freq", 10000.0))
+    return (_rope_config(full, cfg, "rope_parameters.full_attention"),
+            _rope_config(local, cfg, "rope_parameters.sliding_attention"))
+
+
+def _rope_config(params: dict[str, Any], cfg: dict[str, Any], where: str) -> RopeConfig:
     theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type in ("su", "yarn") and cfg.get("model_type") == "phi3":
+        rope_type = "longrope"  # Phi3Config's renaming of its older spellings
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"rope_parameters.rope_type: {rope_type!r} not supported ({SUPPORTED_ROPE_TYPES})")
-    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise ValueError("rope_parameters.partial_rotary_factor: only 1.0 is supported")
+        raise ValueError(f"{where}.rope_type: {rope_type!r} not supported ({', '.join(SUPPORTED_ROPE_TYPES)})")
+    if float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor") or 1.0)) != 1.0:
+        raise ValueError(f"{where}.partial_rotary_factor: only 1.0 is supported")
+    max_pos = int(cfg.get("max_position_embeddings", 2048))
+    # transformers' precedence: a top-level original_max_position_embeddings (Phi-3)
+    # over the rope dict's, else max_position_embeddings
+    original = cfg.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
+    original = int(original or max_pos)
+    factor = params.get("factor")
+    if factor is None and rope_type in ("yarn", "longrope"):
+        factor = max_pos / original
+    factor = float(1.0 if factor is None else factor)
     return RopeConfig(
         theta=theta,
         rope_type=rope_type,
-        factor=float(params.get("factor", 1.0)),
+        factor=factor,
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+        original_max_position_embeddings=original,
+        max_position_embeddings=max_pos,
+        attention_factor=_attention_factor(params, rope_type, factor, original),
+        beta_fast=float(params.get("beta_fast") or 32),
+        beta_slow=float(params.get("beta_slow") or 1),
+        truncate=bool(params.get("truncate", True)),
+        short_factor=_factors(params, "short_factor", rope_type, where),
+        long_factor=_factors(params, "long_factor", rope_type, where),
     )
 
 
-def _sliding_windows(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[int | None, ...]:
+def _attention_factor(params: dict[str, Any], rope_type: str, factor: float, original: int) -> float:
+    """transformers' `attention_factor` for yarn and longrope (the scale of cos/sin)."""
+    given = params.get("attention_factor")
+    if given is not None or rope_type not in ("yarn", "longrope"):
+        return float(1.0 if given is None else given)
+    if rope_type == "longrope":
+        return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return float(_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim))
+    return _yarn_mscale(factor)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _factors(params: dict[str, Any], name: str, rope_type: str, where: str) -> tuple[float, ...]:
+    if rope_type != "longrope":
+        return ()
+    values = params.get(name)
+    if not isinstance(values, list) or not values:
+        raise ValueError(f"{where}.{name}: longrope needs a list of numbers")
+    return tuple(float(v) for v in values)
+
+
+def _sliding_windows(cfg: dict[str, Any], fam: Family, num_layers: int) -> tuple[int | None, ...]:
     window = cfg.get("sliding_window")
-    if arch == "LlamaForCausalLM" or window is None:
+    if fam.sliding == "never" or window is None:
         return (None,) * num_layers
-    if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
+    if fam.sliding == "flag" and not cfg.get("use_sliding_window", False):
         return (None,) * num_layers
     layer_types = cfg.get("layer_types")
-    if layer_types is None and arch == "Qwen2ForCausalLM":
+    if layer_types is None and fam.sliding == "flag":
         first = int(cfg.get("max_window_layers", num_layers))
         layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    if layer_types is None and fam.sliding == "pattern":
+        pattern = int(cfg.get("sliding_window_pattern", fam.sliding_pattern))
+        layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
     if layer_types is None:
         layer_types = ["sliding_attention"] * num_layers
+    if len(layer_types) != num_layers:
+        raise ValueError(f"layer_types: {len(layer_types)} entries for num_hidden_layers {num_layers}")
     return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)
 
 

@@ -23,19 +23,45 @@ BASE = dict(
 
 
 def make_config(arch: str, **overrides: Any):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    import transformers
 
-    kinds = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}
-    return kinds[arch](**{**BASE, **overrides})
+    kinds = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "mistral": "MistralConfig", "qwen3": "Qwen3Config",
+             "gemma2": "Gemma2Config", "gemma3": "Gemma3TextConfig", "phi3": "Phi3Config"}
+    # transformers' own defaults for these are Gemma's 256 (head_dim, scalar) and Phi-3's
+    # 32000 (pad, outside BASE's vocabulary): sized to BASE unless a test says otherwise
+    sized = {"gemma2": dict(head_dim=16, query_pre_attn_scalar=16), "gemma3": dict(head_dim=16, query_pre_attn_scalar=16),
+             "qwen3": dict(head_dim=16), "phi3": dict(pad_token_id=0)}
+    return getattr(transformers, kinds[arch])(**{**BASE, **sized.get(arch, {}), **overrides})
 
 
-def build_model(path: Path, arch: str = "llama", seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: Any):
-    """Save a random model in HF format to `path`; returns the HF model (eval mode)."""
+def perturb_norms(model, seed: int, scale: float = 0.3) -> None:
+    """Random RMSNorm weights (transformers initialises them to ones, or Gemma's zeros):
+    a norm whose form or place is wrong then shows in the output."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(torch.randn(param.shape, generator=gen).to(param.dtype) * scale)
+
+
+def build_model(path: Path, arch: str = "llama", seed: int = 0, dtype: torch.dtype = torch.float32,
+                qk_gain: float = 1.0, **overrides: Any):
+    """Save a random model in HF format to `path`; returns the HF model (eval mode).
+    `qk_gain` scales the q and k projections: attention scores large enough for a
+    soft-cap to bite (random init's are ~0.03)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     config = make_config(arch, **overrides)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    # eager: transformers' reference attention (its SDPA path has no soft-capping)
+    extra = {"attn_implementation": "eager"} if arch.startswith("gemma") else {}
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, **extra).eval()
+    if arch not in ("llama", "qwen2", "mistral"):  # the older kinds' tests keep their weights
+        perturb_norms(model, seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if qk_gain != 1.0 and name.endswith(("q_proj.weight", "k_proj.weight")):
+                param.mul_(qk_gain)
     model.generation_config.pad_token_id = config.eos_token_id
     model.save_pretrained(path)
     return model

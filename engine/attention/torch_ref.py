@@ -3,7 +3,8 @@
 Sequences with few queries (decode: one; speculative verification: K+1) are gathered
 into one padded batch and attended in a single call; longer ones (prompts, chunks)
 go one by one, and a fresh prefill (nothing cached before it) attends to its own K/V
-directly.
+directly. A layer with attention logit soft-capping (Gemma 2) takes the explicit
+path transformers' eager attention takes (SDPA cannot cap scores).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ class TorchAttention(AttentionBackend):
     name = "torch"
 
     def forward(self, q, k, v, kv, meta: AttentionMetadata, scale: float, sliding_window: int | None,
-                kv_scales: tuple[float, float] = (1.0, 1.0)):
+                kv_scales: tuple[float, float] = (1.0, 1.0), softcap: float | None = None):
         write_kv(k, v, kv, meta, kv_scales)
         k_cache, v_cache = kv[:, 0], kv[:, 1]
         # A float8 cache is gathered as bytes and read back as value * scale.
@@ -29,7 +30,7 @@ class TorchAttention(AttentionBackend):
         out = torch.empty_like(q)
         decode = meta.decode_batch
         if decode is not None:
-            o = self._decode_batch(q[decode.rows], k_cache, v_cache, decode, scale, sliding_window, read)
+            o = self._decode_batch(q[decode.rows], k_cache, v_cache, decode, scale, sliding_window, read, softcap)
             out[decode.rows.flatten()[decode.picked]] = o.flatten(0, 1)[decode.picked]
         for b, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
             if q_len == 0 or (decode is not None and q_len <= MAX_BATCHED_QUERIES):
@@ -39,10 +40,11 @@ class TorchAttention(AttentionBackend):
                 kb, vb = read.fresh(k[s : s + q_len], v[s : s + q_len])
             else:
                 kb, vb = read.pair(*gather_kv(read.raw(k_cache), read.raw(v_cache), meta.block_tables[b], seq_len))
-            out[s : s + q_len] = _attend(q[s : s + q_len], kb, vb, scale, sliding_window)
+            out[s : s + q_len] = _attend(q[s : s + q_len], kb, vb, scale, sliding_window, softcap)
         return out
 
-    def _decode_batch(self, q, k_cache, v_cache, decode: DecodeBatch, scale, window, read: "_Reader"):
+    def _decode_batch(self, q, k_cache, v_cache, decode: DecodeBatch, scale, window, read: "_Reader",
+                      softcap: float | None = None):
         lens, max_len = decode.seq_lens, decode.max_seq_len
         num_seqs, n_blocks = decode.block_tables.shape
         ids = decode.block_tables.flatten()
@@ -66,13 +68,8 @@ class TorchAttention(AttentionBackend):
         num_kv = keys.shape[2]
         group = num_heads // num_kv
         qg = q.view(num_seqs, num_q, num_kv, group, head_dim).transpose(1, 2).reshape(num_seqs, num_kv, -1, head_dim)
-        o = F.scaled_dot_product_attention(
-            qg,
-            keys.transpose(1, 2),
-            vals.transpose(1, 2),
-            attn_mask=mask.repeat_interleave(group, dim=1)[:, None],
-            scale=scale,
-        )
+        o = _sdpa(qg, keys.transpose(1, 2), vals.transpose(1, 2), mask.repeat_interleave(group, dim=1)[:, None],
+                  scale, softcap)
         return o.view(num_seqs, num_kv, num_q, group, head_dim).transpose(1, 2).reshape(num_seqs, num_q, num_heads, head_dim)
 
 
@@ -106,18 +103,41 @@ def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.T
     return k_cache.index_select(0, ids).flatten(0, 1)[:seq_len], v_cache.index_select(0, ids).flatten(0, 1)[:seq_len]
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+          softcap: float | None) -> torch.Tensor:
+    """Masked attention [B, H, Q, D] over k/v [B, H, L, D] (mask True = attend); with
+    `softcap`, transformers' eager op order: (q @ k^T) * scale, tanh(s / cap) * cap,
+    mask, softmax in float32, cast, @ v."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    scores = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * scale / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None,
+            softcap: float | None = None) -> torch.Tensor:
     """Causal attention of the last len(q) positions of a context of len(k) tokens."""
     q_len, kv_len = q.shape[0], k.shape[0]
     # A leading batch dim puts SDPA on its flash kernel (2-3x faster than 3-D input).
     qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+    if softcap is not None:
+        group = q.shape[1] // k.shape[1]
+        kt, vt = kt.repeat_interleave(group, dim=1), vt.repeat_interleave(group, dim=1)
+        return _sdpa(qt, kt, vt, _causal_mask(q_len, kv_len, window, q.device), scale, softcap).squeeze(0).transpose(0, 1)
     if q_len == kv_len and window is None:
         o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
     else:
-        q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)[:, None]
-        k_pos = torch.arange(kv_len, device=q.device)[None, :]
-        mask = k_pos <= q_pos
-        if window is not None:
-            mask &= k_pos > q_pos - window
+        mask = _causal_mask(q_len, kv_len, window, q.device)
         o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=True)
     return o.squeeze(0).transpose(0, 1)
+
+
+def _causal_mask(q_len: int, kv_len: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """[q_len, kv_len], True where query i (position kv_len - q_len + i) sees key j."""
+    q_pos = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
+    k_pos = torch.arange(kv_len, device=device)[None, :]
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask &= k_pos > q_pos - window
+    return mask

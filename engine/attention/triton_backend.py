@@ -1,4 +1,7 @@
-"""Triton backend: paged kernels for decode and for prefill over paged KV."""
+"""Triton backend: paged kernels for decode and for prefill over paged KV.
+
+The kernels have no attention logit soft-capping: a model with it (Gemma 2) is
+refused here, by name, rather than computed without it."""
 
 from __future__ import annotations
 
@@ -9,7 +12,10 @@ class TritonAttention(AttentionBackend):
     name = "triton"
 
     def forward(self, q, k, v, kv, meta: AttentionMetadata, scale: float, sliding_window: int | None,
-                kv_scales: tuple[float, float] = (1.0, 1.0)):
+                kv_scales: tuple[float, float] = (1.0, 1.0), softcap: float | None = None):
+        if softcap is not None:
+            raise ValueError(f"attention_backend: triton has no attention logit soft-capping (the model's "
+                             f"attn_logit_softcapping is {softcap}); use attention_backend='torch'")
         from pdserve.engine.attention import triton_kernels as kernels
 
         write_kv(k, v, kv, meta, kv_scales)

@@ -1,8 +1,11 @@
-"""The Llama-family decoder (Llama, Qwen2, Mistral) over a paged KV cache.
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3) over a paged KV cache.
 
 Our own forward pass, numerically in step with Hugging Face's: the same op order
 (pre-norm, residual adds, RMSNorm in float32), q/k/v and gate/up fused into one
 matmul each. Input is a flat batch of tokens from many sequences (no padding).
+The families differ only in ModelConfig's flags: q/k/v bias (Qwen2), per-head q/k
+RMSNorm before RoPE (Qwen3), per-layer sliding windows (Mistral, Qwen), RoPE types
+(Phi-3's longrope). Gemma's decoder (engine/model/gemma.py) builds on these classes.
 """
 
 from __future__ import annotations
@@ -34,26 +37,45 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), shape, None, self.eps).to(x.dtype)
 
 
+Rotary = tuple[torch.Tensor, torch.Tensor]
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, norm: type[nn.Module] = RMSNorm) -> None:
         super().__init__()
         self.cfg = cfg
         self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
-        self.scale = cfg.head_dim**-0.5
+        self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
         self.sliding_window = cfg.sliding_windows[layer]
+        # soft-capping is passed only when the model has it (backends that lack it refuse it)
+        self.softcap = {} if cfg.attn_logit_softcapping is None else {"softcap": cfg.attn_logit_softcapping}
+        if cfg.qk_norm:  # per head, before RoPE (Qwen3, Gemma 3)
+            self.q_norm = norm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = norm(cfg.head_dim, cfg.rms_norm_eps)
         # A float8 KV cache holds K / k_scale and V / v_scale (the checkpoint's, else 1.0).
         self.kv_scales = (1.0, 1.0)
 
-    def forward(self, x, rotary: tuple[torch.Tensor, torch.Tensor], kv: torch.Tensor, meta, backend: AttentionBackend):
+    def forward(self, x, rotary: Rotary, kv: torch.Tensor, meta, backend: AttentionBackend):
         cfg = self.cfg
         qkv = self.qkv_proj(x)
-        # q and k are adjacent columns: rotate both heads' sets in one pass
-        qk = qkv[:, : cfg.q_size + cfg.kv_size].view(-1, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
-        q, k = apply_rotary(qk, *rotary).split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+        if cfg.qk_norm:
+            q, k = qkv[:, : cfg.q_size + cfg.kv_size].split([cfg.q_size, cfg.kv_size], dim=-1)
+            q = apply_rotary(self.q_norm(q.view(-1, cfg.num_heads, cfg.head_dim)), *rotary)
+            k = apply_rotary(self.k_norm(k.view(-1, cfg.num_kv_heads, cfg.head_dim)), *rotary)
+        else:
+            # q and k are adjacent columns: rotate both heads' sets in one pass
+            qk = qkv[:, : cfg.q_size + cfg.kv_size].view(-1, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
+            q, k = apply_rotary(qk, *rotary).split([cfg.num_heads, cfg.num_kv_heads], dim=1)
         v = qkv[:, cfg.q_size + cfg.kv_size :].view(-1, cfg.num_kv_heads, cfg.head_dim)
-        o = backend.forward(q, k, v, kv, meta, self.scale, self.sliding_window, self.kv_scales)
+        o = backend.forward(q, k, v, kv, meta, self.scale, self.sliding_window, self.kv_scales, **self.softcap)
         return self.o_proj(o.reshape(-1, cfg.q_size))
+
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),  # Gemma's GeGLU
+}
 
 
 class MLP(nn.Module):
@@ -62,10 +84,11 @@ class MLP(nn.Module):
         self.inter = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.act = ACTIVATIONS[cfg.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -99,17 +122,34 @@ class FeatureCapture:
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding) -> None:
+    """`rope_local`: the sliding-window layers' RoPE where it differs (Gemma 3)."""
+
+    layer_cls: type[nn.Module] = DecoderLayer
+    norm_cls: type[nn.Module] = RMSNorm
+
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, rope_local: RotaryEmbedding | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         # Left uninitialised (the loader fills every weight from the checkpoint): nn.Embedding's
         # own normal_() init, run on the meta device, imports torch._dynamo, ~1 s of CPU per process.
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(self.layer_cls(cfg, i) for i in range(cfg.num_layers))
+        self.norm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = rope
+        self.rope_local = rope_local
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def rotaries(self, positions: torch.Tensor, dtype: torch.dtype, meta: AttentionMetadata) -> list[Rotary]:
+        """Each layer's cos/sin for the step (looked up once per RoPE)."""
+        rotary = self.rope.lookup(positions, dtype, meta)
+        if self.rope_local is None:
+            return [rotary] * len(self.layers)
+        local = self.rope_local.lookup(positions, dtype, meta)
+        return [rotary if w is None else local for w in self.cfg.sliding_windows]
 
     def forward(
         self,
@@ -124,13 +164,13 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """`on_layer(i)` runs once layer i's K/V are in the cache (layer-wise KV streaming);
         `capture` gets the hidden states it names (`FeatureCapture.features`)."""
-        h = self.embed_tokens(input_ids)
-        rotary = self.rope.lookup(positions, h.dtype)
+        h = self.embed(input_ids)
+        rotaries = self.rotaries(positions, h.dtype, meta)
         inputs: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
             if capture is not None and i in capture.layers:
                 inputs[i] = h
-            h = layer(h, rotary, kv_cache[i], meta, backend)
+            h = layer(h, rotaries[i], kv_cache[i], meta, backend)
             if on_layer is not None:
                 on_layer(i)
         kept = [inputs[i] for i in capture.layers] if capture is not None else []

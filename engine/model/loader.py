@@ -1,7 +1,9 @@
 """Load Hugging Face safetensors checkpoints (single file or sharded) into our model.
 
-Full-precision tensors are copied into their parameters (q/k/v and gate/up into row
-ranges of the fused layers). Quantization enters in one of two ways:
+The architecture's model class and weight mapping come from the model registry
+(engine/model/registry.py). Full-precision tensors are copied into their parameters
+(q/k/v and gate/up into row ranges of the fused layers; a checkpoint that has them
+fused already, Phi-3's, loads them whole). Quantization enters in one of two ways:
 
     online          --quantization: the full-precision model is loaded, then every
                     covered linear layer is quantized in place (engine/quant/apply.py)
@@ -24,6 +26,7 @@ import torch
 from safetensors import safe_open
 
 from pdserve.engine.config import ModelConfig
+from pdserve.engine.model import registry
 from pdserve.engine.model.llama import LlamaForCausalLM
 from pdserve.engine.model.rope import RotaryEmbedding
 from pdserve.engine.quant import apply as quant_apply
@@ -32,14 +35,6 @@ from pdserve.engine.quant.config import WeightScheme
 
 log = logging.getLogger(__name__)
 
-# HF name suffix -> (our parameter suffix, index of the shard inside a fused weight)
-_FUSED = {
-    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
-    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
-    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
-    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
-    "mlp.up_proj": ("mlp.gate_up_proj", 1),
-}
 _KV_SCALES = ("self_attn.k_scale", "self_attn.v_scale")
 # Older compressed-tensors checkpoints name them after the projection's output.
 _OLD_KV_SCALES = {"self_attn.k_proj.output_scale": "self_attn.k_scale",
@@ -69,10 +64,12 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_
     """The model with empty weights on `device` (the meta device: a skeleton that only
     counts bytes); a pre-quantized scheme's layers are QuantLinears already."""
     rope = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions, device)
+    rope_local = None if cfg.rope_local is None else RotaryEmbedding(cfg.rope_local, cfg.head_dim, max_positions, device)
+    model_cls = registry.model_class(cfg.architecture)
     with torch.device("meta"):
         # cast while still on meta (free), before any QuantLinear joins: a module-wide
         # .to(dtype) would cast float8 and fp32 scale buffers too
-        model = LlamaForCausalLM(cfg, rope).to(dtype)
+        model = model_cls(cfg, rope, rope_local).to(dtype)
         if scheme is not None and not online:
             quant_apply.replace_linears(model, scheme, dtype)
     return model if device.type == "meta" else model.to_empty(device=device)
@@ -179,7 +176,7 @@ def _target(name: str, cfg: ModelConfig) -> tuple[str | None, int | None]:
     name = name.removeprefix("model.")
     if name == "lm_head.weight" and cfg.tie_word_embeddings:
         return None, None
-    for hf, (ours, shard) in _FUSED.items():
+    for hf, (ours, shard) in registry.family(cfg.architecture).weights.items():
         if f".{hf}." in f".{name}":
             return name.replace(hf, ours), shard
     return name, None
@@ -208,6 +205,8 @@ def _check_complete(model: LlamaForCausalLM, loaded: set[str]) -> None:
     names += [n for n, _ in model.named_buffers() if not n.endswith("inv_freq")]
     for name in names:
         if name.endswith(("perm", "input_scale")) and (name in loaded or any(x.startswith(name + "#") for x in loaded)):
+            continue
+        if name in loaded:  # fused in the checkpoint already (Phi-3)
             continue
         if ".qkv_proj." in name:
             want = [f"{name}#{i}" for i in range(3)]

@@ -1,4 +1,27 @@
-"""Rotary position embeddings, computed as Hugging Face does (default, linear, llama3)."""
+"""Rotary position embeddings, computed as Hugging Face does: default, linear, llama3,
+dynamic (NTK), yarn and longrope.
+
+The tables hold cos and sin for every position, already scaled by the type's
+attention factor (yarn's mscale, longrope's), as transformers' rotary modules scale
+them. Two types depend on the sequence's length in transformers:
+
+    dynamic   frequencies change only past max_position_embeddings, which the engine
+              never runs (max_model_len <= max_position_embeddings): the table is
+              transformers' one at that length, where NTK's base is unchanged
+    longrope  transformers picks, per forward, the long factors when the sequence's
+              length (max position + 1) exceeds original_max_position_embeddings and
+              the short ones otherwise, for every token of that forward, and keeps the
+              K already cached. We apply the same rule per sequence and step: a
+              step's tokens of sequence b use the long table iff seq_lens[b] (its
+              length after the step) > original_max_position_embeddings. A prompt
+              longer than that is computed with long factors throughout, a sequence
+              that crosses it while decoding switches at that token, both exactly as
+              transformers' generate does. K computed before a switch stays in the
+              cache as it was (recomputing it would match neither transformers nor
+              the prefix cache's other users); so a long prompt whose first chunk
+              (chunked prefill) or cached prefix was computed at a shorter length
+              keeps those tokens' short-factor K, as a transformers decode would.
+"""
 
 from __future__ import annotations
 
@@ -6,16 +29,35 @@ import math
 
 import torch
 
+from pdserve.engine.attention.base import AttentionMetadata
 from pdserve.engine.config import RopeConfig
 
 
-def inv_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
-    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+def inv_frequencies(rope: RopeConfig, head_dim: int, long: bool = False) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2]; `long`: longrope's long factors."""
+    if rope.rope_type == "yarn":
+        return _yarn(rope, head_dim)
+    if rope.rope_type == "longrope":
+        factors = torch.tensor(rope.long_factor if long else rope.short_factor, dtype=torch.float32)
+        if factors.numel() != head_dim // 2:
+            raise ValueError(f"rope_parameters.{'long' if long else 'short'}_factor: {factors.numel()} values, "
+                             f"head_dim {head_dim} needs {head_dim // 2}")
+        shape = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        return 1.0 / (factors * rope.theta**shape)
+    theta = _dynamic_base(rope, head_dim) if rope.rope_type == "dynamic" else rope.theta
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
     if rope.rope_type == "linear":
         return inv_freq / rope.factor
     if rope.rope_type == "llama3":
         return _llama3(inv_freq, rope)
     return inv_freq
+
+
+def _dynamic_base(rope: RopeConfig, head_dim: int) -> float:
+    """NTK's base at seq_len = max_position_embeddings (transformers' formula)."""
+    seq_len = rope.max_position_embeddings
+    scale = (rope.factor * seq_len / rope.max_position_embeddings) - (rope.factor - 1)
+    return rope.theta * scale ** (head_dim / (head_dim - 2))
 
 
 def _llama3(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
@@ -30,27 +72,72 @@ def _llama3(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _yarn(rope: RopeConfig, dim: int) -> torch.Tensor:
+    """transformers' _compute_yarn_parameters, op for op."""
+    base, factor = rope.theta, rope.factor
+
+    def correction_dim(num_rotations: float) -> float:
+        return (dim * math.log(rope.original_max_position_embeddings / (num_rotations * 2 * math.pi))) / (
+            2 * math.log(base))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    extrapolation_factor = 1 - ramp
+    return interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
+
+
+def _tables(inv_freq: torch.Tensor, scale: float, max_positions: int, device: torch.device):
+    positions = torch.arange(max_positions, device=device, dtype=torch.float)
+    freqs = positions[:, None] * inv_freq.to(device)[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    if scale == 1.0:
+        return emb.cos(), emb.sin()
+    return emb.cos() * scale, emb.sin() * scale
+
+
 class RotaryEmbedding:
-    """cos/sin tables for every position, looked up per token."""
+    """cos/sin tables for every position, looked up per token. Longrope keeps a second
+    pair, for its long factors, after the first: row `max_positions + p` is position p's."""
 
     def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int, device: torch.device) -> None:
-        inv_freq = inv_frequencies(rope, head_dim).to(device)
-        positions = torch.arange(max_positions, device=device, dtype=torch.float)
-        freqs = positions[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = emb.cos()
-        self.sin = emb.sin()
+        self.cos, self.sin = _tables(inv_frequencies(rope, head_dim), rope.attention_factor, max_positions, device)
+        self.max_positions = max_positions
+        # the length past which a sequence uses the long table (None: never, in this engine)
+        self.switch_after: int | None = None
+        if rope.rope_type == "longrope" and max_positions > rope.original_max_position_embeddings:
+            long_cos, long_sin = _tables(inv_frequencies(rope, head_dim, long=True), rope.attention_factor,
+                                         max_positions, device)
+            self.cos, self.sin = torch.cat((self.cos, long_cos)), torch.cat((self.sin, long_sin))
+            self.switch_after = rope.original_max_position_embeddings
 
-    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin [T, 1, D] for a step's tokens (looked up once per step).
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype,
+               meta: AttentionMetadata | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin [T, 1, D] for a step's tokens (looked up once per step);
+        `meta` (the step's sequences) picks longrope's table per sequence.
 
         HF rotates with rotate_half(x) * sin = cat(-x2, x1) * cat(s, s); we compute the
         same products as roll(x) * cat(-s, s): bit-identical, fewer passes.
         """
-        cos = self.cos[positions].to(dtype)[:, None, :]
-        sin = self.sin[positions].to(dtype)[:, None, :]
+        rows = positions
+        if self.switch_after is not None and meta is not None:
+            rows = positions + self.max_positions * (_token_seq_lens(meta, positions.shape[0]) > self.switch_after)
+        cos = self.cos[rows].to(dtype)[:, None, :]
+        sin = self.sin[rows].to(dtype)[:, None, :]
         half = sin.shape[-1] // 2
         return cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def _token_seq_lens(meta: AttentionMetadata, num_tokens: int) -> torch.Tensor:
+    """The length after this step of each token's sequence [T] (no host sync)."""
+    query_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
+    return torch.repeat_interleave(meta.seq_lens, query_lens, output_size=num_tokens)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,177 @@
+"""Every model family against transformers on the same random weights (fp32, built with
+transformers' own config classes): greedy tokens equal, prompt logprobs within 1e-4,
+through the engine and through a prefill engine handing its KV to a decode engine.
+
+Shapes: GQA, MQA and MHA; tied and untied embeddings; sliding windows shorter than
+the longer prompts; every RoPE type, yarn and longrope with prompts longer than
+original_max_position_embeddings (and, for longrope, a prompt that crosses it while
+decoding, where transformers switches to the long factors mid-sequence); Gemma's
+soft-capping set low enough to bite.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.config import CacheConfig, SchedulerConfig
+from pdserve.engine.engine import EngineConfig, LLMEngine
+from hf_models import build_model, hf_greedy
+
+MAX_NEW = 16
+ORIGINAL = 64  # original_max_position_embeddings of the yarn and longrope configs
+PROMPT_LENGTHS = (1, 7, 33, 52, 100, 150)  # 52 + MAX_NEW crosses ORIGINAL while decoding
+
+
+def _longrope(seed: int) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    short = (1.0 + torch.rand(8, generator=gen)).tolist()  # head_dim 16: 8 factors each
+    long = (1.0 + 4 * torch.rand(8, generator=gen)).tolist()
+    return dict(rope_type="longrope", rope_theta=10000.0, short_factor=short, long_factor=long)
+
+
+YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=ORIGINAL)
+GEMMA_CAPS = dict(attn_logit_softcapping=1.0, final_logit_softcapping=3.0)
+QK_GAIN = 8.0  # Gemma's q/k projections scaled up: scores of a few units, which a cap of 1.0 bends
+
+CONFIGS = {
+    "qwen3-gqa-untied-headdim": ("qwen3", dict(head_dim=24)),
+    "qwen3-mqa-tied-yarn": ("qwen3", dict(num_key_value_heads=1, tie_word_embeddings=True, rope_parameters=YARN)),
+    "qwen3-sliding-dynamic": ("qwen3", dict(use_sliding_window=True, sliding_window=40, max_window_layers=1,
+                                            rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0))),
+    "gemma2-gqa-softcap-sliding": ("gemma2", dict(sliding_window=32, **GEMMA_CAPS)),
+    "gemma2-mqa-untied-linear": ("gemma2", dict(num_key_value_heads=1, tie_word_embeddings=False, sliding_window=24,
+                                                attn_logit_softcapping=2.0, final_logit_softcapping=None,
+                                                rope_parameters=dict(rope_type="linear", rope_theta=10000.0,
+                                                                     factor=2.0))),
+    # Gemma 3 keeps attn_logit_softcapping out of attention (as transformers does): set, ignored
+    "gemma3-local-global": ("gemma3", dict(sliding_window=32, layer_types=["sliding_attention", "full_attention"],
+                                           tie_word_embeddings=False, query_pre_attn_scalar=20, **GEMMA_CAPS,
+                                           rope_parameters={
+                                               "sliding_attention": dict(rope_type="default", rope_theta=10000.0),
+                                               "full_attention": dict(rope_type="linear", rope_theta=1e6, factor=4.0),
+                                           })),
+    "gemma3-mqa-yarn": ("gemma3", dict(num_key_value_heads=1, sliding_window=24, num_hidden_layers=3,
+                                       final_logit_softcapping=3.0, sliding_window_pattern=3, rope_parameters={
+                                           "sliding_attention": dict(rope_type="default", rope_theta=10000.0),
+                                           "full_attention": dict(YARN, rope_theta=1e6),
+                                       })),
+    "phi3-gqa-longrope": ("phi3", dict(original_max_position_embeddings=ORIGINAL, rope_parameters=_longrope(0))),
+    "phi3-mha-tied-sliding": ("phi3", dict(num_key_value_heads=4, tie_word_embeddings=True, sliding_window=40)),
+    "llama-mqa-yarn": ("llama", dict(num_key_value_heads=1, rope_parameters=YARN)),
+    "mistral-longrope": ("mistral", dict(head_dim=16, original_max_position_embeddings=ORIGINAL,
+                                         rope_parameters=dict(_longrope(1), original_max_position_embeddings=ORIGINAL))),
+}
+
+
+def _gain(arch: str) -> float:
+    return QK_GAIN if arch.startswith("gemma") else 1.0
+
+
+def prompts(vocab: int = 256) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(7)
+    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+
+
+def hf_prompt_logprobs(model, prompt: list[int]) -> list[float]:
+    """log p(prompt[i] | prompt[:i]) for i >= 1, fp32."""
+    with torch.no_grad():
+        logprobs = model(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+    return [float(logprobs[i - 1, t]) for i, t in enumerate(prompt) if i > 0]
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def reference(request, tmp_path_factory):
+    arch, overrides = CONFIGS[request.param]
+    path = tmp_path_factory.mktemp(request.param)
+    model = build_model(path, arch, seed=3, qk_gain=_gain(arch), **overrides)
+    ps = prompts()
+    greedy = [hf_greedy(model, p, MAX_NEW, eos=False) for p in ps]
+    return str(path), ps, greedy, hf_prompt_logprobs(model, ps[-1])
+
+
+def greedy_params(**kw) -> SamplingParams:
+    return SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True, **kw)
+
+
+def test_greedy_and_prompt_logprobs_match_transformers(reference):
+    path, ps, greedy, logprobs = reference
+    llm = LLM(model=path)
+    outs = llm.generate(ps, [greedy_params() for _ in ps[:-1]] + [greedy_params(prompt_logprobs=1)])
+    for i, (out, expected) in enumerate(zip(outs, greedy)):
+        assert out.outputs[0].token_ids == expected, f"prompt {i} (len {len(ps[i])}) diverged"
+    got = [entry[token] for entry, token in zip(outs[-1].prompt_logprobs[1:], ps[-1][1:])]
+    assert max(abs(g - e) for g, e in zip(got, logprobs)) < 1e-4
+    llm.check_integrity()
+
+
+def engine(path: str, num_blocks: int = 96) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=path, cache=CacheConfig(num_blocks=num_blocks)))
+
+
+def run(e: LLMEngine) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    while e.has_unfinished():
+        for o in e.step():
+            out[o.request_id] = o.outputs[0].token_ids
+    return out
+
+
+def prefill_then_decode(prefill: LLMEngine, decode: LLMEngine, rid: str, prompt: list[int]) -> list[int]:
+    """The prompt prefilled on one engine, its pages copied as each layer is written,
+    the rest decoded on the other (tests/engine/test_engine_disagg.py has the contract)."""
+    reservation = decode.reserve_remote(rid, prompt, greedy_params())
+    skip = reservation.num_cached_tokens // prefill.runner.block_size
+
+    def on_layer(layer, slices):
+        size = prefill.runner.block_size
+        for s in slices:
+            for i in range(max(skip, s.start // size), -(-s.end // size)):
+                decode.runner.kv_cache[layer, reservation.block_ids[i]] = prefill.runner.kv_cache[layer, s.block_ids[i]]
+
+    prefill.layer_hook = on_layer
+    prefill.add_request(rid, prompt, SamplingParams(max_tokens=1, temperature=0.0), export_kv=True)
+    first = run(prefill)[rid][0]
+    prefill.release(rid)
+    out = {o.request_id: o.outputs[0].token_ids for o in decode.commit_remote(rid, first)}
+    out.update(run(decode))
+    return out[rid]
+
+
+@pytest.mark.parametrize("name", ["gemma2-gqa-softcap-sliding", "gemma3-local-global", "phi3-gqa-longrope"])
+def test_prefill_decode_engines_match_transformers(tmp_path, name):
+    arch, overrides = CONFIGS[name]
+    model = build_model(tmp_path, arch, seed=3, qk_gain=_gain(arch), **overrides)
+    prefill, decode = engine(str(tmp_path)), engine(str(tmp_path))
+    for i, prompt in enumerate(prompts()[2:]):
+        assert prefill_then_decode(prefill, decode, f"r{i}", prompt) == hf_greedy(model, prompt, MAX_NEW, eos=False)
+    for e in (prefill, decode):
+        e.check_integrity()
+        assert e.stats().num_free_blocks == e.stats().num_blocks
+
+
+@pytest.fixture(scope="module")
+def gemma2(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gemma2-features")
+    arch, overrides = CONFIGS["gemma2-gqa-softcap-sliding"]
+    model = build_model(path, arch, seed=3, qk_gain=_gain(arch), **overrides)
+    ps = prompts()
+    shared = ps[-1][:120] + ps[3][:20]  # a long cached prefix, past the sliding window
+    return str(path), [*ps, shared], [hf_greedy(model, p, MAX_NEW, eos=False) for p in [*ps, shared]]
+
+
+def test_gemma_chunked_prefix_cached_preempted_and_parallel(gemma2):
+    """Chunked prefill, prefix-cache hits past the sliding window, preemption and n > 1
+    all keep transformers' tokens; beams run alongside and free everything."""
+    path, ps, expected = gemma2
+    llm = LLM(model=path, max_num_batched_tokens=64, long_prefill_token_threshold=24, num_blocks=40)
+    for _ in range(2):  # the second pass hits the prefix cache
+        outs = llm.generate(ps, greedy_params(n=2))
+        assert [[c.token_ids for c in o.outputs] for o in outs] == [[e, e] for e in expected]
+    stats = llm.stats()
+    assert stats.prefix_cache_hits > 0 and stats.num_preemptions > 0
+    beams = llm.generate(ps[2:4], SamplingParams(max_tokens=8, beam_width=3, n=2, ignore_eos=True))
+    assert all(len(o.outputs) == 2 and all(len(c.token_ids) == 8 for c in o.outputs) for o in beams)
+    llm.check_integrity()
+    assert llm.stats().num_free_blocks == llm.stats().num_blocks
