@@ -81,18 +81,28 @@ def hf_prompt_logprobs(model, prompt: list[int]) -> list[float]:
     return [float(logprobs[i - 1, t]) for i, t in enumerate(prompt) if i > 0]
 
 
-@pytest.fixture(scope="module", params=list(CONFIGS))
-def reference(request, tmp_path_factory):
-    arch, overrides = CONFIGS[request.param]
-    path = tmp_path_factory.mktemp(request.param)
+def build_reference(name: str, path) -> tuple[str, list[list[int]], list[list[int]], list[float]]:
+    """The model saved at `path`; its prompts, transformers' greedy tokens for each and
+    its prompt logprobs of the last (longest) prompt."""
+    arch, overrides = CONFIGS[name]
     model = build_model(path, arch, seed=3, qk_gain=_gain(arch), **overrides)
     ps = prompts()
     greedy = [hf_greedy(model, p, MAX_NEW, eos=False) for p in ps]
     return str(path), ps, greedy, hf_prompt_logprobs(model, ps[-1])
 
 
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def reference(request, tmp_path_factory):
+    return build_reference(request.param, tmp_path_factory.mktemp(request.param))
+
+
+@pytest.fixture(scope="module")
+def reference_gemma3(tmp_path_factory):
+    return build_reference("gemma3-local-global", tmp_path_factory.mktemp("gemma3-triton"))
+
+
 def greedy_params(**kw) -> SamplingParams:
-    return SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True, **kw)
+    return SamplingParams(**{"max_tokens": MAX_NEW, "temperature": 0.0, "ignore_eos": True, **kw})
 
 
 def test_greedy_and_prompt_logprobs_match_transformers(reference):
@@ -175,3 +185,13 @@ def test_gemma_chunked_prefix_cached_preempted_and_parallel(gemma2):
     assert all(len(o.outputs) == 2 and all(len(c.token_ids) == 8 for c in o.outputs) for o in beams)
     llm.check_integrity()
     assert llm.stats().num_free_blocks == llm.stats().num_blocks
+
+
+def test_gemma3_on_triton_kernels_matches_transformers(reference_gemma3):
+    """Per-head q/k norms, two RoPE bases and alternating windows through the Triton
+    kernels (the interpreter on a CPU): no soft-cap in Gemma 3's attention to refuse."""
+    path, ps, greedy, _ = reference_gemma3
+    llm = LLM(model=path, attention_backend="triton", max_num_batched_tokens=64)
+    outs = llm.generate(ps[:4], greedy_params(max_tokens=4))
+    assert [o.outputs[0].token_ids for o in outs] == [g[:4] for g in greedy[:4]]
+    llm.check_integrity()
