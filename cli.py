@@ -38,7 +38,7 @@ def _offline(args: argparse.Namespace) -> int:
     from pdserve.engine import LLM, SamplingParams
 
     llm = LLM(model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
-              kv_cache_dtype=args.kv_cache_dtype)
+              kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     for out in llm.generate(args.prompts, params):
         print(out.prompt + out.outputs[0].text)
@@ -202,6 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--device", default="cpu")
     off.add_argument("--quantization", default=None, choices=QUANTIZATION_METHODS, help="quantize while loading")
     off.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
+    off.add_argument("--enforce-eager", action="store_true",
+                     help="run every step on the eager path (vLLM's flag): no oneDNN-prepacked weights")
     off.set_defaults(func=_offline)
 
     up = sub.add_parser("up", help="start router + workers (local processes or Ray actors); "

@@ -19,6 +19,9 @@ blocks by reference and copy the partial last block.
 
 from __future__ import annotations
 
+import logging
+import os
+
 import torch
 
 from pdserve.engine.block_pool import BlockPool
@@ -50,6 +53,8 @@ from pdserve.engine.tokenizer import Tokenizer, has_tokenizer
 from pdserve.engine.validation import SamplingLimits, validate_prompt, validate_sampling_params
 
 
+log = logging.getLogger(__name__)
+
 __all__ = [
     "EngineConfig", "ExportSlice", "LLMEngine", "LayerHook", "NoCapacityError", "Reservation", "TokenDelta",
     "TokenHook",
@@ -72,8 +77,9 @@ class LLMEngine:
         block_size = config.cache.block_size
         self.runner = ModelRunner(
             config.model, self.model_config, dtype, device, block_size, self.max_model_len, config.attention_backend,
-            config.quantization, config.kv_cache_dtype,
+            config.quantization, config.kv_cache_dtype, prepack=not config.enforce_eager,
         )
+        self._log_compute(device)
         self.draft_runner = self._draft_runner(dtype, device)
         self.eagle_head = self._eagle_head(dtype, device)
         # Sized after the weights are loaded, so a GPU budget counts what is left.
@@ -96,6 +102,15 @@ class LLMEngine:
             self.speculator,
         )
         self.remote = RemoteKV(self.core)
+
+    def _log_compute(self, device: torch.device) -> None:
+        """Say which cores the engine computes on (--torch-threads, the CPU affinity) and
+        whether the fast path is on: a benchmark's figures mean nothing without them."""
+        allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        path = "eager (enforce_eager)" if self.config.enforce_eager else (
+            f"fast: {self.runner.prepacked} linear layers prepacked for oneDNN" if self.runner.prepacked
+            else "fast: nothing to prepack here")
+        log.info("engine on %s: %d torch threads, %s CPUs allowed; %s", device, torch.get_num_threads(), allowed, path)
 
     def _plan_memory(self, dtype: torch.dtype, device: torch.device) -> MemoryPlan:
         """Weights as loaded, the activation peak (measured on a GPU), the KV budget and blocks."""
@@ -152,7 +167,7 @@ class LLMEngine:
         draft_config = ModelConfig.from_dir(spec.model)
         check_draft_model(self.config.model, self.model_config, spec.model, draft_config, self.max_model_len)
         return ModelRunner(spec.model, draft_config, dtype, device, self.config.cache.block_size,
-                           self.max_model_len, self.config.attention_backend)
+                           self.max_model_len, self.config.attention_backend, prepack=not self.config.enforce_eager)
 
     def _eagle_head(self, dtype: torch.dtype, device: torch.device) -> EagleHead | None:
         """The EAGLE head of `speculative_config` (methods eagle, eagle3), checked against the target."""

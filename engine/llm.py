@@ -35,6 +35,7 @@ class LLM:
         quantization: str | None = None,
         kv_cache_dtype: str = "auto",
         gpu_memory_utilization: float = 0.9,
+        enforce_eager: bool = False,
     ) -> None:
         self.engine = LLMEngine(
             EngineConfig(
@@ -52,6 +53,7 @@ class LLM:
                 quantization=quantization,
                 kv_cache_dtype=kv_cache_dtype,
                 gpu_memory_utilization=gpu_memory_utilization,
+                enforce_eager=enforce_eager,
             )
         )
         self.model_dir = model

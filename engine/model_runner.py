@@ -18,6 +18,7 @@ from typing import Protocol
 
 import torch
 
+from pdserve.engine import prepacked
 from pdserve.engine.attention import AttentionMetadata, get_backend
 from pdserve.engine.attention.base import is_fp8, kv_rows
 from pdserve.engine.config import ModelConfig
@@ -72,7 +73,10 @@ class ModelRunner:
         attention_backend: str = "auto",
         quantization: str | None = None,
         kv_cache_dtype: str = "auto",
+        prepack: bool = False,
     ) -> None:
+        """`prepack`: hold the full-precision linear layers in oneDNN's packed layout where
+        that applies (engine/prepacked.py: a CPU, fp32 or bf16); off, they stay `nn.Linear`."""
         self.cfg = cfg
         self.device = device
         self.block_size = block_size
@@ -80,12 +84,17 @@ class ModelRunner:
         # the pages' dtype: the model's, or float8 (--kv-cache-dtype)
         self.kv_dtype = kv_torch_dtype(kv_cache_dtype, dtype)
         self.model = load_model(model_dir, cfg, dtype, device, max_model_len, quantization, self.kv_dtype)
+        self.prepacked = 0
+        if prepack and prepacked.available(device, dtype):
+            embed = self.model.embed_tokens
+            tied = embed.weight if self.model.lm_head is None and type(embed) is torch.nn.Embedding else None
+            self.prepacked = prepacked.prepack_linears(self.model, tied)
         self.backend = get_backend(attention_backend, str(device))
         self.kv_cache = torch.empty(0)
 
     @property
     def weight_bytes(self) -> int:
-        return weight_bytes(self.model)
+        return weight_bytes(self.model) + prepacked.packed_bytes(self.model)
 
     @property
     def weight_scheme(self) -> str:

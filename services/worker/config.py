@@ -72,6 +72,8 @@ class WorkerConfig:
     attention_backend: str = flag("auto", "auto | torch | triton")
     seed: int = flag(0, "seed of the sampler's shared generator")
     torch_threads: int = flag(1, "torch intra-op threads (0: torch's default)")
+    enforce_eager: bool = flag(False, "run every step on the eager path (vLLM's flag): full-precision linear "
+                                      "layers stay plain instead of oneDNN-prepacked on a CPU")
     cpu_affinity: str | None = flag(None, "pin every thread of this process to these CPUs, e.g. '0' or '0,2-3' "
                                           "(os.sched_setaffinity; unset: not pinned)")
     speculative_config: str | None = flag(None, "speculative decoding, vLLM's speculative_config as a JSON object, "
@@ -154,6 +156,7 @@ class WorkerConfig:
             max_logprobs=self.max_logprobs, gpu_memory_utilization=self.gpu_memory_utilization,
             # Every role alike: the KV a prefill worker ships is read as stored by its decode worker.
             quantization=self.quantization, kv_cache_dtype=self.kv_cache_dtype,
+            enforce_eager=self.enforce_eager,
             # Only decoding speculates: a prefill worker would load a draft model for nothing.
             # An EAGLE head runs on both: the prefill worker hands its state for the prompt over.
             speculative=self.speculative if self.role != "prefill" or _eagle(self.speculative) else None,

@@ -141,6 +141,32 @@ def test_without_a_prefill_worker_decode_prefills_itself(cluster, llm):
     assert stats(cluster["decode"].address).num_reserved == 0
 
 
+def test_an_enforce_eager_pair_gives_the_fast_paths_tokens(llm):
+    """--enforce-eager workers (plain linear layers) against the fast path's engine (the
+    default model's MLPs and LM head prepacked): the same greedy and seeded tokens."""
+    router = Router(RouterConfig(port=0, local_prefill_threshold=0, worker_timeout=3.0))
+    address = router.start()
+    workers = [Worker(WorkerConfig(role=role, router=router.internal_address, worker_id=f"{role}-eager",
+                                   num_blocks=64, kv_connector="zmq", enforce_eager=True))
+               for role in ("decode", "prefill")]
+    assert llm.engine.runner.prepacked > 0
+    try:
+        for worker in workers:
+            worker.start()
+            assert worker.engine.runner.prepacked == 0
+        with Client(address, timeout=60) as client:
+            for prompt, params in ((PROMPTS[1], dict(max_tokens=10, temperature=0.0)),
+                                   (FIB, dict(max_tokens=8, temperature=0.8, seed=5, n=2))):
+                want = [c.token_ids for c in llm.generate([prompt], SamplingParams(**params))[0].outputs]
+                got = collect(client.generate(prompt, **params))
+                assert [list(got[i].token_ids) for i in range(len(want))] == want
+        wait_for(lambda: shipped(workers[1]) == 2, 10, "two transfers to be acknowledged")
+    finally:
+        for worker in workers:
+            worker.stop()
+        router.stop()
+
+
 def test_a_dead_prefill_worker_is_skipped_for_the_next(llm, caplog):
     """The router still lists prefill-b (no poll yet) but it is gone: prefill-a serves."""
     router = Router(RouterConfig(port=0, local_prefill_threshold=0, stats_interval=60.0, worker_timeout=60.0,
