@@ -101,6 +101,10 @@ class BenchConfig:
     device: str = "cpu"
     run_hf_generate: bool = True
     run_hf_batch: bool = True
+    enforce_eager: bool = False  # ours without the fast path (engine/prepacked.py)
+    profile: bool = False  # decode workload: the step split by torch.profiler
+    decode_steps: int = 64  # decode workload: timed steps per batch size
+    decode_batches: tuple[int, ...] = (1, 8, 16, 64)
 
 
 QUICK_MODEL = ModelSpec(
@@ -290,6 +294,7 @@ def load_ours(model_dir: Path, num_blocks: int, cfg: BenchConfig):
         max_num_batched_tokens=cfg.max_num_batched_tokens,
         dtype="float32",
         device=cfg.device,
+        enforce_eager=cfg.enforce_eager,
     )
 
 
@@ -468,9 +473,14 @@ def parse_args(argv: Sequence[str] | None) -> BenchConfig:
     parser = argparse.ArgumentParser(prog="python -m pdserve.bench.offline", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny model and 8 requests (smoke test)")
     parser.add_argument(
-        "--workload", choices=("mixed", "parallel", "sampled"), default="mixed",
-        help="mixed: the throughput comparison with transformers; parallel: n=8 block sharing (bench/parallel.py)",
+        "--workload", choices=("mixed", "parallel", "sampled", "decode"), default="mixed",
+        help="mixed: the throughput comparison with transformers; parallel: n=8 block sharing (bench/parallel.py); "
+             "decode: step time at batch 1-64, fast path against --enforce-eager (bench/decode.py)",
     )
+    parser.add_argument("--enforce-eager", action="store_true", help="mixed: run ours without the decode fast path")
+    parser.add_argument("--profile", action="store_true", help="decode: split each step with torch.profiler")
+    parser.add_argument("--steps", type=int, default=64, help="decode: timed decode steps per batch size")
+    parser.add_argument("--batches", default="1,8,16,64", help="decode: the batch sizes, comma-separated")
     parser.add_argument("--num-requests", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -508,6 +518,10 @@ def parse_args(argv: Sequence[str] | None) -> BenchConfig:
         quick=args.quick,
         repeats=max(1, args.repeats or (2 if args.quick else 3)),
         device="cuda" if args.gpu else args.device,
+        enforce_eager=args.enforce_eager,
+        profile=args.profile,
+        decode_steps=max(1, args.steps),
+        decode_batches=tuple(int(b) for b in args.batches.split(",")),
     )
 
 
@@ -660,6 +674,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         from pdserve.bench import parallel
 
         print(parallel.run(parallel.QUICK if cfg.quick else parallel.ParallelSpec()), flush=True)
+        return 0
+    if cfg.workload_kind == "decode":
+        from pdserve.bench import decode
+
+        spec = decode.DecodeConfig(batches=cfg.decode_batches, steps=cfg.decode_steps, repeats=cfg.repeats,
+                                   profile=cfg.profile, model=cfg.model)
+        if cfg.quick:
+            spec = replace(spec, batches=(1, 4), steps=min(cfg.decode_steps, 8))
+        with temporary_dir("pdserve-bench-") as model_dir:
+            save_random_model(cfg.model, model_dir, cfg.seed)
+            print(decode.run(str(model_dir), spec, log), flush=True)
         return 0
     last_line = run(cfg)
     print(last_line, flush=True)
