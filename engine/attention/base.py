@@ -111,8 +111,8 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """Write k/v into the cache at `meta.slot_mapping`, then attend; returns [T, H, D].
 
-        `softcap` (Gemma 2's attn_logit_softcapping): scores become tanh(s / cap) * cap
-        before the mask and the softmax; a backend without it raises ValueError.
+        `softcap` (Gemma 2's attn_logit_softcapping): scores (already scaled) become
+        tanh(s / cap) * cap before the mask and the softmax.
 
         A float8 cache (--kv-cache-dtype fp8*) holds K / k_scale and V / v_scale, clamped
         to the format's range (`kv_scales` = this layer's (k_scale, v_scale)); attention

@@ -1,7 +1,5 @@
-"""Triton backend: paged kernels for decode and for prefill over paged KV.
-
-The kernels have no attention logit soft-capping: a model with it (Gemma 2) is
-refused here, by name, rather than computed without it."""
+"""Triton backend: paged kernels for decode and for prefill over paged KV (with
+attention logit soft-capping for Gemma 2)."""
 
 from __future__ import annotations
 
@@ -13,9 +11,6 @@ class TritonAttention(AttentionBackend):
 
     def forward(self, q, k, v, kv, meta: AttentionMetadata, scale: float, sliding_window: int | None,
                 kv_scales: tuple[float, float] = (1.0, 1.0), softcap: float | None = None):
-        if softcap is not None:
-            raise ValueError(f"attention_backend: triton has no attention logit soft-capping (the model's "
-                             f"attn_logit_softcapping is {softcap}); use attention_backend='torch'")
         from pdserve.engine.attention import triton_kernels as kernels
 
         write_kv(k, v, kv, meta, kv_scales)
@@ -26,9 +21,9 @@ class TritonAttention(AttentionBackend):
         if meta.max_query_len == 1:
             return kernels.paged_decode_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, sliding_window,
-                k_scale=k_scale, v_scale=v_scale,
+                k_scale=k_scale, v_scale=v_scale, softcap=softcap,
             )
         return kernels.paged_prefill_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-            meta.max_query_len, scale, sliding_window, k_scale=k_scale, v_scale=v_scale,
+            meta.max_query_len, scale, sliding_window, k_scale=k_scale, v_scale=v_scale, softcap=softcap,
         )

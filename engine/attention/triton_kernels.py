@@ -38,7 +38,10 @@ Masking: the query at position ``p`` sees cache positions ``j`` with
 Mistral semantics: the window includes the query token itself).
 
 Softmax is computed online (flash-attention style) in float32 with base-2
-exponentials; scores are pre-multiplied by ``scale * log2(e)``.
+exponentials; scores are pre-multiplied by ``scale * log2(e)``. With a soft-cap
+``c`` (Gemma 2's attn_logit_softcapping) a score ``s`` becomes
+``c * tanh(s * scale / c)`` before the mask, computed in the same log2 units as
+``(c log2 e) * tanh(x / (c log2 e))`` with ``x = s * scale * log2 e``.
 
 FP8 cache (``--kv-cache-dtype fp8*``): the pages hold K / k_scale and V / v_scale
 as float8_e4m3fn or float8_e5m2 (written by ``attention.base.write_kv``). The
@@ -90,6 +93,16 @@ def _dequantized(x, scale, like):
 
 
 @triton.jit
+def _log2_scores(s, scale_log2e, softcap_log2e, SOFTCAP: tl.constexpr):
+    """Raw scores -> softmax logits in log2 units, soft-capped when SOFTCAP."""
+    x = s * scale_log2e
+    if SOFTCAP:
+        # tanh(y) = 1 - 2 / (exp(2y) + 1): saturates to +-1 (exp -> inf or 0), no NaN
+        x = softcap_log2e * (1.0 - 2.0 / (tl.exp(2.0 * (x / softcap_log2e)) + 1.0))
+    return x
+
+
+@triton.jit
 def _fold_tile(s, v, m_i, l_i, acc, IEEE_F32: tl.constexpr):
     """Online softmax: fold one tile's scores `s` (log2-scaled, masked to -inf) and
     values `v` into the running row max `m_i`, row sum `l_i` and output `acc`."""
@@ -120,6 +133,7 @@ def _paged_decode_kernel(
     stride_ob, stride_oh, stride_od,
     k_scale,
     v_scale,
+    softcap_log2e,
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     QPK: tl.constexpr,
@@ -129,6 +143,7 @@ def _paged_decode_kernel(
     SLIDING: tl.constexpr,
     IEEE_F32: tl.constexpr,
     KV_FP8: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     # One program per (sequence, kv head). Rows of the tile are the QPK query
     # heads kvh*QPK .. kvh*QPK+QPK-1 (padded to BLOCK_H >= 16 for tl.dot).
@@ -173,7 +188,7 @@ def _paged_decode_kernel(
         if KV_FP8:
             k = _dequantized(k, k_scale, q)
         s = _dot(q, tl.trans(k), IEEE_F32)
-        s = tl.where(valid[None, :], s * scale_log2e, float("-inf"))
+        s = tl.where(valid[None, :], _log2_scores(s, scale_log2e, softcap_log2e, SOFTCAP), float("-inf"))
         v = _load_rows(v_ptr, page, slot, kvh, offs_d, stride_vb, stride_vs, stride_vh, stride_vd, kv_mask)
         if KV_FP8:
             v = _dequantized(v, v_scale, q)
@@ -196,6 +211,7 @@ def _paged_prefill_kernel(
     stride_ot, stride_oh, stride_od,
     k_scale,
     v_scale,
+    softcap_log2e,
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     QPK: tl.constexpr,
@@ -206,6 +222,7 @@ def _paged_prefill_kernel(
     SLIDING: tl.constexpr,
     IEEE_F32: tl.constexpr,
     KV_FP8: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     # One program per (query tile, kv head, sequence). The BLOCK_M rows of the
     # tile are BLOCK_Q consecutive queries x the QPK query heads of this kv
@@ -271,7 +288,7 @@ def _paged_prefill_kernel(
         mask = pos[None, :] <= q_pos[:, None]
         if SLIDING:
             mask = mask & (pos[None, :] > q_pos[:, None] - window)
-        s = tl.where(mask, s * scale_log2e, float("-inf"))
+        s = tl.where(mask, _log2_scores(s, scale_log2e, softcap_log2e, SOFTCAP), float("-inf"))
         v = _load_rows(v_ptr, page, slot, kvh, offs_d, stride_vb, stride_vs, stride_vh, stride_vd, kv_mask)
         if KV_FP8:
             v = _dequantized(v, v_scale, q)
@@ -313,6 +330,13 @@ def _kv_scale_args(k_cache: torch.Tensor, k_scale: float, v_scale: float) -> dic
     return dict(k_scale=float(k_scale), v_scale=float(v_scale), KV_FP8=k_cache.dtype in _FP8_CACHE)
 
 
+def _softcap_args(softcap: float | None) -> dict:
+    """The kernels' soft-cap arguments (the cap in log2 units; unread without SOFTCAP)."""
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap: must be > 0, got {softcap}")
+    return dict(softcap_log2e=float(softcap or 1.0) * _LOG2E, SOFTCAP=softcap is not None)
+
+
 def _window_args(sliding_window: int | None) -> tuple[bool, int]:
     if sliding_window is None:
         return False, 0
@@ -343,6 +367,7 @@ def paged_decode_attention(
     block_n: int | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Single-token (decode) attention over a paged KV cache.
 
@@ -364,6 +389,7 @@ def paged_decode_attention(
         block_n: optional override of the KV tile length (power of two >= 16);
             tuning knob, the default is chosen from the page size.
         k_scale, v_scale: a float8 cache's per-layer scales (ignored otherwise).
+        softcap: if set to ``c``, scores become ``c * tanh(score * scale / c)``.
 
     Returns:
         ``[B, H, D]`` tensor in ``q``'s dtype. Accumulation is float32.
@@ -406,6 +432,7 @@ def paged_decode_attention(
         SLIDING=sliding,
         IEEE_F32=q.dtype == torch.float32,
         **fp8,
+        **_softcap_args(softcap),
         num_warps=4,
         num_stages=2,
     )
@@ -427,6 +454,7 @@ def paged_prefill_attention(
     block_n: int | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention for variable-length query chunks over a paged KV cache.
 
@@ -448,6 +476,7 @@ def paged_prefill_attention(
             kv head.
         block_n: optional KV tile length (power of two >= 16).
         k_scale, v_scale: a float8 cache's per-layer scales (ignored otherwise).
+        softcap: if set to ``c``, scores become ``c * tanh(score * scale / c)``.
 
     Query ``j`` of sequence ``b`` is at position
     ``seq_lens[b] - q_len_b + j`` and attends to cache positions ``<= p``
@@ -507,6 +536,7 @@ def paged_prefill_attention(
         SLIDING=sliding,
         IEEE_F32=q.dtype == torch.float32,
         **fp8,
+        **_softcap_args(softcap),
         num_warps=4 if block_m <= 64 else 8,
         num_stages=2,
     )

@@ -1,6 +1,7 @@
 """Attention logit soft-capping (Gemma 2): the torch backend against transformers'
 eager op order on every path (fresh prompt, chunk over cached context, batched
-decodes), with and without a sliding window; the Triton backend refuses it."""
+decodes), with and without a sliding window; the Triton kernels (the interpreter on
+a CPU) against the torch backend."""
 
 from __future__ import annotations
 
@@ -56,9 +57,14 @@ def test_torch_softcap_matches_eager_on_every_path(window):
         assert (out - uncapped).abs().max() > 1e-2  # the cap bites at these scores
 
 
-def test_triton_refuses_softcap_by_name():
-    q = torch.zeros(1, HEADS, HEAD_DIM)
-    k = v = torch.zeros(1, KV_HEADS, HEAD_DIM)
-    cache = torch.zeros(8, 2, BLOCK, KV_HEADS, HEAD_DIM)
-    with pytest.raises(ValueError, match="attn_logit_softcapping.*torch"):
-        TritonAttention().forward(q, k, v, cache, metadata([1], [1]), 1.0, None, softcap=50.0)
+@pytest.mark.parametrize("window", [None, 9])
+def test_triton_softcap_matches_torch(window):
+    gen = torch.Generator().manual_seed(1)
+    caches = {name: torch.zeros(8, 2, BLOCK, KV_HEADS, HEAD_DIM) for name in ("torch", "triton")}
+    backends = {"torch": TorchAttention(), "triton": TritonAttention()}
+    for q_lens, seq_lens in STEPS:  # the last step has one query each: the decode kernel
+        meta = metadata(q_lens, seq_lens)
+        q, k, v = (torch.randn(sum(q_lens), h, HEAD_DIM, generator=gen) * 3 for h in (HEADS, KV_HEADS, KV_HEADS))
+        outs = {name: backends[name].forward(q, k, v, caches[name], meta, HEAD_DIM**-0.5, window, softcap=1.5)
+                for name in backends}
+        torch.testing.assert_close(outs["triton"], outs["torch"], rtol=2e-5, atol=2e-5)

@@ -96,11 +96,6 @@ def reference(request, tmp_path_factory):
     return build_reference(request.param, tmp_path_factory.mktemp(request.param))
 
 
-@pytest.fixture(scope="module")
-def reference_gemma3(tmp_path_factory):
-    return build_reference("gemma3-local-global", tmp_path_factory.mktemp("gemma3-triton"))
-
-
 def greedy_params(**kw) -> SamplingParams:
     return SamplingParams(**{"max_tokens": MAX_NEW, "temperature": 0.0, "ignore_eos": True, **kw})
 
@@ -187,11 +182,14 @@ def test_gemma_chunked_prefix_cached_preempted_and_parallel(gemma2):
     assert llm.stats().num_free_blocks == llm.stats().num_blocks
 
 
-def test_gemma3_on_triton_kernels_matches_transformers(reference_gemma3):
-    """Per-head q/k norms, two RoPE bases and alternating windows through the Triton
-    kernels (the interpreter on a CPU): no soft-cap in Gemma 3's attention to refuse."""
-    path, ps, greedy, _ = reference_gemma3
+@pytest.mark.parametrize("name", ["gemma2-gqa-softcap-sliding", "gemma3-local-global"])
+def test_gemma_on_triton_kernels_matches_transformers(tmp_path, name):
+    """Soft-capped attention (Gemma 2), per-head q/k norms and two RoPE bases (Gemma 3)
+    and alternating windows through the Triton kernels (the interpreter on a CPU)."""
+    path, ps, greedy, logprobs = build_reference(name, tmp_path)
     llm = LLM(model=path, attention_backend="triton", max_num_batched_tokens=64)
-    outs = llm.generate(ps[:4], greedy_params(max_tokens=4))
-    assert [o.outputs[0].token_ids for o in outs] == [g[:4] for g in greedy[:4]]
+    outs = llm.generate(ps, [greedy_params(max_tokens=4) for _ in ps[:-1]] + [greedy_params(max_tokens=1, prompt_logprobs=1)])
+    assert [o.outputs[0].token_ids for o in outs] == [g[:4] for g in greedy[:-1]] + [greedy[-1][:1]]
+    got = [entry[token] for entry, token in zip(outs[-1].prompt_logprobs[1:], ps[-1][1:])]
+    assert max(abs(g - e) for g, e in zip(got, logprobs)) < 1e-4
     llm.check_integrity()
