@@ -20,7 +20,11 @@ them. Two types depend on the sequence's length in transformers:
               cache as it was (recomputing it would match neither transformers nor
               the prefix cache's other users); so a long prompt whose first chunk
               (chunked prefill) or cached prefix was computed at a shorter length
-              keeps those tokens' short-factor K, as a transformers decode would.
+              keeps those tokens' short-factor K, as a transformers decode would;
+              a speculative verification step spans its drafts, as transformers'
+              assisted generation does, so it switches when its last draft crosses.
+              Which factors a token near the boundary got thus depends on how it
+              was batched into forward passes, in transformers as here.
 """
 
 from __future__ import annotations

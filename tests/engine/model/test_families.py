@@ -91,9 +91,22 @@ def build_reference(name: str, path) -> tuple[str, list[list[int]], list[list[in
     return str(path), ps, greedy, hf_prompt_logprobs(model, ps[-1])
 
 
+@pytest.fixture(scope="module")
+def reference_by_name(tmp_path_factory):
+    """build_reference, once per config name for the module."""
+    built: dict[str, tuple] = {}
+
+    def get(name: str) -> tuple:
+        if name not in built:
+            built[name] = build_reference(name, tmp_path_factory.mktemp(name))
+        return built[name]
+
+    return get
+
+
 @pytest.fixture(scope="module", params=list(CONFIGS))
-def reference(request, tmp_path_factory):
-    return build_reference(request.param, tmp_path_factory.mktemp(request.param))
+def reference(request, reference_by_name):
+    return reference_by_name(request.param)
 
 
 def greedy_params(**kw) -> SamplingParams:
@@ -145,12 +158,11 @@ def prefill_then_decode(prefill: LLMEngine, decode: LLMEngine, rid: str, prompt:
 
 
 @pytest.mark.parametrize("name", ["gemma2-gqa-softcap-sliding", "gemma3-local-global", "phi3-gqa-longrope"])
-def test_prefill_decode_engines_match_transformers(tmp_path, name):
-    arch, overrides = CONFIGS[name]
-    model = build_model(tmp_path, arch, seed=3, qk_gain=_gain(arch), **overrides)
-    prefill, decode = engine(str(tmp_path)), engine(str(tmp_path))
-    for i, prompt in enumerate(prompts()[2:]):
-        assert prefill_then_decode(prefill, decode, f"r{i}", prompt) == hf_greedy(model, prompt, MAX_NEW, eos=False)
+def test_prefill_decode_engines_match_transformers(reference_by_name, name):
+    path, ps, greedy, _ = reference_by_name(name)
+    prefill, decode = engine(path), engine(path)
+    for i, (prompt, expected) in enumerate(zip(ps[2:], greedy[2:])):
+        assert prefill_then_decode(prefill, decode, f"r{i}", prompt) == expected
     for e in (prefill, decode):
         e.check_integrity()
         assert e.stats().num_free_blocks == e.stats().num_blocks
@@ -183,13 +195,45 @@ def test_gemma_chunked_prefix_cached_preempted_and_parallel(gemma2):
 
 
 @pytest.mark.parametrize("name", ["gemma2-gqa-softcap-sliding", "gemma3-local-global"])
-def test_gemma_on_triton_kernels_matches_transformers(tmp_path, name):
+def test_gemma_on_triton_kernels_matches_transformers(reference_by_name, name):
     """Soft-capped attention (Gemma 2), per-head q/k norms and two RoPE bases (Gemma 3)
     and alternating windows through the Triton kernels (the interpreter on a CPU)."""
-    path, ps, greedy, logprobs = build_reference(name, tmp_path)
+    path, ps, greedy, logprobs = reference_by_name(name)
     llm = LLM(model=path, attention_backend="triton", max_num_batched_tokens=64)
     outs = llm.generate(ps, [greedy_params(max_tokens=4) for _ in ps[:-1]] + [greedy_params(max_tokens=1, prompt_logprobs=1)])
     assert [o.outputs[0].token_ids for o in outs] == [g[:4] for g in greedy[:-1]] + [greedy[-1][:1]]
     got = [entry[token] for entry, token in zip(outs[-1].prompt_logprobs[1:], ps[-1][1:])]
     assert max(abs(g - e) for g, e in zip(got, logprobs)) < 1e-4
     llm.check_integrity()
+
+
+@pytest.mark.parametrize("name", ["qwen3-gqa-untied-headdim", "gemma2-gqa-softcap-sliding", "gemma3-local-global",
+                                  "phi3-gqa-longrope"])
+def test_bfloat16_agrees_with_transformers(tmp_path, name):
+    """bfloat16 weights: the same first tokens and prompt logprobs within bf16 noise
+    (Gemma's embedding scale and norms round as transformers rounds them)."""
+    arch, overrides = CONFIGS[name]
+    model = build_model(tmp_path, arch, seed=3, dtype=torch.bfloat16, qk_gain=_gain(arch), **overrides)
+    ps = prompts()[2:]
+    outs = LLM(model=str(tmp_path), dtype="bfloat16").generate(ps, greedy_params(max_tokens=1, prompt_logprobs=1))
+    for prompt, out in zip(ps, outs):
+        with torch.no_grad():
+            logprobs = model(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+        top2 = logprobs[-1].topk(2).values
+        if top2[0] - top2[1] > 0.05:  # a clear winner (bf16 rounding may break a near tie either way)
+            assert out.outputs[0].token_ids == [int(logprobs[-1].argmax())]
+        got = torch.tensor([entry[t] for entry, t in zip(out.prompt_logprobs[1:], prompt[1:])])
+        assert (got - logprobs[torch.arange(len(prompt) - 1), prompt[1:]]).abs().max() < 0.05
+
+
+@pytest.mark.parametrize("name", ["qwen3-mqa-tied-yarn", "gemma2-gqa-softcap-sliding"])
+def test_speculative_decoding_keeps_transformers_tokens(reference_by_name, name):
+    """A draft model (the model itself) and ngram drafts: verification keeps the tokens."""
+    path, ps, greedy, _ = reference_by_name(name)
+    for spec in ({"method": "draft_model", "num_speculative_tokens": 3, "model": path},
+                 {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}):
+        llm = LLM(model=path, speculative_config=spec)
+        outs = llm.generate(ps, greedy_params())
+        assert [o.outputs[0].token_ids for o in outs] == greedy
+        assert llm.stats().spec_decode.num_accepted_tokens > 0
+        llm.check_integrity()
