@@ -29,8 +29,8 @@ def make_config(arch: str, **overrides: Any):
              "gemma2": "Gemma2Config", "gemma3": "Gemma3TextConfig", "phi3": "Phi3Config"}
     # transformers' own defaults for these are Gemma's 256 (head_dim, scalar) and Phi-3's
     # 32000 (pad, outside BASE's vocabulary): sized to BASE unless a test says otherwise
-    sized = {"gemma2": dict(head_dim=16, query_pre_attn_scalar=16), "gemma3": dict(head_dim=16, query_pre_attn_scalar=16),
-             "qwen3": dict(head_dim=16), "phi3": dict(pad_token_id=0)}
+    gemma = dict(head_dim=16, query_pre_attn_scalar=16)
+    sized = {"gemma2": gemma, "gemma3": gemma, "qwen3": dict(head_dim=16), "phi3": dict(pad_token_id=0)}
     return getattr(transformers, kinds[arch])(**{**BASE, **sized.get(arch, {}), **overrides})
 
 

@@ -124,7 +124,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, win
     if softcap is not None:
         group = q.shape[1] // k.shape[1]
         kt, vt = kt.repeat_interleave(group, dim=1), vt.repeat_interleave(group, dim=1)
-        return _sdpa(qt, kt, vt, _causal_mask(q_len, kv_len, window, q.device), scale, softcap).squeeze(0).transpose(0, 1)
+        o = _sdpa(qt, kt, vt, _causal_mask(q_len, kv_len, window, q.device), scale, softcap)
+        return o.squeeze(0).transpose(0, 1)
     if q_len == kv_len and window is None:
         o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
     else:

@@ -10,7 +10,7 @@ RMSNorm before RoPE (Qwen3), per-layer sliding windows (Mistral, Qwen), RoPE typ
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -48,7 +48,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
         self.sliding_window = cfg.sliding_windows[layer]
-        # soft-capping is passed only when the model has it (backends that lack it refuse it)
+        # soft-capping (Gemma 2) goes to the backend only when the model has it
         self.softcap = {} if cfg.attn_logit_softcapping is None else {"softcap": cfg.attn_logit_softcapping}
         if cfg.qk_norm:  # per head, before RoPE (Qwen3, Gemma 3)
             self.q_norm = norm(cfg.head_dim, cfg.rms_norm_eps)
@@ -72,7 +72,7 @@ class Attention(nn.Module):
         return self.o_proj(o.reshape(-1, cfg.q_size))
 
 
-ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+ACTIVATIONS: Mapping[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),  # Gemma's GeGLU
 }

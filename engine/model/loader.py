@@ -64,7 +64,9 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_
     """The model with empty weights on `device` (the meta device: a skeleton that only
     counts bytes); a pre-quantized scheme's layers are QuantLinears already."""
     rope = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions, device)
-    rope_local = None if cfg.rope_local is None else RotaryEmbedding(cfg.rope_local, cfg.head_dim, max_positions, device)
+    rope_local = None  # Gemma 3's sliding layers' own RoPE
+    if cfg.rope_local is not None:
+        rope_local = RotaryEmbedding(cfg.rope_local, cfg.head_dim, max_positions, device)
     model_cls = registry.model_class(cfg.architecture)
     with torch.device("meta"):
         # cast while still on meta (free), before any QuantLinear joins: a module-wide

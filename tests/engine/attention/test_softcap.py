@@ -27,7 +27,8 @@ def metadata(q_lens: list[int], seq_lens: list[int]):
 def eager(q, k, v, scale: float, cap: float, window: int | None) -> torch.Tensor:
     """transformers' Gemma 2 eager attention of the last len(q) of len(k) positions."""
     group = HEADS // KV_HEADS
-    qt, kt, vt = q.transpose(0, 1), k.repeat_interleave(group, 1).transpose(0, 1), v.repeat_interleave(group, 1).transpose(0, 1)
+    qt = q.transpose(0, 1)
+    kt, vt = (x.repeat_interleave(group, 1).transpose(0, 1) for x in (k, v))
     scores = torch.tanh(torch.matmul(qt, kt.transpose(1, 2)) * scale / cap) * cap
     q_pos = torch.arange(k.shape[0] - q.shape[0], k.shape[0])[:, None]
     k_pos = torch.arange(k.shape[0])[None, :]

@@ -60,8 +60,9 @@ CONFIGS = {
     "phi3-gqa-longrope": ("phi3", dict(original_max_position_embeddings=ORIGINAL, rope_parameters=_longrope(0))),
     "phi3-mha-tied-sliding": ("phi3", dict(num_key_value_heads=4, tie_word_embeddings=True, sliding_window=40)),
     "llama-mqa-yarn": ("llama", dict(num_key_value_heads=1, rope_parameters=YARN)),
-    "mistral-longrope": ("mistral", dict(head_dim=16, original_max_position_embeddings=ORIGINAL,
-                                         rope_parameters=dict(_longrope(1), original_max_position_embeddings=ORIGINAL))),
+    "mistral-longrope": ("mistral", dict(
+        head_dim=16, original_max_position_embeddings=ORIGINAL,
+        rope_parameters=dict(_longrope(1), original_max_position_embeddings=ORIGINAL))),
 }
 
 
@@ -200,7 +201,8 @@ def test_gemma_on_triton_kernels_matches_transformers(reference_by_name, name):
     and alternating windows through the Triton kernels (the interpreter on a CPU)."""
     path, ps, greedy, logprobs = reference_by_name(name)
     llm = LLM(model=path, attention_backend="triton", max_num_batched_tokens=64)
-    outs = llm.generate(ps, [greedy_params(max_tokens=4) for _ in ps[:-1]] + [greedy_params(max_tokens=1, prompt_logprobs=1)])
+    params = [greedy_params(max_tokens=4) for _ in ps[:-1]] + [greedy_params(max_tokens=1, prompt_logprobs=1)]
+    outs = llm.generate(ps, params)
     assert [o.outputs[0].token_ids for o in outs] == [g[:4] for g in greedy[:-1]] + [greedy[-1][:1]]
     got = [entry[token] for entry, token in zip(outs[-1].prompt_logprobs[1:], ps[-1][1:])]
     assert max(abs(g - e) for g, e in zip(got, logprobs)) < 1e-4
