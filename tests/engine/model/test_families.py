@@ -239,3 +239,26 @@ def test_speculative_decoding_keeps_transformers_tokens(reference_by_name, name)
         assert [o.outputs[0].token_ids for o in outs] == greedy
         assert llm.stats().spec_decode.num_accepted_tokens > 0
         llm.check_integrity()
+
+
+@pytest.mark.parametrize("name", ["gemma2-gqa-softcap-sliding", "gemma3-local-global", "phi3-gqa-longrope",
+                                  "qwen3-mqa-tied-yarn"])
+def test_forward_runs_on_the_device(reference_by_name, name):
+    """Each family's forward on `meta` tensors (tests/engine/test_engine_device.py's
+    check): no CPU tensor mixed in, no host sync, in a batch of decodes past
+    original_max_position_embeddings, a chunk and a fresh prompt."""
+    from pdserve.engine.config import ModelConfig
+    from pdserve.engine.model_runner import BatchItem, ModelRunner
+    from pdserve.engine.request import Request
+
+    path = reference_by_name(name)[0]
+    runner = ModelRunner(path, ModelConfig.from_dir(path), torch.float32, torch.device("meta"), 16, 256, "torch")
+    runner.allocate_kv_cache(24)
+    lengths, done = (90, 91, 40, 30), (89, 90, 8, 0)
+    reqs = [Request(f"r{i}", [5] * n, SamplingParams(), 16) for i, n in enumerate(lengths)]
+    for r, d in zip(reqs, done):
+        r.num_computed_tokens = d
+    blocks = iter(range(24))
+    batch = [BatchItem(r, n - d, [next(blocks) for _ in range(-(-n // 16))]) for r, n, d in zip(reqs, lengths, done)]
+    logits, _ = runner.execute(batch)
+    assert logits.device.type == "meta" and logits.shape == (4, 256)
