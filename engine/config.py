@@ -121,6 +121,7 @@ class ModelConfig:
     def from_hf_config(cls, cfg: dict[str, Any], generation: dict[str, Any] | None = None) -> "ModelConfig":
         arch = resolve_architecture(list(cfg.get("architectures") or []))
         fam = family(arch)
+        cfg = {**fam.defaults, **cfg}
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         head_dim = cfg.get("head_dim") or hidden // num_heads

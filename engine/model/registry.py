@@ -47,6 +47,9 @@ class Family:
         attn_softcap    attention applies attn_logit_softcapping (Gemma 2; transformers'
                         Gemma 3 does not pass it to attention, so neither do we)
         local_rope      sliding layers have their own RoPE (Gemma 3's local base)
+        defaults        config.json keys the family's transformers config class fills in
+                        when absent (a file written by transformers 4 leaves out those
+                        equal to the base class's, tie_word_embeddings=true among them)
     """
 
     model: str
@@ -56,11 +59,15 @@ class Family:
     qk_norm: bool = False
     attn_softcap: bool = False
     local_rope: bool = False
+    defaults: Mapping[str, Any] = field(default_factory=dict)
     weights: Mapping[str, tuple[str, int]] = field(default_factory=lambda: FUSED_WEIGHTS)
 
 
 _LLAMA = "pdserve.engine.model.llama:LlamaForCausalLM"
 _GEMMA = "pdserve.engine.model.gemma:GemmaForCausalLM"
+# Gemma2Config's and Gemma3TextConfig's defaults for the keys pdserve reads
+_GEMMA_DEFAULTS = dict(tie_word_embeddings=True, query_pre_attn_scalar=256, hidden_activation="gelu_pytorch_tanh",
+                       head_dim=256, sliding_window=4096, rms_norm_eps=1e-6)
 
 FAMILIES: Mapping[str, Family] = {
     "LlamaForCausalLM": Family(_LLAMA, sliding="never"),
@@ -68,8 +75,10 @@ FAMILIES: Mapping[str, Family] = {
     "Qwen2ForCausalLM": Family(_LLAMA, qkv_bias=True, sliding="flag"),
     "Qwen3ForCausalLM": Family(_LLAMA, sliding="flag", qk_norm=True),
     "Phi3ForCausalLM": Family(_LLAMA),
-    "Gemma2ForCausalLM": Family(_GEMMA, sliding="pattern", attn_softcap=True),
-    "Gemma3ForCausalLM": Family(_GEMMA, sliding="pattern", sliding_pattern=6, qk_norm=True, local_rope=True),
+    "Gemma2ForCausalLM": Family(_GEMMA, sliding="pattern", attn_softcap=True, defaults=dict(
+        _GEMMA_DEFAULTS, attn_logit_softcapping=50.0, final_logit_softcapping=30.0, max_position_embeddings=8192)),
+    "Gemma3ForCausalLM": Family(_GEMMA, sliding="pattern", sliding_pattern=6, qk_norm=True, local_rope=True,
+                                defaults=dict(_GEMMA_DEFAULTS, max_position_embeddings=131072)),
 }
 
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)

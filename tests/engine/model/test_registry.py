@@ -99,3 +99,16 @@ def test_phi3_longrope_factors_and_attention_factor():
 def test_qwen3_head_dim_is_its_own():
     model = ModelConfig.from_hf_config(hf_dict("qwen3", head_dim=40))
     assert model.head_dim == 40 and model.q_size == 160 and model.qk_norm and not model.qkv_bias
+
+
+def test_gemma_defaults_fill_keys_a_transformers4_file_leaves_out():
+    """transformers 4 writes only what differs from the base config: a tied Gemma 2
+    has no tie_word_embeddings key, and Gemma2Config's defaults apply."""
+    cfg = hf_dict("gemma2")
+    for key in ("tie_word_embeddings", "attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"):
+        del cfg[key]
+    model = ModelConfig.from_hf_config(cfg)
+    assert model.tie_word_embeddings and model.query_pre_attn_scalar == 256
+    assert (model.attn_logit_softcapping, model.final_logit_softcapping) == (50.0, 30.0)
+    cfg["final_logit_softcapping"] = None  # an explicit null stays off
+    assert ModelConfig.from_hf_config(cfg).final_logit_softcapping is None
