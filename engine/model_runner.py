@@ -107,6 +107,8 @@ class ModelRunner:
         the weights' scheme (K and V come out of the quantized projections) and, for a
         float8 cache, every layer's (k_scale, v_scale)."""
         text = f"weights={self.weight_scheme}"
+        if self.model.rope.factors is not None:  # longrope's set follows max_model_len (engine/model/rope.py)
+            text += f";longrope={self.model.rope.factors}"
         if is_fp8(self.kv_dtype):
             scales = ",".join(f"{k!r}/{v!r}" for k, v in (layer.self_attn.kv_scales for layer in self.model.layers))
             text += f";kv_scales={hashlib.sha256(scales.encode()).hexdigest()[:16]}"

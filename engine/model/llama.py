@@ -143,12 +143,12 @@ class LlamaForCausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
-    def rotaries(self, positions: torch.Tensor, dtype: torch.dtype, meta: AttentionMetadata) -> list[Rotary]:
+    def rotaries(self, positions: torch.Tensor, dtype: torch.dtype) -> list[Rotary]:
         """Each layer's cos/sin for the step (looked up once per RoPE)."""
-        rotary = self.rope.lookup(positions, dtype, meta)
+        rotary = self.rope.lookup(positions, dtype)
         if self.rope_local is None:
             return [rotary] * len(self.layers)
-        local = self.rope_local.lookup(positions, dtype, meta)
+        local = self.rope_local.lookup(positions, dtype)
         return [rotary if w is None else local for w in self.cfg.sliding_windows]
 
     def forward(
@@ -165,7 +165,7 @@ class LlamaForCausalLM(nn.Module):
         """`on_layer(i)` runs once layer i's K/V are in the cache (layer-wise KV streaming);
         `capture` gets the hidden states it names (`FeatureCapture.features`)."""
         h = self.embed(input_ids)
-        rotaries = self.rotaries(positions, h.dtype, meta)
+        rotaries = self.rotaries(positions, h.dtype)
         inputs: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
             if capture is not None and i in capture.layers:

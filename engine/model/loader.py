@@ -28,7 +28,7 @@ from safetensors import safe_open
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.model import registry
 from pdserve.engine.model.llama import LlamaForCausalLM
-from pdserve.engine.model.rope import RotaryEmbedding
+from pdserve.engine.model.rope import RotaryEmbedding, uses_long_factors
 from pdserve.engine.quant import apply as quant_apply
 from pdserve.engine.quant.checkpoint import CheckpointFormat
 from pdserve.engine.quant.config import WeightScheme
@@ -80,6 +80,11 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_
 def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int,
                quantization: str | None = None, kv_cache_dtype: torch.dtype | None = None) -> LlamaForCausalLM:
     model_dir = Path(model_dir)
+    if uses_long_factors(cfg.rope, max_positions):
+        log.warning("longrope: the long factors for every sequence (max_model_len %d > "
+                    "original_max_position_embeddings %d); a max_model_len <= %d keeps the short ones "
+                    "(engine/model/rope.py says why)", max_positions, cfg.rope.original_max_position_embeddings,
+                    cfg.rope.original_max_position_embeddings)
     fmt, scheme = quant_apply.resolve_scheme(model_dir, quantization)
     model = build_model(cfg, dtype, device, max_positions, scheme, online=fmt is None)
     params = dict(model.named_parameters())

@@ -9,22 +9,21 @@ them. Two types depend on the sequence's length in transformers:
               never runs (max_model_len <= max_position_embeddings): the table is
               transformers' one at that length, where NTK's base is unchanged
     longrope  transformers picks, per forward, the long factors when the sequence's
-              length (max position + 1) exceeds original_max_position_embeddings and
-              the short ones otherwise, for every token of that forward, and keeps the
-              K already cached. We apply the same rule per sequence and step: a
-              step's tokens of sequence b use the long table iff seq_lens[b] (its
-              length after the step) > original_max_position_embeddings. A prompt
-              longer than that is computed with long factors throughout, a sequence
-              that crosses it while decoding switches at that token, both exactly as
-              transformers' generate does. K computed before a switch stays in the
-              cache as it was (recomputing it would match neither transformers nor
-              the prefix cache's other users); so a long prompt whose first chunk
-              (chunked prefill) or cached prefix was computed at a shorter length
-              keeps those tokens' short-factor K, as a transformers decode would;
-              a speculative verification step spans its drafts, as transformers'
-              assisted generation does, so it switches when its last draft crosses.
-              Which factors a token near the boundary got thus depends on how it
-              was batched into forward passes, in transformers as here.
+              length exceeds original_max_position_embeddings, else the short ones;
+              Phi-3's generate then recomputes the whole cache with the long factors
+              the first time a sequence crosses (its prepare_inputs_for_generation).
+              A paged engine that switched per sequence would hold K of both kinds for
+              one context, and which kind a token got would depend on scheduling
+              (prefill chunks, prefix-cache hits, preemption, speculative steps, the
+              prefill worker of a P/D pair). So, as vLLM does, one set for the whole
+              engine: the long factors when max_model_len exceeds
+              original_max_position_embeddings, else the short ones. Every sequence
+              longer than original_max_position_embeddings then gets exactly
+              transformers' numbers (after Phi-3's recompute, for one that crosses
+              while decoding), and a sequence that stays shorter gets them when
+              max_model_len <= original_max_position_embeddings; an engine with a
+              longer max_model_len computes short sequences with the long factors
+              (the loader logs it).
 """
 
 from __future__ import annotations
@@ -33,7 +32,6 @@ import math
 
 import torch
 
-from pdserve.engine.attention.base import AttentionMetadata
 from pdserve.engine.config import RopeConfig
 
 
@@ -106,42 +104,32 @@ def _tables(inv_freq: torch.Tensor, scale: float, max_positions: int, device: to
     return emb.cos() * scale, emb.sin() * scale
 
 
+def uses_long_factors(rope: RopeConfig, max_positions: int) -> bool:
+    """Whether an engine of `max_positions` (max_model_len) runs longrope's long factors."""
+    return rope.rope_type == "longrope" and max_positions > rope.original_max_position_embeddings
+
+
 class RotaryEmbedding:
-    """cos/sin tables for every position, looked up per token. Longrope keeps a second
-    pair, for its long factors, after the first: row `max_positions + p` is position p's."""
+    """cos/sin tables for every position, looked up per token. `factors` is longrope's
+    set ("long" or "short"; None for other types): two workers exchanging KV must agree
+    on it (ModelRunner.kv_format)."""
 
     def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int, device: torch.device) -> None:
-        self.cos, self.sin = _tables(inv_frequencies(rope, head_dim), rope.attention_factor, max_positions, device)
-        self.max_positions = max_positions
-        # the length past which a sequence uses the long table (None: never, in this engine)
-        self.switch_after: int | None = None
-        if rope.rope_type == "longrope" and max_positions > rope.original_max_position_embeddings:
-            long_cos, long_sin = _tables(inv_frequencies(rope, head_dim, long=True), rope.attention_factor,
-                                         max_positions, device)
-            self.cos, self.sin = torch.cat((self.cos, long_cos)), torch.cat((self.sin, long_sin))
-            self.switch_after = rope.original_max_position_embeddings
+        long = uses_long_factors(rope, max_positions)
+        self.factors = ("long" if long else "short") if rope.rope_type == "longrope" else None
+        self.cos, self.sin = _tables(inv_frequencies(rope, head_dim, long=long), rope.attention_factor,
+                                     max_positions, device)
 
-    def lookup(self, positions: torch.Tensor, dtype: torch.dtype,
-               meta: AttentionMetadata | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin [T, 1, D] for a step's tokens (looked up once per step);
-        `meta` (the step's sequences) picks longrope's table per sequence.
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin [T, 1, D] for a step's tokens (looked up once per step).
 
         HF rotates with rotate_half(x) * sin = cat(-x2, x1) * cat(s, s); we compute the
         same products as roll(x) * cat(-s, s): bit-identical, fewer passes.
         """
-        rows = positions
-        if self.switch_after is not None and meta is not None:
-            rows = positions + self.max_positions * (_token_seq_lens(meta, positions.shape[0]) > self.switch_after)
-        cos = self.cos[rows].to(dtype)[:, None, :]
-        sin = self.sin[rows].to(dtype)[:, None, :]
+        cos = self.cos[positions].to(dtype)[:, None, :]
+        sin = self.sin[positions].to(dtype)[:, None, :]
         half = sin.shape[-1] // 2
         return cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-
-
-def _token_seq_lens(meta: AttentionMetadata, num_tokens: int) -> torch.Tensor:
-    """The length after this step of each token's sequence [T] (no host sync)."""
-    query_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
-    return torch.repeat_interleave(meta.seq_lens, query_lens, output_size=num_tokens)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

@@ -4,9 +4,12 @@ through the engine and through a prefill engine handing its KV to a decode engin
 
 Shapes: GQA, MQA and MHA; tied and untied embeddings; sliding windows shorter than
 the longer prompts; every RoPE type, yarn and longrope with prompts longer than
-original_max_position_embeddings (and, for longrope, a prompt that crosses it while
-decoding, where transformers switches to the long factors mid-sequence); Gemma's
-soft-capping set low enough to bite.
+original_max_position_embeddings; Gemma's soft-capping set low enough to bite.
+
+Longrope runs one set of factors per engine (engine/model/rope.py): sequences that
+stay within original_max_position_embeddings are compared on an engine of that
+max_model_len (short factors), longer ones on the default engine (long factors), and
+a Phi-3 sequence that crosses it while decoding against transformers' recomputed cache.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import pytest
 import torch
 
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine.config import CacheConfig
+from pdserve.engine.config import CacheConfig, SchedulerConfig
 from pdserve.engine.engine import EngineConfig, LLMEngine
 from hf_models import build_model, hf_greedy
 
@@ -74,6 +77,25 @@ def _gain(arch: str) -> float:
     return QK_GAIN if arch.startswith("gemma") else 1.0
 
 
+def is_longrope(name: str) -> bool:
+    rope = CONFIGS[name][1].get("rope_parameters") or {}
+    return rope.get("rope_type") == "longrope"
+
+
+def regimes(name: str, ps: list[list[int]]) -> list[tuple[dict, list[int]]]:
+    """(LLM arguments, the prompts that engine is compared on): every prompt on the
+    default engine, but for longrope the short sequences on an engine of max_model_len
+    ORIGINAL and those longer than ORIGINAL on the default one."""
+    if not is_longrope(name):
+        return [({}, list(range(len(ps))))]
+    short = [i for i, p in enumerate(ps) if len(p) + MAX_NEW <= ORIGINAL]
+    return [(dict(max_model_len=ORIGINAL), short), ({}, long_prompts(ps))]
+
+
+def long_prompts(ps: list[list[int]]) -> list[int]:
+    return [i for i, p in enumerate(ps) if len(p) > ORIGINAL]
+
+
 def prompts(vocab: int = 256) -> list[list[int]]:
     gen = torch.Generator().manual_seed(7)
     return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
@@ -86,14 +108,28 @@ def hf_prompt_logprobs(model, prompt: list[int]) -> list[float]:
     return [float(logprobs[i - 1, t]) for i, t in enumerate(prompt) if i > 0]
 
 
-def build_reference(name: str, path) -> tuple[str, list[list[int]], list[list[int]], list[float]]:
-    """The model saved at `path`; its prompts, transformers' greedy tokens for each and
-    its prompt logprobs of the last (longest) prompt."""
+def hf_generated_logprobs(model, prompt: list[int], tokens: list[int]) -> list[float]:
+    """transformers' logprob of each greedy token, from its own decode steps' logits
+    (not one forward over the whole text: longrope's factors differ between the two)."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=len(tokens), do_sample=False,
+                             eos_token_id=None, output_logits=True, return_dict_in_generate=True)
+    return [float(step[0].float().log_softmax(-1)[t]) for step, t in zip(out.logits, tokens)]
+
+
+Reference = tuple[str, list[list[int]], list[list[int]], list[float], list[list[float]]]
+
+
+def build_reference(name: str, path) -> Reference:
+    """The model saved at `path`; its prompts, transformers' greedy tokens for each, the
+    prompt logprobs of the last (longest) prompt and each greedy token's logprob."""
     arch, overrides = CONFIGS[name]
     model = build_model(path, arch, seed=3, qk_gain=_gain(arch), **overrides)
     ps = prompts()
     greedy = [hf_greedy(model, p, MAX_NEW, eos=False) for p in ps]
-    return str(path), ps, greedy, hf_prompt_logprobs(model, ps[-1])
+    generated = [hf_generated_logprobs(model, p, g) for p, g in zip(ps, greedy)]
+    return str(path), ps, greedy, hf_prompt_logprobs(model, ps[-1]), generated
 
 
 @pytest.fixture(scope="module")
@@ -111,22 +147,43 @@ def reference_by_name(tmp_path_factory):
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def reference(request, reference_by_name):
-    return reference_by_name(request.param)
+    return request.param, reference_by_name(request.param)
 
 
 def greedy_params(**kw) -> SamplingParams:
     return SamplingParams(**{"max_tokens": MAX_NEW, "temperature": 0.0, "ignore_eos": True, **kw})
 
 
-def test_greedy_and_prompt_logprobs_match_transformers(reference):
-    path, ps, greedy, logprobs = reference
-    llm = LLM(model=path)
-    outs = llm.generate(ps, [greedy_params() for _ in ps[:-1]] + [greedy_params(prompt_logprobs=1)])
-    for i, (out, expected) in enumerate(zip(outs, greedy)):
-        assert out.outputs[0].token_ids == expected, f"prompt {i} (len {len(ps[i])}) diverged"
-    got = [entry[token] for entry, token in zip(outs[-1].prompt_logprobs[1:], ps[-1][1:])]
-    assert max(abs(g - e) for g, e in zip(got, logprobs)) < 1e-4
-    llm.check_integrity()
+def test_greedy_and_logprobs_match_transformers(reference):
+    """Tokens equal; the prompt's logprobs and every generated token's (the decode
+    path's numerics) within 1e-4."""
+    name, (path, ps, greedy, logprobs, generated) = reference
+    last = len(ps) - 1
+    for kwargs, chosen in regimes(name, ps):
+        llm = LLM(model=path, **kwargs)
+        params = [greedy_params(logprobs=1, prompt_logprobs=1 if i == last else None) for i in chosen]
+        for i, out in zip(chosen, llm.generate([ps[i] for i in chosen], params)):
+            assert out.outputs[0].token_ids == greedy[i], f"prompt {i} (len {len(ps[i])}) diverged"
+            got = [entry[t] for entry, t in zip(out.outputs[0].logprobs, greedy[i])]
+            assert max(abs(g - w) for g, w in zip(got, generated[i])) < 1e-4, f"prompt {i}"
+            if i == last:
+                got = [entry[token] for entry, token in zip(out.prompt_logprobs[1:], ps[i][1:])]
+                assert max(abs(g - e) for g, e in zip(got, logprobs)) < 1e-4
+        llm.check_integrity()
+
+
+def test_phi3_crossing_original_length_equals_transformers_recomputed_cache(reference_by_name):
+    """transformers' Phi-3 generate recomputes its whole cache with the long factors
+    when a sequence first exceeds original_max_position_embeddings; from there on its
+    logits are the long-factor engine's for the same text."""
+    path, ps, greedy, _, generated = reference_by_name("phi3-gqa-longrope")
+    prompt, tokens = ps[3], greedy[3]
+    cross = ORIGINAL + 1 - len(prompt)  # the first step whose input exceeds ORIGINAL
+    assert 0 < cross < MAX_NEW
+    out = LLM(model=path).generate([prompt + tokens[:cross]], greedy_params(max_tokens=MAX_NEW - cross, logprobs=1))
+    assert out[0].outputs[0].token_ids == tokens[cross:]
+    got = [entry[t] for entry, t in zip(out[0].outputs[0].logprobs, tokens[cross:])]
+    assert max(abs(g - w) for g, w in zip(got, generated[3][cross:])) < 1e-4
 
 
 def engine(path: str, num_blocks: int = 96) -> LLMEngine:
@@ -164,13 +221,17 @@ def prefill_then_decode(prefill: LLMEngine, decode: LLMEngine, rid: str, prompt:
 
 @pytest.mark.parametrize("name", ["gemma2-gqa-softcap-sliding", "gemma3-local-global", "phi3-gqa-longrope"])
 def test_prefill_decode_engines_match_transformers(reference_by_name, name):
-    path, ps, greedy, _ = reference_by_name(name)
+    path, ps, greedy = reference_by_name(name)[:3]
     prefill, decode = engine(path), engine(path)
-    for i, (prompt, expected) in enumerate(zip(ps[2:], greedy[2:])):
-        assert prefill_then_decode(prefill, decode, f"r{i}", prompt) == expected
+    for i in long_prompts(ps) if is_longrope(name) else range(2, len(ps)):
+        assert prefill_then_decode(prefill, decode, f"r{i}", ps[i]) == greedy[i]
     for e in (prefill, decode):
         e.check_integrity()
         assert e.stats().num_free_blocks == e.stats().num_blocks
+    if is_longrope(name):  # a worker of the other set of factors is not a KV partner
+        short = LLMEngine(EngineConfig(model=path, cache=CacheConfig(num_blocks=8),
+                                       scheduler=SchedulerConfig(max_model_len=ORIGINAL)))
+        assert "longrope=long" in prefill.runner.kv_layout and "longrope=short" in short.runner.kv_layout
 
 
 @pytest.fixture(scope="module")
@@ -203,7 +264,7 @@ def test_gemma_chunked_prefix_cached_preempted_and_parallel(gemma2):
 def test_gemma_on_triton_kernels_matches_transformers(reference_by_name, name):
     """Soft-capped attention (Gemma 2), per-head q/k norms and two RoPE bases (Gemma 3)
     and alternating windows through the Triton kernels (the interpreter on a CPU)."""
-    path, ps, greedy, logprobs = reference_by_name(name)
+    path, ps, greedy, logprobs = reference_by_name(name)[:4]
     llm = LLM(model=path, attention_backend="triton", max_num_batched_tokens=64)
     params = [greedy_params(max_tokens=4) for _ in ps[:-1]] + [greedy_params(max_tokens=1, prompt_logprobs=1)]
     outs = llm.generate(ps, params)
@@ -220,7 +281,7 @@ def test_bfloat16_agrees_with_transformers(tmp_path, name):
     (Gemma's embedding scale and norms round as transformers rounds them)."""
     arch, overrides = CONFIGS[name]
     model = build_model(tmp_path, arch, seed=3, dtype=torch.bfloat16, qk_gain=_gain(arch), **overrides)
-    ps = prompts()[2:]
+    ps = [p for p in prompts()[2:] if len(p) > ORIGINAL or not is_longrope(name)]
     outs = LLM(model=str(tmp_path), dtype="bfloat16").generate(ps, greedy_params(max_tokens=1, prompt_logprobs=1))
     for prompt, out in zip(ps, outs):
         with torch.no_grad():
@@ -235,7 +296,7 @@ def test_bfloat16_agrees_with_transformers(tmp_path, name):
 @pytest.mark.parametrize("name", ["qwen3-mqa-tied-yarn", "gemma2-gqa-softcap-sliding"])
 def test_speculative_decoding_keeps_transformers_tokens(reference_by_name, name):
     """A draft model (the model itself) and ngram drafts: verification keeps the tokens."""
-    path, ps, greedy, _ = reference_by_name(name)
+    path, ps, greedy = reference_by_name(name)[:3]
     for spec in ({"method": "draft_model", "num_speculative_tokens": 3, "model": path},
                  {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}):
         llm = LLM(model=path, speculative_config=spec)
