@@ -327,3 +327,17 @@ def test_forward_runs_on_the_device(reference_by_name, name):
     batch = [BatchItem(r, n - d, [next(blocks) for _ in range(-(-n // 16))]) for r, n, d in zip(reqs, lengths, done)]
     logits, _ = runner.execute(batch)
     assert logits.device.type == "meta" and logits.shape == (4, 256)
+
+
+def test_longrope_tokens_do_not_depend_on_the_schedule(reference_by_name):
+    """One set of factors per engine: long prompts chunked (their first chunks shorter
+    than original_max_position_embeddings), then hitting the prefix cache, keep
+    transformers' tokens."""
+    path, ps, greedy = reference_by_name("phi3-gqa-longrope")[:3]
+    chosen = long_prompts(ps)
+    llm = LLM(model=path, max_num_batched_tokens=64, long_prefill_token_threshold=24)
+    for _ in range(2):
+        outs = llm.generate([ps[i] for i in chosen], greedy_params())
+        assert [o.outputs[0].token_ids for o in outs] == [greedy[i] for i in chosen]
+    assert llm.stats().prefix_cache_hits > 0
+    llm.check_integrity()
