@@ -123,10 +123,14 @@ def plan_memory(
     kv_cache_memory: int | None = None,
     device_memory: int | None = None,
     gpu_memory_utilization: float = 0.9,
+    device: str = "cpu",
+    enforce_eager: bool = False,
 ) -> MemoryPlan:
-    """What a worker started with these settings would allocate (no weights are read)."""
+    """What a worker started with these settings would allocate (no weights are read);
+    on a CPU without `enforce_eager`, with the tied LM head's prepacked copy."""
     import torch
 
+    from pdserve.engine import prepacked
     from pdserve.engine.model.loader import build_model
     from pdserve.engine.quant import apply
 
@@ -138,6 +142,8 @@ def plan_memory(
         apply.quantize_model(skeleton, scheme)
     apply.prepare(skeleton)
     weights = apply.weight_bytes(skeleton)
+    if not enforce_eager:
+        weights += prepacked.added_bytes(skeleton, torch.device(device), torch_dtype)
     max_len = max_model_len or cfg.max_position_embeddings
     kv_dtype = kv_torch_dtype(kv_cache_dtype, torch_dtype)
     per_token = kv_bytes_per_token(cfg, kv_dtype)

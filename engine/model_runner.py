@@ -86,9 +86,7 @@ class ModelRunner:
         self.model = load_model(model_dir, cfg, dtype, device, max_model_len, quantization, self.kv_dtype)
         self.prepacked = 0
         if prepack and prepacked.available(device, dtype):
-            embed = self.model.embed_tokens
-            tied = embed.weight if self.model.lm_head is None and type(embed) is torch.nn.Embedding else None
-            self.prepacked = prepacked.prepack_linears(self.model, tied)
+            self.prepacked = prepacked.prepack_linears(self.model, prepacked.tied_head(self.model))
         self.backend = get_backend(attention_backend, str(device))
         self.kv_cache = torch.empty(0)
 

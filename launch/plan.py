@@ -120,6 +120,7 @@ def plan_row(config: PlanConfig, quantization: str | None, kv_cache_dtype: str, 
             max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
             kv_cache_memory=config.kv_cache_memory, device_memory=config.device_memory,
             gpu_memory_utilization=config.gpu_memory_utilization,
+            device="cpu" if config.device_memory is None else "cuda",
         )
     except ValueError as e:  # no room for one block, a scheme the checkpoint refuses, ...
         return Row(quantization, kv_cache_dtype, given, None, 0, 0, None, None, str(e))

@@ -13,6 +13,7 @@ from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.attention.base import round_trip_kv
 from pdserve.engine.config import DEFAULT_MODEL
 from pdserve.engine.memory import plan_memory
+from pdserve.engine.prepacked import packed_bytes
 from hf_models import build_model
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
@@ -37,8 +38,9 @@ def test_plan_equals_what_the_engine_allocated(quantization, kv_cache_dtype):
     llm = LLM(DEFAULT_MODEL, kv_cache_memory=3 << 20, **kwargs)
     plan = plan_memory(DEFAULT_MODEL, kv_cache_memory=3 << 20, **kwargs)
     assert plan == llm.engine.memory
-    assert plan.weight_bytes == sum(t.numel() * t.element_size() for t in {
-        t.data_ptr(): t for t in [*llm.engine.runner.model.parameters(), *llm.engine.runner.model.buffers()]}.values())
+    model = llm.engine.runner.model  # prepacked layers hold their weights outside the parameters
+    assert plan.weight_bytes == packed_bytes(model) + sum(t.numel() * t.element_size() for t in {
+        t.data_ptr(): t for t in [*model.parameters(), *model.buffers()]}.values())
 
 
 def test_fp8_kv_holds_four_times_the_blocks_of_fp32_and_quantized_weights_shrink():
