@@ -31,7 +31,21 @@ MIN_PACKED_WEIGHTS = 2**18
 # another, slower one: bench.gemm), so fewer rows are padded with zeros to this many
 # (a decode step at batch 1: 21.5 -> 19.3 ms on bench.offline's model).
 MIN_ROWS = 4
+# oneDNN keeps state per input shape, and memory grows without bound when the row
+# count takes many values (RSS 0.2 -> 13 GB over a few thousand calls of 1-2048 rows:
+# a prefill worker sees every prompt length). So every call reaches oneDNN with one of
+# a few row counts: powers of two up to 64 (decode), multiples of ROW_STEP up to
+# MAX_CHUNK_ROWS (prefill chunks); longer inputs go in MAX_CHUNK_ROWS-row pieces.
+ROW_STEP = 32
+MAX_CHUNK_ROWS = 512
 DTYPES = (torch.float32, torch.bfloat16)
+
+
+def bucket_rows(rows: int) -> int:
+    """The row count a call of `rows` rows (1..MAX_CHUNK_ROWS) is padded to."""
+    if rows <= 64:
+        return max(MIN_ROWS, 1 << (rows - 1).bit_length())
+    return -(-rows // ROW_STEP) * ROW_STEP
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -62,11 +76,22 @@ class PrepackedLinear(nn.Module):
         return cls(linear.weight, linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        rows = flat.shape[0]
+        if rows <= MAX_CHUNK_ROWS:
+            out = self._bucketed(flat)
+        else:
+            out = torch.cat([self._bucketed(chunk) for chunk in flat.split(MAX_CHUNK_ROWS)])
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _bucketed(self, x: torch.Tensor) -> torch.Tensor:
+        """One oneDNN call on `x`'s rows padded with zeros to `bucket_rows(rows)`."""
         rows = x.shape[0]
-        if x.dim() == 2 and rows < MIN_ROWS:
-            padded = F.pad(x, (0, 0, 0, MIN_ROWS - rows))
-            return torch.ops.mkldnn._linear_pointwise(padded, self.packed, self.bias, "none", [], "")[:rows]
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        bucket = bucket_rows(rows)
+        if bucket != rows:
+            x = F.pad(x, (0, 0, 0, bucket - rows))
+        out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], None)
+        return out[:rows] if bucket != rows else out
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -86,6 +111,23 @@ def prepack_linears(model: nn.Module, tied_head: torch.Tensor | None = None) -> 
         model.lm_head = PrepackedLinear(tied_head, None)
         return len(swaps) + 1
     return len(swaps)
+
+
+def tied_head(model: nn.Module) -> torch.Tensor | None:
+    """The embedding table a tied LM head reads (None: the model has a head of its own,
+    or a quantized table, which keeps its own head path)."""
+    embed = getattr(model, "embed_tokens", None)
+    if getattr(model, "lm_head", None) is None and type(embed) is nn.Embedding:
+        return embed.weight
+    return None
+
+
+def added_bytes(model: nn.Module, device: torch.device, dtype: torch.dtype) -> int:
+    """Bytes `prepack_linears(model, tied_head(model))` would add on `device`: the tied
+    head's packed copy (every other layer trades its weight for a packed one of the same
+    size). Works on a meta-device skeleton, for memory plans."""
+    head = tied_head(model) if available(device, dtype) else None
+    return head.numel() * head.element_size() if head is not None and head.numel() >= MIN_PACKED_WEIGHTS else 0
 
 
 def packed_bytes(model: nn.Module) -> int:

@@ -1,6 +1,7 @@
 """The fast path's oneDNN-prepacked linear layers (engine/prepacked.py): the same
 numbers as F.linear to rounding, and the same tokens as the eager path and as
-transformers through everything the engine does, on models large enough to pack."""
+transformers through everything the engine does, on a model of every family large
+enough to pack."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine.prepacked import MIN_PACKED_WEIGHTS, PrepackedLinear, available, prepack_linears
+from pdserve.engine.prepacked import (MAX_CHUNK_ROWS, MIN_PACKED_WEIGHTS, PrepackedLinear, available, bucket_rows,
+                                      prepack_linears)
 from hf_models import build_model, hf_greedy
 
 pytestmark = pytest.mark.skipif(not available(torch.device("cpu"), torch.float32), reason="no oneDNN on this CPU")
@@ -25,6 +27,12 @@ CONFIGS = {
     "llama-tied-mqa": ("llama", dict(tie_word_embeddings=True, num_key_value_heads=1)),
     "qwen2-bias": ("qwen2", dict(tie_word_embeddings=False)),
     "mistral-sliding": ("mistral", dict(sliding_window=40)),
+    "qwen3": ("qwen3", dict(head_dim=64, tie_word_embeddings=False)),
+    "gemma2-softcap-sliding": ("gemma2", dict(head_dim=64, query_pre_attn_scalar=64, sliding_window=40,
+                                              attn_logit_softcapping=5.0, final_logit_softcapping=3.0)),
+    "gemma3-local-global": ("gemma3", dict(head_dim=64, query_pre_attn_scalar=64, sliding_window=40,
+                                           layer_types=["sliding_attention", "full_attention"])),
+    "phi3": ("phi3", dict(tie_word_embeddings=False)),
 }
 MODES = {
     "default": {},
@@ -34,7 +42,7 @@ MODES = {
 MAX_NEW = 12
 
 
-@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 17])
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 17, 65, 100, MAX_CHUNK_ROWS, MAX_CHUNK_ROWS + 1, 1200])
 @pytest.mark.parametrize("bias", [False, True])
 def test_prepacked_matches_f_linear(rows, bias):
     gen = torch.Generator().manual_seed(rows)
@@ -50,6 +58,15 @@ def test_prepacked_matches_f_linear(rows, bias):
     # a view whose rows are not contiguous (the model splits fused outputs)
     wide = torch.randn(3, 512, generator=gen)[:, :256]
     torch.testing.assert_close(layer(wide), F.linear(wide, weight, b), rtol=1e-5, atol=1e-4)
+
+
+def test_row_counts_reach_onednn_as_a_few_buckets():
+    """oneDNN's memory grows with every distinct row count it sees (a prefill worker sees
+    every prompt length): 1..MAX_CHUNK_ROWS rows map onto at most 20 padded counts."""
+    buckets = {bucket_rows(rows) for rows in range(1, MAX_CHUNK_ROWS + 1)}
+    assert all(rows <= bucket_rows(rows) for rows in range(1, MAX_CHUNK_ROWS + 1))
+    assert bucket_rows(1) == 4 and bucket_rows(16) == 16 and bucket_rows(17) == 32 and bucket_rows(65) == 96
+    assert len(buckets) <= 20 and max(buckets) == MAX_CHUNK_ROWS
 
 
 def test_bf16_prepacked_matches_f_linear():
