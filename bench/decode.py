@@ -13,7 +13,7 @@ median step. Ratios are taken within a repetition, reported as median (min, max)
 
 The floor of a decode step is the bytes of weights it must read (every linear layer
 and the LM head; the embedding table is only looked up) divided by the read
-bandwidth measured in the same run (bench/gemm.py: a sum over 512 MB).
+bandwidth measured in each repetition (bench/gemm.py: the best of 7 sums over 512 MB).
 
 `--profile` runs each batch size once more per engine under `torch.profiler` and
 splits its median step into GEMMs, attention (with the paged-KV gather), the small
@@ -96,7 +96,10 @@ def decode_steps(llm, prompts: Sequence[Sequence[int]], steps: int, around: Call
     from pdserve.engine import SamplingParams
 
     eng = llm.engine
-    params = SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True)
+    # the first prompts decode while the last ones prefill (2048 tokens a step): room
+    # for those tokens too, so that no request finishes inside the timed steps
+    params = SamplingParams(max_tokens=steps + 8 + len(prompts) * PROMPT_LEN // 256, temperature=0.0,
+                            ignore_eos=True)
     ids = [f"decode-{i}" for i in range(len(prompts))]
     for rid, prompt in zip(ids, prompts):
         eng.add_request(rid, list(prompt), params)
@@ -148,7 +151,7 @@ def profile_step(llm, prompts: Sequence[Sequence[int]], steps: int) -> dict[str,
 def load(model_dir: str, mode: str, max_batch: int):
     from pdserve.engine import LLM
 
-    blocks = max_batch * (-(-(PROMPT_LEN + 200) // 16))
+    blocks = max_batch * (-(-(PROMPT_LEN + 400) // 16))
     return LLM(model=model_dir, num_blocks=blocks, block_size=16, enable_prefix_caching=False,
                max_num_seqs=max(256, max_batch), max_num_batched_tokens=2048, dtype="float32",
                enforce_eager=mode == "eager")

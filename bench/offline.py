@@ -480,7 +480,8 @@ def parse_args(argv: Sequence[str] | None) -> BenchConfig:
     parser.add_argument("--enforce-eager", action="store_true", help="mixed: run ours without the decode fast path")
     parser.add_argument("--profile", action="store_true", help="decode: split each step with torch.profiler")
     parser.add_argument("--steps", type=int, default=64, help="decode: timed decode steps per batch size")
-    parser.add_argument("--batches", default="1,8,16,64", help="decode: the batch sizes, comma-separated")
+    parser.add_argument("--batches", default=None, help="decode: the batch sizes, comma-separated (1,8,16,64; "
+                                                        "1,16 with --quick)")
     parser.add_argument("--num-requests", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -494,6 +495,7 @@ def parse_args(argv: Sequence[str] | None) -> BenchConfig:
     parser.add_argument("--skip-hf-generate", action="store_true")
     parser.add_argument("--skip-hf-batch", action="store_true")
     args = parser.parse_args(argv)
+    batches = args.batches or ("1,16" if args.quick else "1,8,16,64")
     if args.hf_batch_size is not None and args.hf_batch_size < 1:
         parser.error("--hf-batch-size must be >= 1")
     model, workload = (QUICK_MODEL, QUICK_WORKLOAD) if args.quick else (ModelSpec(), WorkloadSpec())
@@ -521,7 +523,7 @@ def parse_args(argv: Sequence[str] | None) -> BenchConfig:
         enforce_eager=args.enforce_eager,
         profile=args.profile,
         decode_steps=max(1, args.steps),
-        decode_batches=tuple(int(b) for b in args.batches.split(",")),
+        decode_batches=tuple(int(b) for b in batches.split(",")),
     )
 
 
@@ -681,7 +683,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         spec = decode.DecodeConfig(batches=cfg.decode_batches, steps=cfg.decode_steps, repeats=cfg.repeats,
                                    profile=cfg.profile, model=cfg.model)
         if cfg.quick:
-            spec = replace(spec, batches=(1, 4), steps=min(cfg.decode_steps, 8))
+            spec = replace(spec, steps=min(cfg.decode_steps, 8))
         with temporary_dir("pdserve-bench-") as model_dir:
             save_random_model(cfg.model, model_dir, cfg.seed)
             print(decode.run(str(model_dir), spec, log), flush=True)
