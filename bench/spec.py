@@ -36,7 +36,10 @@ Per workload, concurrency and method:
 eagle3 drafts with the committed EAGLE-3 head of the embedded model
 (models/pdserve-tiny-code-eagle3, scripts/train_eagle_head.py); with another --model it runs
 only when --eagle-model names a head for that model. Before the last line, one line per
-workload gives every speculating method's acceptance length over all its runs.
+workload gives every speculating method's acceptance length over all its runs, and where
+eagle3, draft_model and ngram all ran, one more gives them as `<workload>:
+eagle_acceptance_length=X draft_acceptance_length=Y ngram_acceptance_length=Z` followed by
+each one's (and spec-off's) median TPOT at concurrency 1 (`eagle_tpot_c1_ms=...`).
 
 The last line: `tpot_ratio_c1=X throughput_ratio_c64=Y acceptance_length=Z`, ngram on the
 grounded workload: X the TPOT ratio at concurrency 1, Y the throughput ratio at 64 (at the
@@ -61,7 +64,8 @@ from transformers.utils import logging as hf_logging
 from pdserve.bench.entry import compare_main, overridden
 from pdserve.bench.offline import machine_load
 from pdserve.bench.repeat import rotated
-from pdserve.bench.spec_report import Cell, Run, acceptance_curves, acceptance_summary, analyse, last_line, table
+from pdserve.bench.spec_report import (Cell, Run, acceptance_curves, acceptance_summary, analyse, head_lines, last_line,
+                                       table)
 from pdserve.bench.spec_workloads import WORKLOADS, SpecRequest, draw_functions, make_requests
 from pdserve.engine.config import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL, CacheConfig, SchedulerConfig
 from pdserve.engine.engine import EngineConfig, LLMEngine
@@ -290,7 +294,7 @@ def run(cfg: SpecBenchConfig, json_path: str | None, plot_path: str | None) -> t
     runs = run_all(cfg, lambda msg: print(msg, flush=True))
     cells, problems = analyse(runs)
     print("\n".join(["", *table(cells), ""]), flush=True)
-    print("\n".join(acceptance_summary(runs)), flush=True)
+    print("\n".join([*acceptance_summary(runs), *head_lines(cells, runs)]), flush=True)
     line = last_line(cells, runs)
     if json_path:
         Path(json_path).write_text(json.dumps(report_json(cfg, cells, runs, problems, line), indent=1) + "\n")

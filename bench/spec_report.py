@@ -165,6 +165,31 @@ def acceptance_summary(runs: Sequence[Run]) -> list[str]:
     return lines
 
 
+# issue 22's names for the three proposers' figures
+_HEAD_LINE_NAMES = {"eagle3": "eagle", "draft_model": "draft", "ngram": "ngram"}
+
+
+def head_lines(cells: Sequence[Cell], runs: Sequence[Run]) -> list[str]:
+    """Per workload where eagle3, draft_model and ngram all ran: `<workload>:
+    eagle_acceptance_length=X draft_acceptance_length=Y ngram_acceptance_length=Z` (pooled
+    over their runs), then each one's and spec-off's median TPOT at concurrency 1 in ms."""
+    lines = []
+    for workload in _in_order(r.workload for r in runs):
+        methods = {r.method for r in runs if r.workload == workload}
+        if not set(_HEAD_LINE_NAMES) <= methods:
+            continue
+        parts = []
+        for method, name in _HEAD_LINE_NAMES.items():
+            _, length, _ = acceptance(pooled([r for r in runs if (r.workload, r.method) == (workload, method)]))
+            parts.append(f"{name}_acceptance_length={fmt(length)}")
+        for method, name in [*_HEAD_LINE_NAMES.items(), ("off", "off")]:
+            c1 = next((c for c in cells if (c.workload, c.method, c.concurrency) == (workload, method, 1)), None)
+            if c1 is not None:
+                parts.append(f"{name}_tpot_c1_ms={c1.tpot_ms.median:.2f}")
+        lines.append(f"{workload}: {' '.join(parts)}")
+    return lines
+
+
 def last_line(cells: Sequence[Cell], runs: Sequence[Run]) -> str:
     """`tpot_ratio_c1=X throughput_ratio_c64=Y acceptance_length=Z`: ngram on the grounded
     workload (Y at the highest concurrency run, when 64 was not)."""

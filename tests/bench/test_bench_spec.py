@@ -68,3 +68,23 @@ def test_a_token_that_differs_from_spec_off_is_reported() -> None:
     assert mismatches(run("ngram", ((1, 2, 3), (4, 9, 6))), off) == [
         "ngram grounded c=4 repetition 1: request 1 differs from off at output token 1 (3 vs 3 tokens)"
     ]
+
+
+def test_head_line_gives_each_proposers_acceptance_and_tpot_in_the_issues_names() -> None:
+    from pdserve.bench.spec_report import Run, analyse, head_lines
+    from pdserve.engine.spec.speculator import SpecStats
+
+    def run(method: str, workload: str, accepted: int, tpot_s: float) -> Run:
+        stats = SpecStats() if method == "off" else SpecStats(10, 40, accepted, (accepted, 0, 0, 0))
+        return Run(method, workload, 1, 0, 1.0, 1.0, 30, tpot_s, stats, ((1, 2, 3),))
+
+    runs = [run("off", "completion", 0, 0.004), run("ngram", "completion", 6, 0.003),
+            run("draft_model", "completion", 4, 0.005), run("eagle3", "completion", 9, 0.002)]
+    cells, problems = analyse(runs)
+    assert problems == []
+    # acceptance length = 1 + accepted / drafts
+    assert head_lines(cells, runs) == [
+        "completion: eagle_acceptance_length=1.900 draft_acceptance_length=1.400 ngram_acceptance_length=1.600 "
+        "eagle_tpot_c1_ms=2.00 draft_tpot_c1_ms=5.00 ngram_tpot_c1_ms=3.00 off_tpot_c1_ms=4.00"]
+    without_eagle = [r for r in runs if r.method != "eagle3"]
+    assert head_lines(analyse(without_eagle)[0], without_eagle) == []  # only where all three ran
