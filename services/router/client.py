@@ -351,6 +351,11 @@ class RetryingCall:
 
     def _retry(self, error: grpc.RpcError) -> grpc.RpcError | None:
         retry = len(self._history)
+        if time.monotonic() >= self._deadline:
+            # the refusal came (or was read, on a loaded machine) after the deadline: the
+            # deadline is what ends the call, not the refusal
+            return CallFailed(grpc.StatusCode.DEADLINE_EXCEEDED, f"deadline passed during attempt {retry}: "
+                              f"{error.details()} [attempts: {_summary(self._history)}]", error)
         nxt = self._routers.choose(self._start, self._tried, self._wait_until)
         # A router this call has not tried yet is asked at once (it is another process,
         # with its own load: backing off protects the one that failed, not it).

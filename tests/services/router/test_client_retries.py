@@ -261,6 +261,20 @@ def test_the_published_service_config_retries_in_a_plain_grpc_channel(routers):
     assert RetryPolicy.from_service_config() == RetryPolicy()  # the client's defaults are the file's
 
 
+def test_a_refusal_read_after_the_deadline_ends_deadline_exceeded(routers):
+    """The router refuses at once, but the caller reads the refusal only after the
+    call's deadline (a starved thread on a loaded machine): DEADLINE_EXCEEDED, the
+    refusal named, no second attempt (before: UNAVAILABLE, "gave up")."""
+    down = routers(*[refuse(grpc.StatusCode.UNAVAILABLE)] * 3)
+    with Client(down.address, timeout=0.3, retry=QUICK) as client:
+        call = client.generate("x")
+        time.sleep(0.6)
+        with pytest.raises(grpc.RpcError) as info:
+            list(call)
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, info.value.details()
+    assert len(down.arrivals) == 1
+
+
 def test_a_retry_cut_by_the_deadline_fails_with_the_reason_it_was_retried(routers):
     """The second attempt runs past the deadline: DEADLINE_EXCEEDED (what ended it: a
     caller must not retry it as UNAVAILABLE), and the details say why the call was
