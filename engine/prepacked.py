@@ -101,17 +101,22 @@ class PrepackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+def worth_packing(weight: torch.Tensor | None) -> bool:
+    """Whether a weight is large enough for oneDNN's per-call cost (MIN_PACKED_WEIGHTS)."""
+    return weight is not None and weight.numel() >= MIN_PACKED_WEIGHTS
+
+
 def prepack_linears(model: nn.Module, tied_head: torch.Tensor | None = None) -> int:
     """Replace every `nn.Linear` under `model` with at least MIN_PACKED_WEIGHTS weights by
     a `PrepackedLinear` (quantized layers are left alone); with `tied_head` (the
     embedding table a tied LM head reads), give the model an `lm_head` packed from it.
     Returns how many layers were packed."""
     swaps = [(name, module) for name, module in model.named_modules()
-             if type(module) is nn.Linear and module.weight.numel() >= MIN_PACKED_WEIGHTS]
+             if type(module) is nn.Linear and worth_packing(module.weight)]
     for name, module in swaps:
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, PrepackedLinear.from_linear(module))
-    if tied_head is not None and tied_head.numel() >= MIN_PACKED_WEIGHTS:
+    if worth_packing(tied_head):
         model.lm_head = PrepackedLinear(tied_head, None)
         return len(swaps) + 1
     return len(swaps)
@@ -131,7 +136,7 @@ def added_bytes(model: nn.Module, device: torch.device, dtype: torch.dtype) -> i
     head's packed copy (every other layer trades its weight for a packed one of the same
     size). Works on a meta-device skeleton, for memory plans."""
     head = tied_head(model) if available(device, dtype) else None
-    return head.numel() * head.element_size() if head is not None and head.numel() >= MIN_PACKED_WEIGHTS else 0
+    return head.numel() * head.element_size() if worth_packing(head) else 0
 
 
 def packed_bytes(model: nn.Module) -> int:
