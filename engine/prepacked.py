@@ -34,11 +34,9 @@ MIN_ROWS = 4
 # oneDNN keeps state per input shape, and memory grows without bound when the row
 # count takes many values (RSS 0.2 -> 13 GB over a few thousand calls of 1-2048 rows:
 # a prefill worker sees every prompt length). So every call reaches oneDNN with one of
-# a few row counts: powers of two up to 64 (decode), then BUCKETS_PER_OCTAVE evenly
-# spaced counts per doubling up to MAX_CHUNK_ROWS (large decode batches, prefill
-# chunks; at most 1/8 of a call's rows are padding); longer inputs go in
-# MAX_CHUNK_ROWS-row pieces. 29 row counts in all.
-BUCKETS_PER_OCTAVE = 8
+# a few row counts: powers of two up to 64 (decode), multiples of ROW_STEP up to
+# MAX_CHUNK_ROWS (prefill chunks); longer inputs go in MAX_CHUNK_ROWS-row pieces.
+ROW_STEP = 32
 MAX_CHUNK_ROWS = 512
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -47,9 +45,7 @@ def bucket_rows(rows: int) -> int:
     """The row count a call of `rows` rows (1..MAX_CHUNK_ROWS) is padded to."""
     if rows <= 64:
         return max(MIN_ROWS, 1 << (rows - 1).bit_length())
-    # rows in (2^k, 2^(k+1)]: a multiple of 2^k / BUCKETS_PER_OCTAVE
-    step = (1 << (rows - 1).bit_length()) // (2 * BUCKETS_PER_OCTAVE)
-    return -(-rows // step) * step
+    return -(-rows // ROW_STEP) * ROW_STEP
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
