@@ -3,10 +3,11 @@ path against `--enforce-eager` (the path before it), beside the bandwidth floor.
 
     python -m pdserve.bench.offline --workload decode [--profile] [--repeats 3]
 
-One process, one model (`bench.offline`'s 100M-parameter fp32 Llama, seeded), two
-engines on the same weights: `LLM(enforce_eager=True)` and `LLM()` (the fast path:
-oneDNN-prepacked linear layers, engine/prepacked.py). Each repetition runs, for each
-batch size, the eager engine then the fast one (rotated: bench/repeat.py): B
+One process, one model (`bench.offline`'s 100M-parameter fp32 Llama, seeded), three
+engines on the same weights: `LLM(enforce_eager=True)`, `LLM()` (the fast path:
+oneDNN-prepacked linear layers, engine/prepacked.py) and `LLM(decode_capture_sizes=
+<the batch sizes>)` (the decode step compiled per batch size, engine/captured.py).
+Each repetition runs, for each batch size, the three engines (rotated: bench/repeat.py): B
 requests of 128 random prompt tokens are prefilled, then `--steps` (64) pure decode
 steps are timed one by one (`time.perf_counter`); a repetition's figure is its
 median step. Ratios are taken within a repetition, reported as median (min, max).
@@ -19,10 +20,11 @@ bandwidth measured in each repetition (bench/gemm.py: the best of 7 sums over 51
 splits its median step into GEMMs, attention (with the paged-KV gather), the small
 operations (norms, rotary, activation, residuals, embedding), KV writes, sampling,
 and the rest (Python, scheduling, per-op dispatch: the step's wall time less the
-operators' own time). The profiler adds its own overhead to "the rest".
+operators' own time). The profiler adds its own overhead to "the rest"; a captured
+step's fused element-wise kernels are not operators the profiler names, so they count there too.
 
-Last line: `decode_bw_fraction_b1=X decode_speedup_b16=Y` (floor / fast step at
-batch 1; eager step / fast step at batch 16; medians over repetitions).
+Last line: `decode_bw_fraction_b1=X decode_speedup_b16=Y` (floor / captured step at
+batch 1; eager step / captured step at batch 16; medians over repetitions).
 """
 
 from __future__ import annotations
@@ -40,13 +42,13 @@ from pdserve.bench.random_model import FIRST_REGULAR_TOKEN, ModelSpec
 from pdserve.bench.repeat import Ratio, rotated
 
 PROMPT_LEN = 128
-MODES = ("eager", "fast")
+MODES = ("eager", "fast", "captured")
 
 # Operator name -> part of the step (anything unlisted is a small operation).
 _GEMM = ("mm", "addmm", "bmm", "_linear_pointwise", "_weight_int8pack_mm", "_weight_int4pack_mm", "_int_mm",
          "_scaled_mm", "_mkl_linear")
 # index_select: the paged-KV gather (a whole page per index)
-_ATTENTION = ("scaled_dot_product", "_scaled_dot_product", "index_select")
+_ATTENTION = ("scaled_dot_product", "_scaled_dot_product", "index_select", "paged_decode_attention")
 _KV_WRITE = ("index_copy", "index_put")
 _SAMPLING = ("argmax", "topk", "sort", "softmax", "log_softmax", "multinomial", "exponential", "gumbel", "cumsum")
 PARTS = ("gemm", "attention", "small ops", "kv write", "sampling", "python/other")
@@ -141,26 +143,32 @@ def profile_step(llm, prompts: Sequence[Sequence[int]], steps: int) -> dict[str,
     times = decode_steps(llm, prompts, steps, around)
     parts = dict.fromkeys(PARTS, 0.0)
     for event in holder["prof"].key_averages():  # type: ignore[attr-defined]
-        if event.key.startswith(("aten::", "mkldnn::", "mkl::", "quantized::")):
+        if event.key.startswith(("aten::", "mkldnn::", "mkl::", "quantized::", "pdserve::")):
             parts[part_of(event.key)] += event.self_cpu_time_total / 1e6 / steps
     ops = sum(parts.values())
     parts["python/other"] = max(0.0, sum(times) / steps - ops)
     return parts
 
 
-def load(model_dir: str, mode: str, max_batch: int):
+def load(model_dir: str, mode: str, batches: Sequence[int]):
+    """The engine of `mode`: eager (--enforce-eager), fast (the default: prepacked
+    linears) or captured (the decode step compiled for each of `batches`)."""
     from pdserve.engine import LLM
 
-    blocks = max_batch * (-(-(PROMPT_LEN + 400) // 16))
+    blocks = max(batches) * (-(-(PROMPT_LEN + 400) // 16))
     return LLM(model=model_dir, num_blocks=blocks, block_size=16, enable_prefix_caching=False,
-               max_num_seqs=max(256, max_batch), max_num_batched_tokens=2048, dtype="float32",
-               enforce_eager=mode == "eager")
+               max_num_seqs=max(256, max(batches)), max_num_batched_tokens=2048, dtype="float32",
+               enforce_eager=mode == "eager", decode_capture_sizes=tuple(batches) if mode == "captured" else ())
 
 
 def run(model_dir: str, cfg: DecodeConfig, log: Callable[[str], None]) -> str:
     torch.set_num_threads(cfg.threads)
     spec = cfg.model
-    engines = {mode: load(model_dir, mode, max(cfg.batches)) for mode in MODES}
+    engines = {}
+    for mode in MODES:
+        start = time.perf_counter()
+        engines[mode] = load(model_dir, mode, cfg.batches)
+        log(f"{mode}: engine ready in {time.perf_counter() - start:.1f} s")
     for llm in engines.values():  # warm-up: first-call allocations, oneDNN primitives
         decode_steps(llm, _prompts(2, spec.vocab_size, -1), 4)
     floor_bytes = weight_bytes_read(spec)
@@ -177,17 +185,18 @@ def run(model_dir: str, cfg: DecodeConfig, log: Callable[[str], None]) -> str:
     floor = statistics.median(floors)
     print(f"threads={torch.get_num_threads()} weights read per step {floor_bytes / 1e6:.0f} MB, "
           f"bandwidth floor {floor * 1e3:.2f} ms (median of {cfg.repeats})")
-    print(f"{'batch':>5} {'eager ms':>9} {'fast ms':>8} {'eager tok/s':>11} {'fast tok/s':>10} "
-          f"{'speedup':>28} {'floor/fast':>28}")
+    print(f"{'batch':>5} {'eager ms':>9} {'fast ms':>8} {'capt ms':>8} {'eager tok/s':>11} {'capt tok/s':>10} "
+          f"{'fast/eager speed-up':>28} {'captured/eager speed-up':>28} {'floor/fast':>28} {'floor/captured':>28}")
     speedups: dict[int, Ratio] = {}
     fractions: dict[int, Ratio] = {}
     for batch in cfg.batches:
-        eager, fast = step[("eager", batch)], step[("fast", batch)]
-        speedups[batch] = Ratio.paired(eager, fast)
-        fractions[batch] = Ratio.paired(floors, fast)
-        e, f = statistics.median(eager), statistics.median(fast)
-        print(f"{batch:>5} {e * 1e3:>9.2f} {f * 1e3:>8.2f} {batch / e:>11.1f} {batch / f:>10.1f} "
-              f"{speedups[batch]!s:>28} {fractions[batch]!s:>28}")
+        eager, fast, capt = step[("eager", batch)], step[("fast", batch)], step[("captured", batch)]
+        speedups[batch] = Ratio.paired(eager, capt)
+        fractions[batch] = Ratio.paired(floors, capt)
+        e, f, c = (statistics.median(x) for x in (eager, fast, capt))
+        print(f"{batch:>5} {e * 1e3:>9.2f} {f * 1e3:>8.2f} {c * 1e3:>8.2f} {batch / e:>11.1f} {batch / c:>10.1f} "
+              f"{Ratio.paired(eager, fast)!s:>28} {speedups[batch]!s:>28} {Ratio.paired(floors, fast)!s:>28} "
+              f"{fractions[batch]!s:>28}")
     if cfg.profile:
         print_profile(engines, cfg, floor)
     b1 = fractions.get(1, Ratio.of([]))
@@ -197,10 +206,10 @@ def run(model_dir: str, cfg: DecodeConfig, log: Callable[[str], None]) -> str:
 
 def print_profile(engines: dict, cfg: DecodeConfig, floor: float) -> None:
     print(f"\nprofile (ms per decode step, torch.profiler; floor {floor * 1e3:.2f} ms)")
-    print(f"{'batch':>5} {'path':>5} " + " ".join(f"{p:>12}" for p in PARTS) + f" {'total':>8}")
+    print(f"{'batch':>5} {'path':>8} " + " ".join(f"{p:>12}" for p in PARTS) + f" {'total':>8}")
     for batch in cfg.batches:
         prompts = _prompts(batch, cfg.model.vocab_size, 10_000)
         for mode in MODES:
             parts = profile_step(engines[mode], prompts, min(cfg.steps, 32))
             cells = " ".join(f"{parts[p] * 1e3:>12.2f}" for p in PARTS)
-            print(f"{batch:>5} {mode:>5} {cells} {sum(parts.values()) * 1e3:>8.2f}")
+            print(f"{batch:>5} {mode:>8} {cells} {sum(parts.values()) * 1e3:>8.2f}")

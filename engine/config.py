@@ -15,6 +15,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from pdserve.engine.model.registry import SUPPORTED_ARCHITECTURES, Family, family, resolve_architecture  # noqa: F401
@@ -299,6 +300,22 @@ class CacheConfig:
             raise ValueError(f"num_blocks: must be >= 1, got {self.num_blocks}")
 
 
+def parse_capture_sizes(text: str | Sequence[int]) -> tuple[int, ...]:
+    """'1,2,4' (or a sequence) -> (1, 2, 4), sorted, unique; '' -> () (capture off)."""
+    if isinstance(text, str):
+        parts = [p.strip() for p in text.split(",") if p.strip()]
+        try:
+            sizes = [int(p) for p in parts]
+        except ValueError:
+            raise ValueError(f"decode_capture_sizes: expected comma-separated integers, got {text!r}") from None
+    else:
+        sizes = [int(s) for s in text]
+    for s in sizes:
+        if not 1 <= s <= 1024:
+            raise ValueError(f"decode_capture_sizes: each size must be in [1, 1024], got {s}")
+    return tuple(sorted(set(sizes)))
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 256
@@ -334,9 +351,13 @@ class EngineConfig:
     quantization: str | None = None
     # KV pages' dtype: auto (the model's) | fp8 (= fp8_e4m3) | fp8_e4m3 | fp8_e5m2
     kv_cache_dtype: str = "auto"
-    # vLLM's --enforce-eager: every step runs the eager forward; False captures the
-    # decode step once per batch-size bucket (engine/fast_decode.py) where it helps.
+    # vLLM's --enforce-eager: every step runs the eager forward with plain linear layers
+    # (no oneDNN prepacking, engine/prepacked.py; no captured decode step).
     enforce_eager: bool = False
+    # Batch sizes whose pure decode step is compiled at start-up (engine/captured.py;
+    # vLLM's cudagraph_capture_sizes): a step of n sequences runs in the smallest one
+    # >= n. Each costs a packed copy of the weights, so none by default; a CPU only.
+    decode_capture_sizes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
@@ -346,6 +367,7 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.speculative is not None:
             object.__setattr__(self, "speculative", SpeculativeConfig.parse(self.speculative))
+        object.__setattr__(self, "decode_capture_sizes", parse_capture_sizes(self.decode_capture_sizes))
         if self.max_n < 1:
             raise ValueError(f"max_n: must be >= 1, got {self.max_n}")
         if self.max_logprobs < 0:

@@ -78,6 +78,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             config.model, self.model_config, dtype, device, block_size, self.max_model_len, config.attention_backend,
             config.quantization, config.kv_cache_dtype, prepack=not config.enforce_eager,
+            capture_sizes=() if config.enforce_eager else config.decode_capture_sizes,
         )
         self._log_compute(device)
         self.draft_runner = self._draft_runner(dtype, device)
@@ -107,8 +108,10 @@ class LLMEngine:
         """Say which cores the engine computes on (--torch-threads, the CPU affinity) and
         whether the fast path is on: a benchmark's figures mean nothing without them."""
         allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        runner = self.runner
         path = "eager (enforce_eager)" if self.config.enforce_eager else (
-            f"fast: {self.runner.prepacked} linear layers prepacked for oneDNN" if self.runner.prepacked
+            f"fast: decode step captured for batch sizes {list(runner.captured.sizes)}" if runner.captured
+            else f"fast: {runner.prepacked} linear layers prepacked for oneDNN" if runner.prepacked
             else "fast: nothing to prepack here")
         log.info("engine on %s: %d torch threads, %s CPUs allowed; %s", device, torch.get_num_threads(), allowed, path)
 

@@ -36,6 +36,7 @@ class LLM:
         kv_cache_dtype: str = "auto",
         gpu_memory_utilization: float = 0.9,
         enforce_eager: bool = False,
+        decode_capture_sizes: Sequence[int] | str = (),
     ) -> None:
         self.engine = LLMEngine(
             EngineConfig(
@@ -54,6 +55,7 @@ class LLM:
                 kv_cache_dtype=kv_cache_dtype,
                 gpu_memory_utilization=gpu_memory_utilization,
                 enforce_eager=enforce_eager,
+                decode_capture_sizes=decode_capture_sizes,  # type: ignore[arg-type]  # parsed by EngineConfig
             )
         )
         self.model_dir = model

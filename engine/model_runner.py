@@ -11,16 +11,17 @@ kvtransfer ships.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 import torch
 
-from pdserve.engine import prepacked
+from pdserve.engine import captured, prepacked
 from pdserve.engine.attention import AttentionMetadata, get_backend
 from pdserve.engine.attention.base import is_fp8, kv_rows
+from pdserve.engine.captured import CapturedDecode, DecodeInputs
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.memory import kv_bytes_per_token
 from pdserve.engine.model.llama import FeatureCapture
@@ -74,9 +75,13 @@ class ModelRunner:
         quantization: str | None = None,
         kv_cache_dtype: str = "auto",
         prepack: bool = False,
+        capture_sizes: Sequence[int] = (),
     ) -> None:
         """`prepack`: hold the full-precision linear layers in oneDNN's packed layout where
-        that applies (engine/prepacked.py: a CPU, fp32 or bf16); off, they stay `nn.Linear`."""
+        that applies (engine/prepacked.py: a CPU, fp32 or bf16); off, they stay `nn.Linear`.
+        `capture_sizes`: compile the pure decode step for these batch sizes once the KV
+        cache is allocated (engine/captured.py), where that applies; the eager layers then
+        stay plain (the compiled graphs pack their own)."""
         self.cfg = cfg
         self.device = device
         self.block_size = block_size
@@ -84,15 +89,23 @@ class ModelRunner:
         # the pages' dtype: the model's, or float8 (--kv-cache-dtype)
         self.kv_dtype = kv_torch_dtype(kv_cache_dtype, dtype)
         self.model = load_model(model_dir, cfg, dtype, device, max_model_len, quantization, self.kv_dtype)
+        quantized = any(isinstance(m, QuantLinear) for m in self.model.modules())
+        self.captured: CapturedDecode | None = None
+        if capture_sizes and captured.available(device, quantized):
+            self.captured = CapturedDecode(self.model, capture_sizes, block_size, max_model_len, device)
         self.prepacked = 0
-        if prepack and prepacked.available(device, dtype):
+        if prepack and self.captured is None and prepacked.available(device, dtype):
             self.prepacked = prepacked.prepack_linears(self.model, prepacked.tied_head(self.model))
         self.backend = get_backend(attention_backend, str(device))
         self.kv_cache = torch.empty(0)
 
     @property
     def weight_bytes(self) -> int:
-        return weight_bytes(self.model) + prepacked.packed_bytes(self.model)
+        """The weights as held: plain or prepacked, and the captured graphs' packed copies."""
+        held = weight_bytes(self.model) + prepacked.packed_bytes(self.model)
+        if self.captured is not None:
+            held += captured.added_bytes(self.model, len(self.captured.sizes))
+        return held
 
     @property
     def weight_scheme(self) -> str:
@@ -121,6 +134,9 @@ class ModelRunner:
         cfg = self.cfg
         shape = (cfg.num_layers, num_blocks, 2, self.block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+        if self.captured is not None and num_blocks > 0:
+            # the graphs are specialised to the cache's shape: compiled once it is final
+            self.captured.compile(self.kv_cache)
 
     @torch.inference_mode()
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -145,6 +161,10 @@ class ModelRunner:
         `capture`, its features hold every input row, in batch order (item i's rows are
         its `num_tokens` (+ drafts) tokens from its first uncomputed position on).
         """
+        if self.captured is not None and on_layer is None and capture is None:
+            inputs = self._decode_inputs(self.captured, batch)
+            if inputs is not None:
+                return self.captured.run(inputs, self.kv_cache).float(), [(i, 1) for i in range(len(batch))]
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -187,6 +207,26 @@ class ModelRunner:
             capture,
         )
         return logits.float(), spans
+
+    def _decode_inputs(self, graphs: CapturedDecode, batch: list[BatchItem]) -> DecodeInputs | None:
+        """`batch` as a captured step's inputs, if it is a pure decode step that fits a
+        bucket: every item computes its one next token and wants only that token's logits."""
+        if not batch or graphs.bucket_for(len(batch)) is None:
+            return None
+        bs = self.block_size
+        inputs = DecodeInputs([], [], [], [], [])
+        for item in batch:
+            req, pos = item.request, item.request.num_computed_tokens
+            if (item.num_tokens != 1 or item.drafts or pos + 1 != req.num_tokens
+                    or (req.sampling_params.prompt_logprobs is not None and pos < req.num_prompt_tokens)):
+                return None
+            slot = item.block_ids[pos // bs] * bs + pos % bs
+            inputs.tokens.append(req.token_ids[pos])
+            inputs.positions.append(pos)
+            inputs.kv_rows.append((slot // bs) * (2 * bs) + slot % bs)
+            inputs.block_ids.append(item.block_ids[: pos // bs + 1])
+            inputs.seq_lens.append(pos + 1)
+        return inputs
 
     def _metadata(self, batch: list[BatchItem], slots, q_lens, seq_lens) -> AttentionMetadata:
         return attention_metadata([item.block_ids for item in batch], slots, q_lens, seq_lens, self.block_size,

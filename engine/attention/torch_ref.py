@@ -26,11 +26,11 @@ class TorchAttention(AttentionBackend):
         write_kv(k, v, kv, meta, kv_scales)
         k_cache, v_cache = kv[:, 0], kv[:, 1]
         # A float8 cache is gathered as bytes and read back as value * scale.
-        read = _Reader(kv.dtype, q.dtype, kv_scales)
+        read = KVReader(kv.dtype, q.dtype, kv_scales)
         out = torch.empty_like(q)
         decode = meta.decode_batch
         if decode is not None:
-            o = self._decode_batch(q[decode.rows], k_cache, v_cache, decode, scale, sliding_window, read, softcap)
+            o = attend_decode_batch(q[decode.rows], k_cache, v_cache, decode, scale, sliding_window, read, softcap)
             out[decode.rows.flatten()[decode.picked]] = o.flatten(0, 1)[decode.picked]
         for b, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
             if q_len == 0 or (decode is not None and q_len <= MAX_BATCHED_QUERIES):
@@ -43,37 +43,7 @@ class TorchAttention(AttentionBackend):
             out[s : s + q_len] = _attend(q[s : s + q_len], kb, vb, scale, sliding_window, softcap)
         return out
 
-    def _decode_batch(self, q, k_cache, v_cache, decode: DecodeBatch, scale, window, read: "_Reader",
-                      softcap: float | None = None):
-        lens, max_len = decode.seq_lens, decode.max_seq_len
-        num_seqs, n_blocks = decode.block_tables.shape
-        ids = decode.block_tables.flatten()
-        shape = (num_seqs, n_blocks * k_cache.shape[1], *k_cache.shape[2:])
-        # index_select copies whole pages; plain indexing here is several times slower
-        keys = read.raw(k_cache).index_select(0, ids).view(shape)[:, :max_len]  # [B, L, KVH, D]
-        vals = read.raw(v_cache).index_select(0, ids).view(shape)[:, :max_len]
-        keys, vals = read.pair(keys, vals)
-        # Query j of a sequence with n queries sits at position len - n + j (a padded j
-        # is masked as the last real one: its output is dropped).
-        num_q = decode.max_query_len
-        j = torch.arange(num_q, device=q.device)[None, :]
-        q_pos = lens[:, None] - decode.query_lens[:, None] + torch.minimum(j, decode.query_lens[:, None] - 1)
-        pos = torch.arange(max_len, device=q.device)
-        mask = pos[None, None, :] <= q_pos[:, :, None]  # [B, Q, L]
-        if window is not None:
-            mask &= pos[None, None, :] > (q_pos[:, :, None] - window)
-        # The H/KVH query heads sharing a KV head, for every query of the sequence, attend
-        # as that head's "query positions": one flash call, no copies of K/V per head.
-        _, _, num_heads, head_dim = q.shape
-        num_kv = keys.shape[2]
-        group = num_heads // num_kv
-        qg = q.view(num_seqs, num_q, num_kv, group, head_dim).transpose(1, 2).reshape(num_seqs, num_kv, -1, head_dim)
-        o = _sdpa(qg, keys.transpose(1, 2), vals.transpose(1, 2), mask.repeat_interleave(group, dim=1)[:, None],
-                  scale, softcap)
-        return o.view(num_seqs, num_kv, num_q, group, head_dim).transpose(1, 2).reshape(num_seqs, num_q, num_heads, head_dim)
-
-
-class _Reader:
+class KVReader:
     """Reads a layer's cache as the compute dtype: a float8 cache through its scales."""
 
     def __init__(self, cache_dtype: torch.dtype, dtype: torch.dtype, scales: tuple[float, float]) -> None:
@@ -94,6 +64,37 @@ class _Reader:
     def fresh(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ks, vs = self.scales
         return round_trip_kv(k, ks, self.cache_dtype), round_trip_kv(v, vs, self.cache_dtype)
+
+
+def attend_decode_batch(q, k_cache, v_cache, decode: DecodeBatch, scale, window, read: "KVReader",
+                        softcap: float | None = None):
+    """Attention of a `DecodeBatch`'s queries q [S, Q, H, D] over their cached K/V."""
+    lens, max_len = decode.seq_lens, decode.max_seq_len
+    num_seqs, n_blocks = decode.block_tables.shape
+    ids = decode.block_tables.flatten()
+    shape = (num_seqs, n_blocks * k_cache.shape[1], *k_cache.shape[2:])
+    # index_select copies whole pages; plain indexing here is several times slower
+    keys = read.raw(k_cache).index_select(0, ids).view(shape)[:, :max_len]  # [B, L, KVH, D]
+    vals = read.raw(v_cache).index_select(0, ids).view(shape)[:, :max_len]
+    keys, vals = read.pair(keys, vals)
+    # Query j of a sequence with n queries sits at position len - n + j (a padded j
+    # is masked as the last real one: its output is dropped).
+    num_q = decode.max_query_len
+    j = torch.arange(num_q, device=q.device)[None, :]
+    q_pos = lens[:, None] - decode.query_lens[:, None] + torch.minimum(j, decode.query_lens[:, None] - 1)
+    pos = torch.arange(max_len, device=q.device)
+    mask = pos[None, None, :] <= q_pos[:, :, None]  # [B, Q, L]
+    if window is not None:
+        mask &= pos[None, None, :] > (q_pos[:, :, None] - window)
+    # The H/KVH query heads sharing a KV head, for every query of the sequence, attend
+    # as that head's "query positions": one flash call, no copies of K/V per head.
+    _, _, num_heads, head_dim = q.shape
+    num_kv = keys.shape[2]
+    group = num_heads // num_kv
+    qg = q.view(num_seqs, num_q, num_kv, group, head_dim).transpose(1, 2).reshape(num_seqs, num_kv, -1, head_dim)
+    o = _sdpa(qg, keys.transpose(1, 2), vals.transpose(1, 2), mask.repeat_interleave(group, dim=1)[:, None],
+              scale, softcap)
+    return o.view(num_seqs, num_kv, num_q, group, head_dim).transpose(1, 2).reshape(num_seqs, num_q, num_heads, head_dim)
 
 
 def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int):

@@ -74,6 +74,10 @@ class WorkerConfig:
     torch_threads: int = flag(1, "torch intra-op threads (0: torch's default)")
     enforce_eager: bool = flag(False, "run every step on the eager path (vLLM's flag): full-precision linear "
                                       "layers stay plain instead of oneDNN-prepacked on a CPU")
+    decode_capture_sizes: str | None = flag(None, "compile the pure decode step at start-up for these batch sizes, "
+                                                  "e.g. '1,4,16' (vLLM's cudagraph_capture_sizes; a CPU, full-"
+                                                  "precision weights; each size costs a packed copy of the weights; "
+                                                  "unset: none, the eager step)")
     cpu_affinity: str | None = flag(None, "pin every thread of this process to these CPUs, e.g. '0' or '0,2-3' "
                                           "(os.sched_setaffinity; unset: not pinned)")
     speculative_config: str | None = flag(None, "speculative decoding, vLLM's speculative_config as a JSON object, "
@@ -157,6 +161,7 @@ class WorkerConfig:
             # Every role alike: the KV a prefill worker ships is read as stored by its decode worker.
             quantization=self.quantization, kv_cache_dtype=self.kv_cache_dtype,
             enforce_eager=self.enforce_eager,
+            decode_capture_sizes=self.decode_capture_sizes or (),  # type: ignore[arg-type]  # parsed there
             # Only decoding speculates: a prefill worker would load a draft model for nothing.
             # An EAGLE head runs on both: the prefill worker hands its state for the prompt over.
             speculative=self.speculative if self.role != "prefill" or _eagle(self.speculative) else None,

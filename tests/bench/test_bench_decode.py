@@ -57,7 +57,7 @@ def test_quick_decode_workload_prints_the_fraction_and_the_speedup():
     match = re.fullmatch(r"decode_bw_fraction_b1=(\S+) decode_speedup_b16=(\S+)", last)
     assert match, last
     assert all(math.isfinite(float(v)) and float(v) > 0 for v in match.groups())
-    # both paths at both batch sizes, each split into the profile's parts
-    rows = re.findall(r"^\s+(\d+)\s+(eager|fast)((?:\s+\d+\.\d+){7})$", proc.stdout, re.MULTILINE)
-    assert [(b, m) for b, m, _ in rows] == [("1", "eager"), ("1", "fast"), ("16", "eager"), ("16", "fast")]
+    # the three paths at both batch sizes, each split into the profile's parts
+    rows = re.findall(r"^\s+(\d+)\s+(eager|fast|captured)((?:\s+\d+\.\d+){7})$", proc.stdout, re.MULTILINE)
+    assert [(b, m) for b, m, _ in rows] == [(b, m) for b in ("1", "16") for m in ("eager", "fast", "captured")]
     assert "bandwidth floor" in proc.stdout and "speedup" in proc.stdout

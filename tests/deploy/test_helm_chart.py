@@ -443,7 +443,7 @@ def test_every_values_key_reaches_the_cli(monkeypatch, capsys) -> None:
     of the parser as that value (camelCase -> --kebab-case, numbers intact)."""
     samples = {"integer": 8589934592, "number": 2.5, "boolean": False}
     strings = {"dtype": "bfloat16", "attentionBackend": "triton", "logLevel": "DEBUG", "device": "cuda:1",
-               "kvConnector": "zmq_ipc", "cpuAffinity": "0,2-3",
+               "kvConnector": "zmq_ipc", "cpuAffinity": "0,2-3", "decodeCaptureSizes": "1,4",
                "prefillPolicy": "round_robin", "speculativeConfig": SPEC_JSON,
                "gpuMemoryUtilization": 0.75}  # a number in (0, 1]
     blocks = {"engine": ("engine",), "router": ("router", "config"), "prefill": ("prefill", "config"),
