@@ -4,23 +4,25 @@ A pure decode step (every sequence computes one token and wants its logits) is t
 step a serving engine runs most, and on the eager path a third of it is Python and
 per-operator dispatch around small kernels. Here the model's own forward, over a
 `DecodeMeta` (tensors only) and the `CapturedAttention` backend, goes through
-`torch.compile` (Inductor, its C++ backend on a CPU; `freezing`: the weights become
-constants, prepacked for oneDNN/MKL, and constant work is folded) once per bucket size
-at start-up. A step of n sequences runs in the smallest bucket B >= n, its inputs
-copied into that bucket's persistent buffers and padded (padded rows write no KV and
-their logits are dropped); a bigger batch, a prefill, a mixed or speculative step, a
-layer hook or a feature capture runs eagerly.
+`torch.compile` (Inductor; its C++ backend on a CPU) once per bucket size at start-up:
+the element-wise work between the GEMMs (norms, residual adds, rotary, SiLU-and-multiply,
+padding) is fused into a few C++ loops and the per-operator Python is gone. A step of n
+sequences runs in the smallest bucket B >= n, its inputs copied into that bucket's
+persistent buffers and padded (padded rows write no KV and their logits are dropped);
+a bigger batch, a prefill, a mixed or speculative step, a layer hook or a feature
+capture runs eagerly.
+
+The GEMMs stay the eager path's: oneDNN-prepacked layers (engine/prepacked.py) are
+called through `pdserve::prepacked_linear`, so every bucket shares the weights the eager
+path holds (no copy per graph), and the smaller, plain layers are traced as they are.
 
 Each bucket gets its own copy of the step function's code, so its compiled graph is
 the only entry dynamo caches for it: no recompilation across buckets or engines in
-one process, and guards checked once per step.
+one process, and guards checked once per step. Inductor caches its compiled code on
+disk (TORCHINDUCTOR_CACHE_DIR), so a restart compiles faster.
 
-The cost is memory: Inductor packs the weights for one row count, so each bucket's
-graph holds its own packed copy of every linear weight (measured: +430 MB a bucket on
-bench.offline's 400 MB model), beside the plain ones the eager path (prefill) keeps.
-So capture is asked for, bucket by bucket (`EngineConfig.decode_capture_sizes`), and
-`added_bytes` counts it in the memory plan. Outputs match the eager path's to the last
-bits of a float32 sum (another GEMM kernel, fused element-wise code), not bit for bit.
+Outputs match the eager path's to the last bits of a float32 sum (fused element-wise
+code may round in another order), not bit for bit.
 """
 
 from __future__ import annotations
@@ -33,10 +35,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch._inductor import config as inductor_config
 
 from pdserve.engine.attention.base import AttentionBackend
-from pdserve.engine.attention.decode_op import CapturedAttention, DecodeMeta
+from pdserve.engine.attention.decode_op import CapturedAttention, DecodeMeta, DecodeStep
 
 log = logging.getLogger(__name__)
 
@@ -48,16 +49,13 @@ def available(device: torch.device, quantized: bool) -> bool:
     return device.type == "cpu" and not quantized
 
 
-def _step_of(model: nn.Module, backend: AttentionBackend) -> Callable[..., torch.Tensor]:
-    """The decode step over `model`, which it reads from its closure: freezing folds only
-    weights the graph reaches as module attributes, not through an argument."""
+def _step_of(model: nn.Module, backend: AttentionBackend, block_size: int) -> Callable[..., torch.Tensor]:
+    """The decode step over `model` (a closure: the graph reads its weights as module attributes)."""
 
-    def decode_step(input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, kv_rows: torch.Tensor,
-                    block_tables: torch.Tensor, seq_lens: torch.Tensor, info: torch.Tensor,
-                    block_size: int) -> torch.Tensor:
-        meta = DecodeMeta(kv_rows, block_tables, seq_lens, info, block_size)
+    def decode_step(input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                    step: DecodeStep) -> torch.Tensor:
         rows = torch.arange(input_ids.shape[0], device=input_ids.device)
-        return model(input_ids, positions, kv_cache, meta, backend, rows)
+        return model(input_ids, positions, kv_cache, DecodeMeta(step, block_size), backend, rows)
 
     return decode_step
 
@@ -70,13 +68,11 @@ def _own_copy(fn: Callable, name: str) -> Callable:
 
 @dataclass
 class _Bucket:
+    """A bucket's compiled step and its persistent inputs (the rest is in the `DecodeStep`)."""
+
     size: int
     input_ids: torch.Tensor
     positions: torch.Tensor
-    kv_rows: torch.Tensor
-    block_tables: torch.Tensor
-    seq_lens: torch.Tensor
-    info: torch.Tensor
     step: Callable
 
 
@@ -100,6 +96,7 @@ class CapturedDecode:
         self.width = -(-max_model_len // block_size)
         self.device = device
         self.backend = CapturedAttention()
+        self.state = DecodeStep()  # what every layer's attention reads, refilled each step
         self.buckets: dict[int, _Bucket] = {}
         self.compile_seconds = 0.0
         self.steps = 0  # steps run captured (the rest of the engine's steps ran eagerly)
@@ -115,27 +112,20 @@ class CapturedDecode:
         for size in self.sizes:
             t0 = time.perf_counter()
             bucket = self._bucket(size)
-            with inductor_config.patch(freezing=True):
-                self._call(bucket, kv_cache)
+            self._call(bucket, kv_cache)
             self.buckets[size] = bucket
             log.info("captured decode step: batch %d compiled in %.1f s", size, time.perf_counter() - t0)
         self.compile_seconds = time.perf_counter() - start
         return self.compile_seconds
 
     def _bucket(self, size: int) -> _Bucket:
-        dev = self.device
-
-        def zeros(*shape: int, dtype: torch.dtype = torch.long) -> torch.Tensor:
-            return torch.zeros(shape, dtype=dtype, device=dev)
-
-        step = torch.compile(_own_copy(_step_of(self.model, self.backend), f"decode_step_b{size}"), fullgraph=True, dynamic=False)
-        info = torch.tensor([0, 1], dtype=torch.long, device=dev)
-        return _Bucket(size, zeros(size), zeros(size), zeros(size), zeros(size, self.width, dtype=torch.int32),
-                       torch.ones(size, dtype=torch.long, device=dev), info, step)
+        step = torch.compile(_own_copy(_step_of(self.model, self.backend, self.block_size), f"decode_step_b{size}"),
+                             fullgraph=True, dynamic=False)
+        zeros = torch.zeros(size, dtype=torch.long, device=self.device)
+        return _Bucket(size, zeros, zeros.clone(), step)
 
     def _call(self, b: _Bucket, kv_cache: torch.Tensor) -> torch.Tensor:
-        return b.step(b.input_ids, b.positions, kv_cache, b.kv_rows, b.block_tables,
-                      b.seq_lens, b.info, self.block_size)
+        return b.step(b.input_ids, b.positions, kv_cache, self.state)
 
     def bucket_for(self, n: int) -> int | None:
         """The smallest compiled bucket that holds n sequences (None: run eagerly)."""
@@ -148,27 +138,16 @@ class CapturedDecode:
         size = self.bucket_for(n)
         if size is None:
             raise ValueError(f"captured decode: no bucket holds {n} sequences (sizes {self.sizes})")
+        width = max(len(ids) for ids in inputs.block_ids)
+        if width > self.width:
+            raise ValueError(f"captured decode: a sequence holds {width} blocks, more than max_model_len allows")
         b = self.buckets[size]
         pad = size - n
         b.input_ids.copy_(torch.tensor(inputs.tokens + [0] * pad))
         b.positions.copy_(torch.tensor(inputs.positions + [0] * pad))
-        b.kv_rows.copy_(torch.tensor(inputs.kv_rows + [0] * pad))
-        b.seq_lens.copy_(torch.tensor(inputs.seq_lens + [1] * pad))
-        width = max(len(ids) for ids in inputs.block_ids)
-        if width > self.width:
-            raise ValueError(f"captured decode: a sequence holds {width} blocks, more than max_model_len allows")
-        b.block_tables[:n, :width] = torch.tensor([ids + [0] * (width - len(ids)) for ids in inputs.block_ids],
-                                                  dtype=torch.int32)
-        b.info.copy_(torch.tensor([n, max(inputs.seq_lens)]))
+        dev = self.device
+        tables = torch.tensor([ids + [0] * (width - len(ids)) for ids in inputs.block_ids], device=dev)
+        self.state.set(torch.tensor(inputs.kv_rows, device=dev), self.block_size, tables,
+                       torch.tensor(inputs.seq_lens, device=dev))
         self.steps += 1
         return self._call(b, kv_cache)[:n]
-
-
-def added_bytes(model: nn.Module, buckets: int) -> int:
-    """Bytes `buckets` compiled graphs' prepacked weights add: each packs every linear
-    layer's weight and a tied LM head's (the embedding table, packed as a linear weight)."""
-    total = sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, nn.Linear))
-    if getattr(model, "lm_head", None) is None and isinstance(getattr(model, "embed_tokens", None), nn.Embedding):
-        weight = model.embed_tokens.weight
-        total += weight.numel() * weight.element_size()
-    return total * buckets

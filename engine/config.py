@@ -356,7 +356,7 @@ class EngineConfig:
     enforce_eager: bool = False
     # Batch sizes whose pure decode step is compiled at start-up (engine/captured.py;
     # vLLM's cudagraph_capture_sizes): a step of n sequences runs in the smallest one
-    # >= n. Each costs a packed copy of the weights, so none by default; a CPU only.
+    # >= n. A CPU only; each size costs seconds of start-up, so none by default.
     decode_capture_sizes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:

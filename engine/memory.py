@@ -17,11 +17,10 @@ is the estimate `activation_estimate`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pdserve.engine.config import ModelConfig, parse_capture_sizes, parse_dtype
+from pdserve.engine.config import ModelConfig, parse_dtype
 from pdserve.engine.quant.config import kv_torch_dtype
 
 if TYPE_CHECKING:  # torch loads on first use: `pdserve plan`'s parser and the launchers import this
@@ -126,14 +125,13 @@ def plan_memory(
     gpu_memory_utilization: float = 0.9,
     device: str = "cpu",
     enforce_eager: bool = False,
-    decode_capture_sizes: Sequence[int] = (),
 ) -> MemoryPlan:
     """What a worker started with these settings would allocate (no weights are read);
-    on a CPU without `enforce_eager`, with the tied LM head's prepacked copy, or with
-    `decode_capture_sizes` the captured graphs' packed weights (engine/captured.py)."""
+    on a CPU without `enforce_eager`, with the tied LM head's prepacked copy (captured
+    decode steps share the weights: engine/captured.py)."""
     import torch
 
-    from pdserve.engine import captured, prepacked
+    from pdserve.engine import prepacked
     from pdserve.engine.model.loader import build_model
     from pdserve.engine.quant import apply
 
@@ -145,10 +143,7 @@ def plan_memory(
         apply.quantize_model(skeleton, scheme)
     apply.prepare(skeleton)
     weights = apply.weight_bytes(skeleton)
-    sizes = () if enforce_eager else parse_capture_sizes(decode_capture_sizes)
-    if sizes and captured.available(torch.device(device), scheme is not None):
-        weights += captured.added_bytes(skeleton, len(sizes))
-    elif not enforce_eager:
+    if not enforce_eager:
         weights += prepacked.added_bytes(skeleton, torch.device(device), torch_dtype)
     max_len = max_model_len or cfg.max_position_embeddings
     kv_dtype = kv_torch_dtype(kv_cache_dtype, torch_dtype)

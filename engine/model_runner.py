@@ -11,7 +11,7 @@ kvtransfer ships.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -75,13 +75,13 @@ class ModelRunner:
         quantization: str | None = None,
         kv_cache_dtype: str = "auto",
         prepack: bool = False,
-        capture_sizes: Sequence[int] = (),
+        capture_sizes: tuple[int, ...] = (),
     ) -> None:
         """`prepack`: hold the full-precision linear layers in oneDNN's packed layout where
         that applies (engine/prepacked.py: a CPU, fp32 or bf16); off, they stay `nn.Linear`.
         `capture_sizes`: compile the pure decode step for these batch sizes once the KV
-        cache is allocated (engine/captured.py), where that applies; the eager layers then
-        stay plain (the compiled graphs pack their own)."""
+        cache is allocated (engine/captured.py), where that applies; the graphs share the
+        eager path's weights, prepacked or not."""
         self.cfg = cfg
         self.device = device
         self.block_size = block_size
@@ -94,18 +94,14 @@ class ModelRunner:
         if capture_sizes and captured.available(device, quantized):
             self.captured = CapturedDecode(self.model, capture_sizes, block_size, max_model_len, device)
         self.prepacked = 0
-        if prepack and self.captured is None and prepacked.available(device, dtype):
+        if prepack and prepacked.available(device, dtype):
             self.prepacked = prepacked.prepack_linears(self.model, prepacked.tied_head(self.model))
         self.backend = get_backend(attention_backend, str(device))
         self.kv_cache = torch.empty(0)
 
     @property
     def weight_bytes(self) -> int:
-        """The weights as held: plain or prepacked, and the captured graphs' packed copies."""
-        held = weight_bytes(self.model) + prepacked.packed_bytes(self.model)
-        if self.captured is not None:
-            held += captured.added_bytes(self.model, len(self.captured.sizes))
-        return held
+        return weight_bytes(self.model) + prepacked.packed_bytes(self.model)
 
     @property
     def weight_scheme(self) -> str:

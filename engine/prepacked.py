@@ -13,6 +13,11 @@ the lookup and the head gets its own packed copy (vocab x hidden more bytes).
 
 Outputs differ from `F.linear`'s in the last bits (another summation order: ~1e-7
 relative in fp32); `EngineConfig.enforce_eager` keeps the plain layers.
+
+A compiled graph (engine/captured.py) cannot trace oneDNN's opaque tensor, so the
+packed weight lives in a `PackedWeight` (a torch.library opaque object) and a compiled
+graph calls `pdserve::prepacked_linear` on it: every graph shares the layer's one
+packed copy, and the eager path calls oneDNN directly.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._library.opaque_object import register_opaque_type
+from torch._opaque_base import OpaqueBase
 
 # The row count oneDNN picks the packed layout for: layouts packed for 1 row run 1.5x
 # slower at 16 rows, ones packed for a few dozen lose little at 1 row (bench.gemm).
@@ -53,6 +60,32 @@ def available(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype in DTYPES and torch.backends.mkldnn.is_available()
 
 
+class PackedWeight(OpaqueBase):
+    """A weight in oneDNN's layout, opaque to torch.compile (passed to the graph by reference)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_FOR_ROWS)
+
+
+register_opaque_type(PackedWeight, typ="reference")
+
+
+def _onednn_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, weight.packed, bias, "none", [], None)
+
+
+@torch.library.custom_op("pdserve::prepacked_linear", mutates_args=())
+def prepacked_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None,
+                     out_features: int) -> torch.Tensor:
+    """x [rows, in] (rows one of bucket_rows' counts) times a packed weight."""
+    return _onednn_linear(x, weight, bias)
+
+
+@prepacked_linear.register_fake
+def _(x, weight, bias, out_features):
+    return x.new_empty(x.shape[0], out_features)
+
+
 class PrepackedLinear(nn.Module):
     """y = x W^T + b with W held in oneDNN's layout; any leading dims, any row count."""
 
@@ -64,7 +97,7 @@ class PrepackedLinear(nn.Module):
         self.dtype = weight.dtype
         # An opaque oneDNN tensor: not a parameter or buffer (it has no storage to count,
         # hash or move); `nbytes` says what it holds.
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_FOR_ROWS)
+        self.packed_weight = PackedWeight(weight)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     @property
@@ -90,7 +123,10 @@ class PrepackedLinear(nn.Module):
         bucket = bucket_rows(rows)
         if bucket != rows:
             x = F.pad(x, (0, 0, 0, bucket - rows))
-        out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], None)
+        if torch.compiler.is_compiling():
+            out = prepacked_linear(x, self.packed_weight, self.bias, self.out_features)
+        else:
+            out = _onednn_linear(x, self.packed_weight, self.bias)
         return out[:rows] if bucket != rows else out
 
     def extra_repr(self) -> str:

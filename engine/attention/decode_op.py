@@ -4,12 +4,12 @@ A compiled graph cannot hold the KV cache's write (an in-place update of a tenso
 larger than the step) or the page gather (its length follows the sequences) as traced
 code: Inductor would copy the cache, or recompile per context length. So the compiled
 step calls `pdserve::paged_decode_attention`, registered with torch.library as an
-operator that mutates the cache: the graph keeps it as one call, and it runs the torch
-reference backend's decode path (attention/torch_ref.py) on tensors alone.
+operator that mutates the cache: the graph keeps it as one call per layer.
 
-A captured step's batch is padded to its bucket's size. `DecodeMeta.info` holds
-(real sequences, longest sequence) and is read inside the operator, not in the graph:
-padded rows write nothing and attend to nothing, and their outputs are zeros.
+What the call needs beyond q/k/v and the layer's cache has shapes that change every
+step (the real sequences, their pages, the mask), so it travels in a `DecodeStep`, an
+opaque object the graph passes by reference: the runner fills it once per step, and
+every layer reads the same tensors (masks are built once per sliding window).
 """
 
 from __future__ import annotations
@@ -17,62 +17,109 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+from torch._library.opaque_object import register_opaque_type
+from torch._opaque_base import OpaqueBase
 
-from pdserve.engine.attention.base import AttentionBackend, DecodeBatch, is_fp8, quantize_kv
-from pdserve.engine.attention.torch_ref import KVReader, attend_decode_batch
+from pdserve.engine.attention.base import AttentionBackend, dequantize_kv, is_fp8, quantize_kv
+
+
+class DecodeStep(OpaqueBase):
+    """One captured step's sequences, host-built once per step (reused across steps).
+
+        num_seqs   n real sequences (the bucket's rows n.. are padding)
+        k_rows     [n] row of each new K in a layer cache viewed as rows (base.kv_rows);
+                   its V sits block_size rows further
+        block_ids  [n * W] each sequence's first W pages, W = the longest one's count
+        seq_lens   [n] tokens in cache after this step's write
+    """
+
+    def __init__(self) -> None:
+        self.num_seqs = 0
+        self.max_len = 0
+        self.width = 0
+        self.k_rows = torch.empty(0, dtype=torch.long)
+        self.v_rows = torch.empty(0, dtype=torch.long)
+        self.block_ids = torch.empty(0, dtype=torch.long)
+        self.seq_lens = torch.empty(0, dtype=torch.long)
+        self._masks: dict[int | None, torch.Tensor] = {}
+
+    def set(self, k_rows: torch.Tensor, block_size: int, block_ids: torch.Tensor, seq_lens: torch.Tensor) -> None:
+        """A new step: `block_ids` [n, W], `seq_lens` [n] (int64)."""
+        self.num_seqs, self.width = block_ids.shape
+        self.max_len = int(seq_lens.max()) if self.num_seqs else 0
+        self.k_rows, self.v_rows = k_rows, k_rows + block_size
+        self.block_ids = block_ids.flatten()
+        self.seq_lens = seq_lens
+        self._masks = {}
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        """[n, 1, 1, max_len]: True where a sequence's query (its last position) sees a key."""
+        if window not in self._masks:
+            pos = torch.arange(self.max_len, device=self.seq_lens.device)[None, :]
+            last = self.seq_lens[:, None] - 1
+            mask = pos <= last
+            if window is not None:
+                mask &= pos > last - window
+            self._masks[window] = mask[:, None, None, :]
+        return self._masks[window]
+
+
+register_opaque_type(DecodeStep, typ="reference")
 
 
 @dataclass(frozen=True)
 class DecodeMeta:
-    """A captured decode step's attention metadata: tensors of the bucket's size B, held
-    by the runner across steps (persistent buffers) and refilled each step.
+    """A captured step's attention metadata, what `CapturedAttention` reads."""
 
-        kv_rows       [B] int64   row of each new K in a layer cache viewed as rows (base.kv_rows)
-        block_tables  [B, W] int32  W = blocks of the longest sequence the engine admits
-        seq_lens      [B] int64   tokens in cache after this step's write
-        info          [2] int64   (real sequences n <= B, the longest one's seq_len)
-    """
-
-    kv_rows: torch.Tensor
-    block_tables: torch.Tensor
-    seq_lens: torch.Tensor
-    info: torch.Tensor
+    step: DecodeStep
     block_size: int
 
 
 @torch.library.custom_op("pdserve::paged_decode_attention", mutates_args=("kv",))
 def paged_decode_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, kv_rows: torch.Tensor,
-    block_tables: torch.Tensor, seq_lens: torch.Tensor, info: torch.Tensor, block_size: int, scale: float,
-    window: int | None, k_scale: float, v_scale: float, softcap: float | None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, step: DecodeStep, block_size: int,
+    scale: float, window: int | None, k_scale: float, v_scale: float, softcap: float | None,
 ) -> torch.Tensor:
-    """Write the first n rows' K/V into `kv` (one layer's cache), attend each of those
-    queries (one per sequence) over its cached K/V; rows n.. of the output are zeros."""
-    n, max_len = info.tolist()
-    out = torch.zeros_like(q)
+    """Write the step's n real rows of K/V into `kv` (one layer's cache [blocks, 2, BS,
+    KVH, D]) and attend each of those queries q [B, H, D] over its cached K/V; rows n..
+    of the output are zeros."""
+    n = step.num_seqs
+    out = torch.zeros_like(q) if n < q.shape[0] else torch.empty_like(q)
     if n == 0:
         return out
-    new_k, new_v, rows_kv = k[:n], v[:n], kv
-    if is_fp8(kv.dtype):
+    fp8 = is_fp8(kv.dtype)
+    new_k, new_v, raw = k[:n], v[:n], kv
+    if fp8:
         new_k = quantize_kv(new_k, k_scale, kv.dtype).view(torch.uint8)
         new_v = quantize_kv(new_v, v_scale, kv.dtype).view(torch.uint8)
-        rows_kv = kv.view(torch.uint8)
-    rows = rows_kv.view(-1, *rows_kv.shape[3:])
-    rows.index_copy_(0, kv_rows[:n], new_k)
-    rows.index_copy_(0, kv_rows[:n] + block_size, new_v)
-    index = torch.arange(n, device=q.device)
-    decode = DecodeBatch(
-        rows=index[:, None], picked=index, query_lens=torch.ones(n, dtype=torch.long, device=q.device),
-        block_tables=block_tables[:n, : -(-max_len // block_size)], seq_lens=seq_lens[:n],
-        max_seq_len=max_len, max_query_len=1,
-    )
-    read = KVReader(kv.dtype, q.dtype, (k_scale, v_scale))
-    out[:n] = attend_decode_batch(q[:n, None], kv[:, 0], kv[:, 1], decode, scale, window, read, softcap)[:, 0]
+        raw = kv.view(torch.uint8)
+    rows = raw.view(-1, *raw.shape[3:])
+    rows.index_copy_(0, step.k_rows, new_k)
+    rows.index_copy_(0, step.v_rows, new_v)
+    shape = (n, step.width * block_size, *kv.shape[3:])
+    keys = raw[:, 0].index_select(0, step.block_ids).view(shape)[:, : step.max_len]  # [n, L, KVH, D]
+    vals = raw[:, 1].index_select(0, step.block_ids).view(shape)[:, : step.max_len]
+    if fp8:
+        keys = dequantize_kv(keys.view(kv.dtype), k_scale, q.dtype)
+        vals = dequantize_kv(vals.view(kv.dtype), v_scale, q.dtype)
+    # the H / KVH query heads sharing a KV head attend as that head's "queries": one call
+    _, num_heads, head_dim = q.shape
+    num_kv = keys.shape[2]
+    qg = q[:n].view(n, num_kv, num_heads // num_kv, head_dim)
+    keys, vals, mask = keys.transpose(1, 2), vals.transpose(1, 2), step.mask(window)
+    if softcap is None:
+        o = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=mask, scale=scale)
+    else:  # transformers' eager order (attention/torch_ref.py)
+        scores = torch.tanh(torch.matmul(qg, keys.transpose(-1, -2)) * scale / softcap) * softcap
+        scores = scores.masked_fill(~mask, float("-inf"))
+        o = torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), vals)
+    out[:n] = o.reshape(n, num_heads, head_dim)
     return out
 
 
 @paged_decode_attention.register_fake
-def _(q, k, v, kv, kv_rows, block_tables, seq_lens, info, block_size, scale, window, k_scale, v_scale, softcap):
+def _(q, k, v, kv, step, block_size, scale, window, k_scale, v_scale, softcap):
     return torch.empty_like(q)
 
 
@@ -86,6 +133,5 @@ class CapturedAttention(AttentionBackend):
         if not isinstance(meta, DecodeMeta):
             raise TypeError(f"captured attention: needs a DecodeMeta, got {type(meta).__name__}")
         return paged_decode_attention(
-            q, k.contiguous(), v.contiguous(), kv, meta.kv_rows, meta.block_tables, meta.seq_lens, meta.info,
-            meta.block_size, float(scale), sliding_window, float(kv_scales[0]), float(kv_scales[1]),
-            None if softcap is None else float(softcap))
+            q, k, v, kv, meta.step, meta.block_size, float(scale), sliding_window, float(kv_scales[0]),
+            float(kv_scales[1]), None if softcap is None else float(softcap))

@@ -76,8 +76,8 @@ class WorkerConfig:
                                       "layers stay plain instead of oneDNN-prepacked on a CPU")
     decode_capture_sizes: str | None = flag(None, "compile the pure decode step at start-up for these batch sizes, "
                                                   "e.g. '1,4,16' (vLLM's cudagraph_capture_sizes; a CPU, full-"
-                                                  "precision weights; each size costs a packed copy of the weights; "
-                                                  "unset: none, the eager step)")
+                                                  "precision weights; seconds of start-up a size; unset: none, "
+                                                  "every step eager)")
     cpu_affinity: str | None = flag(None, "pin every thread of this process to these CPUs, e.g. '0' or '0,2-3' "
                                           "(os.sched_setaffinity; unset: not pinned)")
     speculative_config: str | None = flag(None, "speculative decoding, vLLM's speculative_config as a JSON object, "

@@ -110,14 +110,18 @@ def test_fp8_kv_cache_and_several_buckets(tmp_path):
     assert sorted(captured.engine.runner.captured.buckets) == [1, 2, 4]
 
 
-def test_memory_plan_counts_each_buckets_packed_weights(tmp_path):
-    build_model(tmp_path, "llama", seed=2, **SMALL)
-    llm = LLM(model=str(tmp_path), decode_capture_sizes="1,2", num_blocks=16)
-    plan = plan_memory(str(tmp_path), num_blocks=16, decode_capture_sizes=(1, 2))
-    assert plan == llm.engine.memory
-    plain = plan_memory(str(tmp_path), num_blocks=16, enforce_eager=True)
-    linear = 2 * (64 * (64 + 2 * 32) + 64 * 64 + 3 * 64 * 128) + 256 * 64  # layers' projections + tied head
-    assert plan.weight_bytes - plain.weight_bytes == 2 * 4 * linear
+def test_graphs_share_the_eager_paths_weights(tmp_path):
+    """The plan and the weights held are the fast path's: no bucket copies a weight."""
+    build_model(tmp_path, "llama", seed=2, **{**SMALL, "hidden_size": 512, "intermediate_size": 1024,
+                                              "num_attention_heads": 8})  # big enough to prepack
+    captured = LLM(model=str(tmp_path), decode_capture_sizes="1,2", num_blocks=16)
+    fast = LLM(model=str(tmp_path), num_blocks=16)
+    assert captured.engine.runner.prepacked == fast.engine.runner.prepacked > 0
+    assert captured.engine.memory == fast.engine.memory == plan_memory(str(tmp_path), num_blocks=16)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    ps = prompts(3)[:2]
+    assert tokens(captured, ps, params) == tokens(fast, ps, params)
+    assert captured.engine.runner.captured.steps > 0
 
 
 def test_enforce_eager_and_quantized_weights_capture_nothing(tmp_path):

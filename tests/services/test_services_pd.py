@@ -167,6 +167,35 @@ def test_an_enforce_eager_pair_gives_the_fast_paths_tokens(llm):
         router.stop()
 
 
+def test_a_captured_decode_worker_gives_the_eager_paths_tokens(llm):
+    """A decode worker with --decode-capture-sizes 1,2 (its decode steps compiled) fed
+    over ZeroMQ by a prefill worker: the engine's greedy and seeded n = 2 tokens."""
+    router = Router(RouterConfig(port=0, local_prefill_threshold=0, worker_timeout=3.0))
+    address = router.start()
+    decode = Worker(WorkerConfig(role="decode", router=router.internal_address, worker_id="decode-captured",
+                                 num_blocks=64, kv_connector="zmq", decode_capture_sizes="1,2"))
+    prefill = Worker(WorkerConfig(role="prefill", router=router.internal_address, worker_id="prefill-plain",
+                                  num_blocks=64, kv_connector="zmq"))
+    try:
+        for worker in (decode, prefill):
+            worker.start()
+        graphs = decode.engine.runner.captured
+        assert graphs is not None and sorted(graphs.buckets) == [1, 2]
+        with Client(address, timeout=60) as client:
+            for prompt, params in ((PROMPTS[1], dict(max_tokens=10, temperature=0.0)),
+                                   (FIB, dict(max_tokens=8, temperature=0.8, seed=5, n=2))):
+                want = [c.token_ids for c in llm.generate([prompt], SamplingParams(**params))[0].outputs]
+                got = collect(client.generate(prompt, **params))
+                assert [list(got[i].token_ids) for i in range(len(want))] == want
+        assert graphs.steps > 0
+        wait_for(lambda: shipped(prefill) == 2, 10, "two transfers to be acknowledged")
+        assert all_blocks_free(decode.address)
+    finally:
+        for worker in (decode, prefill):
+            worker.stop()
+        router.stop()
+
+
 def test_a_dead_prefill_worker_is_skipped_for_the_next(llm, caplog):
     """The router still lists prefill-b (no poll yet) but it is gone: prefill-a serves."""
     router = Router(RouterConfig(port=0, local_prefill_threshold=0, stats_interval=60.0, worker_timeout=60.0,
