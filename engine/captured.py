@@ -119,8 +119,11 @@ class CapturedDecode:
         return self.compile_seconds
 
     def _bucket(self, size: int) -> _Bucket:
+        # No guards: the bucket's inputs keep their shapes and dtypes, the model is not
+        # changed after compiling, and a new KV cache compiles new buckets (compile()).
         step = torch.compile(_own_copy(_step_of(self.model, self.backend, self.block_size), f"decode_step_b{size}"),
-                             fullgraph=True, dynamic=False)
+                             fullgraph=True, dynamic=False,
+                             options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe})
         zeros = torch.zeros(size, dtype=torch.long, device=self.device)
         return _Bucket(size, zeros, zeros.clone(), step)
 
