@@ -183,6 +183,9 @@ class Dispatcher:
                     raise WorkerFailed(f"worker {decode.worker_id} dropped ({e})") from None
             except WorkerFailed as e:
                 self.registry.probe_soon()
+                if progress.finished:  # the final message went out; only the stream's close was lost
+                    log.info("request %s: %s after its final message; served", job.request_id, e)
+                    return
                 if progress.sent and progress.done and unmigratable(job) is None:  # only the final message was lost
                     yield progress.final_message()
                     return

@@ -69,6 +69,9 @@ class Progress:
     n: int = 1
     samples: dict[int, Sample] = field(default_factory=dict)
     migrations: int = 0
+    # the worker's final message (finished) was forwarded: the request is served, and a
+    # failure after it (the worker killed before its stream closed) fails nothing
+    finished: bool = False
 
     def sample(self, index: int) -> Sample:
         return self.samples.setdefault(index, Sample())
@@ -99,6 +102,7 @@ class Progress:
 
     def record(self, message: pb.DecodeResponse, max_tokens: int) -> None:
         """Note the tokens of a message about to be forwarded to the client."""
+        self.finished = self.finished or message.finished
         for delta in message.deltas:
             sample = self.sample(delta.index)
             sample.token_ids.extend(delta.token_ids)

@@ -109,6 +109,19 @@ def test_progress_counts_what_the_client_has_and_sees_an_ended_sequence():
     assert full.sample(0).finish_reason == "length"
 
 
+def test_progress_knows_when_the_final_message_went_out():
+    """Beams stream nothing until the final message: once it is forwarded the request
+    is served, and the router does not fail it if the worker then dies (the chaos test)."""
+    beams = Progress(n=2)
+    beams.record(pb.DecodeResponse(), max_tokens=5)
+    assert not beams.finished and beams.sent == 0
+    beams.record(pb.DecodeResponse(finished=True, results=[pb.SequenceResult(index=0, token_ids=[4, 5]),
+                                                           pb.SequenceResult(index=1, token_ids=[6])]), max_tokens=5)
+    assert beams.finished
+    beams.record(pb.DecodeResponse(), max_tokens=5)
+    assert beams.finished
+
+
 def test_rebase_makes_the_final_message_the_uninterrupted_runs():
     original = job(max_tokens=50, prompt_logprobs=1, logprobs=1)
     progress = Progress(samples={0: Sample(token_ids=[1, 2, 3], logprob_sum=-1.5)})
