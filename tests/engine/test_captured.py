@@ -21,13 +21,21 @@ pytestmark = pytest.mark.skipif(not available(torch.device("cpu"), False), reaso
 
 SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=256)
+# every family and feature test_prepacked.py builds, small: a window of 12 tokens bites
 CONFIGS = {
     "llama-tied": ("llama", dict(tie_word_embeddings=True)),
-    "qwen3-bias-free-qk-norm": ("qwen3", dict(head_dim=32, tie_word_embeddings=False)),
+    "llama-untied-mqa": ("llama", dict(tie_word_embeddings=False, num_key_value_heads=1)),
+    "qwen2-bias": ("qwen2", dict(tie_word_embeddings=False)),
+    "mistral-sliding": ("mistral", dict(sliding_window=12)),
+    "qwen3-qk-norm": ("qwen3", dict(head_dim=32, tie_word_embeddings=False)),
     "gemma2-softcap-sliding": ("gemma2", dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=12,
                                               attn_logit_softcapping=5.0, final_logit_softcapping=3.0)),
-    "phi3-longrope-free": ("phi3", dict(tie_word_embeddings=False)),
+    "gemma3-local-global": ("gemma3", dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=12,
+                                           layer_types=["sliding_attention", "full_attention"])),
+    "phi3": ("phi3", dict(tie_word_embeddings=False)),
 }
+# the sampling / beams / preemption test on four of them (each engine compiles its buckets)
+SAMPLED = ("llama-tied", "qwen3-qk-norm", "gemma2-softcap-sliding", "phi3")
 SIZES = (4,)  # a batch of 1-4 runs padded to 4: padding is exercised by every test
 MAX_NEW = 10
 
@@ -39,13 +47,31 @@ def prompts(seed: int = 0, vocab: int = 256) -> list[list[int]]:
     return out
 
 
-@pytest.fixture(scope="module", params=list(CONFIGS))
-def model(request, tmp_path_factory):
-    arch, overrides = CONFIGS[request.param]
-    path = tmp_path_factory.mktemp(request.param)
-    hf = build_model(path, arch, seed=5, **{**SMALL, **overrides})
-    ps = prompts()
-    return str(path), ps, [hf_greedy(hf, p, MAX_NEW) for p in ps]
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """name -> (path, prompts, transformers' greedy tokens), each built once."""
+    built: dict[str, tuple[str, list[list[int]], list[list[int]]]] = {}
+
+    def get(name: str):
+        if name not in built:
+            arch, overrides = CONFIGS[name]
+            path = tmp_path_factory.mktemp(name)
+            hf = build_model(path, arch, seed=5, **{**SMALL, **overrides})
+            ps = prompts()
+            built[name] = (str(path), ps, [hf_greedy(hf, p, MAX_NEW) for p in ps])
+        return built[name]
+
+    return get
+
+
+@pytest.fixture(params=list(CONFIGS))
+def model(request, models):
+    return models(request.param)
+
+
+@pytest.fixture(params=SAMPLED)
+def sampled(request, models):
+    return models(request.param)
 
 
 def pair(path: str, sizes=SIZES, **kwargs) -> tuple[LLM, LLM]:
@@ -78,8 +104,8 @@ def test_greedy_captured_equals_eager_and_transformers(model):
         assert llm.stats().num_free_blocks == llm.stats().num_blocks
 
 
-def test_sampling_n_beams_logprobs_prefix_cache_and_preemption(model):
-    path, ps, _ = model
+def test_sampling_n_beams_logprobs_prefix_cache_and_preemption(sampled):
+    path, ps, _ = sampled
     captured, eager = pair(path, num_blocks=12, max_num_batched_tokens=256)  # 12 blocks: preempts
     seeded = SamplingParams(max_tokens=MAX_NEW, temperature=0.9, top_p=0.9, seed=7, n=2, ignore_eos=True)
     assert tokens(captured, ps[:4], seeded) == tokens(eager, ps[:4], seeded)
