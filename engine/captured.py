@@ -116,6 +116,7 @@ class CapturedDecode:
             self.buckets[size] = bucket
             log.info("captured decode step: batch %d compiled in %.1f s", size, time.perf_counter() - t0)
         self.compile_seconds = time.perf_counter() - start
+        log.info("captured decode step: batch sizes %s compiled in %.1f s", list(self.sizes), self.compile_seconds)
         return self.compile_seconds
 
     def _bucket(self, size: int) -> _Bucket:
