@@ -102,6 +102,7 @@ class BenchConfig:
     run_hf_generate: bool = True
     run_hf_batch: bool = True
     enforce_eager: bool = False  # ours without the fast path (engine/prepacked.py)
+    decode_capture_sizes: str = ""  # ours with the decode step captured for these batch sizes (engine/captured.py)
     profile: bool = False  # decode workload: the step split by torch.profiler
     decode_steps: int = 64  # decode workload: timed steps per batch size
     decode_batches: tuple[int, ...] = (1, 8, 16, 64)
@@ -295,6 +296,7 @@ def load_ours(model_dir: Path, num_blocks: int, cfg: BenchConfig):
         dtype="float32",
         device=cfg.device,
         enforce_eager=cfg.enforce_eager,
+        decode_capture_sizes=cfg.decode_capture_sizes,
     )
 
 
@@ -478,6 +480,8 @@ def parse_args(argv: Sequence[str] | None) -> BenchConfig:
              "decode: step time at batch 1-64, fast path against --enforce-eager (bench/decode.py)",
     )
     parser.add_argument("--enforce-eager", action="store_true", help="mixed: run ours without the decode fast path")
+    parser.add_argument("--decode-capture-sizes", default="", metavar="1,8,16",
+                        help="mixed: run ours with its decode step compiled for these batch sizes (engine/captured.py)")
     parser.add_argument("--profile", action="store_true", help="decode: split each step with torch.profiler")
     parser.add_argument("--steps", type=int, default=64, help="decode: timed decode steps per batch size")
     parser.add_argument("--batches", default=None, help="decode: the batch sizes, comma-separated (1,8,16,64; "
@@ -521,6 +525,7 @@ def parse_args(argv: Sequence[str] | None) -> BenchConfig:
         repeats=max(1, args.repeats or (2 if args.quick else 3)),
         device="cuda" if args.gpu else args.device,
         enforce_eager=args.enforce_eager,
+        decode_capture_sizes=args.decode_capture_sizes,
         profile=args.profile,
         decode_steps=max(1, args.steps),
         decode_batches=tuple(int(b) for b in batches.split(",")),
