@@ -36,11 +36,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pdserve.engine.attention.base import AttentionBackend
+from pdserve.engine.attention.base import AttentionBackend, kv_rows
 from pdserve.engine.attention.decode_op import CapturedAttention, DecodeMeta, DecodeStep
 
 log = logging.getLogger(__name__)
-
 
 
 def available(device: torch.device, quantized: bool) -> bool:
@@ -78,11 +77,11 @@ class _Bucket:
 
 @dataclass(frozen=True)
 class DecodeInputs:
-    """One step's sequences, host side: token, position, K row, block ids, length after."""
+    """One step's sequences, host side: token, position, KV slot, block ids, length after."""
 
     tokens: list[int]
     positions: list[int]
-    kv_rows: list[int]
+    slots: list[int]
     block_ids: list[list[int]]
     seq_lens: list[int]
 
@@ -100,10 +99,6 @@ class CapturedDecode:
         self.buckets: dict[int, _Bucket] = {}
         self.compile_seconds = 0.0
         self.steps = 0  # steps run captured (the rest of the engine's steps ran eagerly)
-
-    @property
-    def max_size(self) -> int:
-        return self.sizes[-1] if self.sizes else 0
 
     @torch.inference_mode()
     def compile(self, kv_cache: torch.Tensor) -> float:
@@ -137,7 +132,7 @@ class CapturedDecode:
 
     @torch.inference_mode()
     def run(self, inputs: DecodeInputs, kv_cache: torch.Tensor) -> torch.Tensor:
-        """Logits [n, vocab] of a pure decode step of n <= max_size sequences."""
+        """Logits [n, vocab] of a pure decode step of n sequences (at most the largest size)."""
         n = len(inputs.tokens)
         size = self.bucket_for(n)
         if size is None:
@@ -151,7 +146,7 @@ class CapturedDecode:
         b.positions.copy_(torch.tensor(inputs.positions + [0] * pad))
         dev = self.device
         tables = torch.tensor([ids + [0] * (width - len(ids)) for ids in inputs.block_ids], device=dev)
-        self.state.set(torch.tensor(inputs.kv_rows, device=dev), self.block_size, tables,
+        self.state.set(kv_rows(torch.tensor(inputs.slots, device=dev), self.block_size), tables,
                        torch.tensor(inputs.seq_lens, device=dev))
         self.steps += 1
         return self._call(b, kv_cache)[:n]

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from pdserve.engine.model.registry import SUPPORTED_ARCHITECTURES, Family, family, resolve_architecture  # noqa: F401

@@ -216,10 +216,9 @@ class ModelRunner:
             if (item.num_tokens != 1 or item.drafts or pos + 1 != req.num_tokens
                     or (req.sampling_params.prompt_logprobs is not None and pos < req.num_prompt_tokens)):
                 return None
-            slot = item.block_ids[pos // bs] * bs + pos % bs
             inputs.tokens.append(req.token_ids[pos])
             inputs.positions.append(pos)
-            inputs.kv_rows.append((slot // bs) * (2 * bs) + slot % bs)
+            inputs.slots.append(item.block_ids[pos // bs] * bs + pos % bs)
             inputs.block_ids.append(item.block_ids[: pos // bs + 1])
             inputs.seq_lens.append(pos + 1)
         return inputs

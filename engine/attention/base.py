@@ -151,15 +151,15 @@ def round_trip_kv(x: torch.Tensor, scale: float, cache_dtype: torch.dtype) -> to
     return dequantize_kv(quantize_kv(x, scale, cache_dtype), scale, x.dtype)
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata,
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, k_rows: torch.Tensor, block_size: int,
              kv_scales: tuple[float, float] = (1.0, 1.0)) -> None:
-    """Store the step's new K/V (one index_copy each: much faster than 2-D indexing); a
-    float8 cache gets them quantized, written through a uint8 view (torch has no float8
-    index_copy)."""
+    """Store new K/V at `k_rows` (`kv_rows` of their slots; each V sits block_size rows
+    further), one index_copy each: much faster than 2-D indexing; a float8 cache gets
+    them quantized, written through a uint8 view (torch has no float8 index_copy)."""
     if is_fp8(kv.dtype):
         k = quantize_kv(k, kv_scales[0], kv.dtype).view(torch.uint8)
         v = quantize_kv(v, kv_scales[1], kv.dtype).view(torch.uint8)
         kv = kv.view(torch.uint8)
     rows = kv.view(-1, *kv.shape[3:])
-    rows.index_copy_(0, meta.kv_rows, k)
-    rows.index_copy_(0, meta.kv_rows + meta.block_size, v)
+    rows.index_copy_(0, k_rows, k)
+    rows.index_copy_(0, k_rows + block_size, v)

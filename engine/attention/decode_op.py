@@ -17,19 +17,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch._library.opaque_object import register_opaque_type
 from torch._opaque_base import OpaqueBase
 
-from pdserve.engine.attention.base import AttentionBackend, dequantize_kv, is_fp8, quantize_kv
+from pdserve.engine.attention.base import AttentionBackend, write_kv
+from pdserve.engine.attention.torch_ref import KVReader, masked_attention
 
 
 class DecodeStep(OpaqueBase):
     """One captured step's sequences, host-built once per step (reused across steps).
 
         num_seqs   n real sequences (the bucket's rows n.. are padding)
-        k_rows     [n] row of each new K in a layer cache viewed as rows (base.kv_rows);
-                   its V sits block_size rows further
+        k_rows     [n] row of each new K in a layer cache viewed as rows (base.kv_rows)
         block_ids  [n * W] each sequence's first W pages, W = the longest one's count
         seq_lens   [n] tokens in cache after this step's write
     """
@@ -39,16 +38,15 @@ class DecodeStep(OpaqueBase):
         self.max_len = 0
         self.width = 0
         self.k_rows = torch.empty(0, dtype=torch.long)
-        self.v_rows = torch.empty(0, dtype=torch.long)
         self.block_ids = torch.empty(0, dtype=torch.long)
         self.seq_lens = torch.empty(0, dtype=torch.long)
         self._masks: dict[int | None, torch.Tensor] = {}
 
-    def set(self, k_rows: torch.Tensor, block_size: int, block_ids: torch.Tensor, seq_lens: torch.Tensor) -> None:
+    def set(self, k_rows: torch.Tensor, block_ids: torch.Tensor, seq_lens: torch.Tensor) -> None:
         """A new step: `block_ids` [n, W], `seq_lens` [n] (int64)."""
         self.num_seqs, self.width = block_ids.shape
         self.max_len = int(seq_lens.max()) if self.num_seqs else 0
-        self.k_rows, self.v_rows = k_rows, k_rows + block_size
+        self.k_rows = k_rows
         self.block_ids = block_ids.flatten()
         self.seq_lens = seq_lens
         self._masks = {}
@@ -88,32 +86,17 @@ def paged_decode_attention(
     out = torch.zeros_like(q) if n < q.shape[0] else torch.empty_like(q)
     if n == 0:
         return out
-    fp8 = is_fp8(kv.dtype)
-    new_k, new_v, raw = k[:n], v[:n], kv
-    if fp8:
-        new_k = quantize_kv(new_k, k_scale, kv.dtype).view(torch.uint8)
-        new_v = quantize_kv(new_v, v_scale, kv.dtype).view(torch.uint8)
-        raw = kv.view(torch.uint8)
-    rows = raw.view(-1, *raw.shape[3:])
-    rows.index_copy_(0, step.k_rows, new_k)
-    rows.index_copy_(0, step.v_rows, new_v)
+    write_kv(k[:n], v[:n], kv, step.k_rows, block_size, (k_scale, v_scale))
+    read = KVReader(kv.dtype, q.dtype, (k_scale, v_scale))
     shape = (n, step.width * block_size, *kv.shape[3:])
-    keys = raw[:, 0].index_select(0, step.block_ids).view(shape)[:, : step.max_len]  # [n, L, KVH, D]
-    vals = raw[:, 1].index_select(0, step.block_ids).view(shape)[:, : step.max_len]
-    if fp8:
-        keys = dequantize_kv(keys.view(kv.dtype), k_scale, q.dtype)
-        vals = dequantize_kv(vals.view(kv.dtype), v_scale, q.dtype)
+    keys = read.raw(kv[:, 0]).index_select(0, step.block_ids).view(shape)[:, : step.max_len]  # [n, L, KVH, D]
+    vals = read.raw(kv[:, 1]).index_select(0, step.block_ids).view(shape)[:, : step.max_len]
+    keys, vals = read.pair(keys, vals)
     # the H / KVH query heads sharing a KV head attend as that head's "queries": one call
     _, num_heads, head_dim = q.shape
     num_kv = keys.shape[2]
     qg = q[:n].view(n, num_kv, num_heads // num_kv, head_dim)
-    keys, vals, mask = keys.transpose(1, 2), vals.transpose(1, 2), step.mask(window)
-    if softcap is None:
-        o = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=mask, scale=scale)
-    else:  # transformers' eager order (attention/torch_ref.py)
-        scores = torch.tanh(torch.matmul(qg, keys.transpose(-1, -2)) * scale / softcap) * softcap
-        scores = scores.masked_fill(~mask, float("-inf"))
-        o = torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), vals)
+    o = masked_attention(qg, keys.transpose(1, 2), vals.transpose(1, 2), step.mask(window), scale, softcap)
     out[:n] = o.reshape(n, num_heads, head_dim)
     return out
 

@@ -23,7 +23,7 @@ class TorchAttention(AttentionBackend):
 
     def forward(self, q, k, v, kv, meta: AttentionMetadata, scale: float, sliding_window: int | None,
                 kv_scales: tuple[float, float] = (1.0, 1.0), softcap: float | None = None):
-        write_kv(k, v, kv, meta, kv_scales)
+        write_kv(k, v, kv, meta.kv_rows, meta.block_size, kv_scales)
         k_cache, v_cache = kv[:, 0], kv[:, 1]
         # A float8 cache is gathered as bytes and read back as value * scale.
         read = KVReader(kv.dtype, q.dtype, kv_scales)
@@ -92,9 +92,10 @@ def attend_decode_batch(q, k_cache, v_cache, decode: DecodeBatch, scale, window,
     num_kv = keys.shape[2]
     group = num_heads // num_kv
     qg = q.view(num_seqs, num_q, num_kv, group, head_dim).transpose(1, 2).reshape(num_seqs, num_kv, -1, head_dim)
-    o = _sdpa(qg, keys.transpose(1, 2), vals.transpose(1, 2), mask.repeat_interleave(group, dim=1)[:, None],
-              scale, softcap)
-    return o.view(num_seqs, num_kv, num_q, group, head_dim).transpose(1, 2).reshape(num_seqs, num_q, num_heads, head_dim)
+    mask = mask.repeat_interleave(group, dim=1)[:, None]
+    o = masked_attention(qg, keys.transpose(1, 2), vals.transpose(1, 2), mask, scale, softcap)
+    o = o.view(num_seqs, num_kv, num_q, group, head_dim).transpose(1, 2)
+    return o.reshape(num_seqs, num_q, num_heads, head_dim)
 
 
 def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int):
@@ -104,8 +105,8 @@ def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.T
     return k_cache.index_select(0, ids).flatten(0, 1)[:seq_len], v_cache.index_select(0, ids).flatten(0, 1)[:seq_len]
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-          softcap: float | None) -> torch.Tensor:
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                     softcap: float | None) -> torch.Tensor:
     """Masked attention [B, H, Q, D] over k/v [B, H, L, D] (mask True = attend); with
     `softcap`, transformers' eager op order: (q @ k^T) * scale, tanh(s / cap) * cap,
     mask, softmax in float32, cast, @ v."""
@@ -125,7 +126,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, win
     if softcap is not None:
         group = q.shape[1] // k.shape[1]
         kt, vt = kt.repeat_interleave(group, dim=1), vt.repeat_interleave(group, dim=1)
-        o = _sdpa(qt, kt, vt, _causal_mask(q_len, kv_len, window, q.device), scale, softcap)
+        o = masked_attention(qt, kt, vt, _causal_mask(q_len, kv_len, window, q.device), scale, softcap)
         return o.squeeze(0).transpose(0, 1)
     if q_len == kv_len and window is None:
         o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)

@@ -13,7 +13,7 @@ class TritonAttention(AttentionBackend):
                 kv_scales: tuple[float, float] = (1.0, 1.0), softcap: float | None = None):
         from pdserve.engine.attention import triton_kernels as kernels
 
-        write_kv(k, v, kv, meta, kv_scales)
+        write_kv(k, v, kv, meta.kv_rows, meta.block_size, kv_scales)
         k_cache, v_cache = kv[:, 0], kv[:, 1]
         # A float8 cache is read by the kernels as value * scale (K/V of a fresh prompt
         # too: they are attended from the cache, as written), like the torch reference.

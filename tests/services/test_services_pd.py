@@ -141,6 +141,16 @@ def test_without_a_prefill_worker_decode_prefills_itself(cluster, llm):
     assert stats(cluster["decode"].address).num_reserved == 0
 
 
+def assert_engine_tokens(address: str, llm) -> None:
+    """The cluster at `address` gives `llm`'s greedy and seeded n = 2 tokens."""
+    with Client(address, timeout=60) as client:
+        for prompt, params in ((PROMPTS[1], dict(max_tokens=10, temperature=0.0)),
+                               (FIB, dict(max_tokens=8, temperature=0.8, seed=5, n=2))):
+            want = [c.token_ids for c in llm.generate([prompt], SamplingParams(**params))[0].outputs]
+            got = collect(client.generate(prompt, **params))
+            assert [list(got[i].token_ids) for i in range(len(want))] == want
+
+
 def test_an_enforce_eager_pair_gives_the_fast_paths_tokens(llm):
     """--enforce-eager workers (plain linear layers) against the fast path's engine (the
     default model's MLPs and LM head prepacked): the same greedy and seeded tokens."""
@@ -154,12 +164,7 @@ def test_an_enforce_eager_pair_gives_the_fast_paths_tokens(llm):
         for worker in workers:
             worker.start()
             assert worker.engine.runner.prepacked == 0
-        with Client(address, timeout=60) as client:
-            for prompt, params in ((PROMPTS[1], dict(max_tokens=10, temperature=0.0)),
-                                   (FIB, dict(max_tokens=8, temperature=0.8, seed=5, n=2))):
-                want = [c.token_ids for c in llm.generate([prompt], SamplingParams(**params))[0].outputs]
-                got = collect(client.generate(prompt, **params))
-                assert [list(got[i].token_ids) for i in range(len(want))] == want
+        assert_engine_tokens(address, llm)
         wait_for(lambda: shipped(workers[1]) == 2, 10, "two transfers to be acknowledged")
     finally:
         for worker in workers:
@@ -181,12 +186,7 @@ def test_a_captured_decode_worker_gives_the_eager_paths_tokens(llm):
             worker.start()
         graphs = decode.engine.runner.captured
         assert graphs is not None and sorted(graphs.buckets) == [1, 2]
-        with Client(address, timeout=60) as client:
-            for prompt, params in ((PROMPTS[1], dict(max_tokens=10, temperature=0.0)),
-                                   (FIB, dict(max_tokens=8, temperature=0.8, seed=5, n=2))):
-                want = [c.token_ids for c in llm.generate([prompt], SamplingParams(**params))[0].outputs]
-                got = collect(client.generate(prompt, **params))
-                assert [list(got[i].token_ids) for i in range(len(want))] == want
+        assert_engine_tokens(address, llm)
         assert graphs.steps > 0
         wait_for(lambda: shipped(prefill) == 2, 10, "two transfers to be acknowledged")
         assert all_blocks_free(decode.address)
