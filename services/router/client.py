@@ -21,7 +21,10 @@ other gRPC clients are given):
       |              said to wait, nor one that just failed, while another can serve)
       +-- a message --> committed: from now on a failure is the caller's, with the
       |                 tokens received named (never replayed: the router migrates)
-      +-- UNAVAILABLE / RESOURCE_EXHAUSTED before any message
+      +-- UNAVAILABLE / RESOURCE_EXHAUSTED / CANCELLED before any message, the
+      |     caller not having cancelled (a router only ever sends CANCELLED to a
+      |     caller that left: one that is still there read it from gRPC's server
+      |     shutdown, which cancels a call that arrived as it began)
       |     wait: none before a router this call has not tried yet, else
       |           random(0, min(initialBackoff * multiplier^k, maxBackoff)); and
       |           for that router at least its hint (trailing `retry-after-ms`)
@@ -86,7 +89,8 @@ class RetryPolicy:
     initial_backoff: float = 0.1
     max_backoff: float = 2.0
     multiplier: float = 2.0
-    codes: frozenset[grpc.StatusCode] = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED})
+    codes: frozenset[grpc.StatusCode] = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                                   grpc.StatusCode.CANCELLED})
 
     @classmethod
     def from_service_config(cls, path: Path = SERVICE_CONFIG, service: str = "pdserve.v1.Generation") -> "RetryPolicy":
@@ -194,6 +198,7 @@ class _Routers:
         self._calls = itertools.count()
         self.addresses: list[str] = []
         self._resolved_at = 0.0
+        self.closed = False
         self.refresh(force=True)
 
     def refresh(self, force: bool = False) -> None:
@@ -243,6 +248,7 @@ class _Routers:
 
     def close(self) -> None:
         with self._lock:
+            self.closed = True
             channels, self._channels = list(self._channels.values()), {}
         for channel in channels:
             channel.close()
@@ -331,7 +337,9 @@ class RetryingCall:
         code, address = error.code(), self._address
         hint = retry_hint(error)
         self._history.append(f"{address}: {code.name}" + (f" (retry after {hint:g}s)" if hint is not None else ""))
-        if code == grpc.StatusCode.UNAVAILABLE:
+        if self._cancelled.is_set() or self._routers.closed:
+            return error  # the caller cancelled, or closed the client: that is how the call ends
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):  # down, or shutting down
             self._routers.failed(address, self._policy.max_backoff)
         if self._messages:  # committed: a status the client would have retried says where it stopped
             return self._stopped(error) if code in self._policy.codes else error
@@ -340,7 +348,7 @@ class RetryingCall:
             # why it was retried
             return CallFailed(code, f"deadline passed during attempt {len(self._history)}, a retry after: "
                               f"{self._refused.details()} [attempts: {_summary(self._history)}]", error)
-        if code not in self._policy.codes or self._cancelled.is_set():
+        if code not in self._policy.codes:
             return error if len(self._history) == 1 else self._gave_up(error, f"{code.name} is not retried")
         if len(self._history) >= self._policy.max_attempts:
             return self._gave_up(error, f"{len(self._history)} attempts, maxAttempts of the retry policy")

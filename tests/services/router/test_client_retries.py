@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -253,11 +254,12 @@ def test_localhost_is_looked_up_in_dns(routers):
 def test_the_published_service_config_retries_in_a_plain_grpc_channel(routers):
     """What any gRPC client gets from proto/pdserve/v1/service_config.json: the
     same retries, by gRPC itself (grpc.service_config channel option)."""
-    flaky = routers(refuse(grpc.StatusCode.UNAVAILABLE), refuse(grpc.StatusCode.RESOURCE_EXHAUSTED, 50))
+    flaky = routers(refuse(grpc.StatusCode.UNAVAILABLE), refuse(grpc.StatusCode.RESOURCE_EXHAUSTED, 50),
+                    refuse(grpc.StatusCode.CANCELLED))
     options = [("grpc.service_config", SERVICE_CONFIG.read_text()), ("grpc.enable_retries", 1)]
     with grpc.insecure_channel(flaky.address, options=options) as channel:
         messages = list(pb_grpc.GenerationStub(channel).Generate(pb.GenerateRequest(text="x"), timeout=10))
-    assert [t for m in messages for t in m.token_ids] == [0, 1, 2, 3] and len(flaky.arrivals) == 3
+    assert [t for m in messages for t in m.token_ids] == [0, 1, 2, 3] and len(flaky.arrivals) == 4
     assert RetryPolicy.from_service_config() == RetryPolicy()  # the client's defaults are the file's
 
 
@@ -289,3 +291,81 @@ def test_a_retry_cut_by_the_deadline_fails_with_the_reason_it_was_retried(router
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     details = info.value.details()
     assert "refused by the test" in details and "deadline passed during attempt 2" in details
+
+
+def wait_then_serve(release: threading.Event) -> Reply:
+    def reply(context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
+        release.wait(10)
+        yield from serve(context)
+    return reply
+
+
+def test_a_cancelled_status_the_caller_did_not_cause_is_retried(routers):
+    """CANCELLED before any message, the caller still there: gRPC's server shutdown
+    cancels a call that arrived as it began (a router sends CANCELLED only to a
+    caller that left). The call goes on to the other router."""
+    stopping, other = routers(refuse(grpc.StatusCode.CANCELLED)), routers()
+    with Client([stopping.address, other.address], timeout=10, retry=QUICK, seed=0) as client:
+        call = client.generate("x")
+        assert tokens_of(call) == [0, 1, 2, 3] and call.code() == grpc.StatusCode.OK
+    assert len(stopping.arrivals) == 1 and len(other.arrivals) == 1
+
+
+def test_the_callers_own_cancel_is_never_retried(routers):
+    """The caller cancels an attempt in flight (no message yet): CANCELLED, no
+    second attempt on either router."""
+    release = threading.Event()
+    slow, other = routers(wait_then_serve(release)), routers()
+    try:
+        with Client([slow.address, other.address], timeout=10, retry=QUICK, seed=0) as client:
+            call = client.generate("x")
+            threading.Timer(0.3, call.cancel).start()
+            with pytest.raises(grpc.RpcError) as info:
+                list(call)
+    finally:
+        release.set()
+    assert info.value.code() == grpc.StatusCode.CANCELLED
+    assert len(slow.arrivals) + len(other.arrivals) == 1
+
+
+def test_closing_the_client_ends_its_calls_without_a_retry(routers):
+    release = threading.Event()
+    slow, other = routers(wait_then_serve(release)), routers()
+    try:
+        client = Client([slow.address, other.address], timeout=10, retry=QUICK, seed=0)
+        call = client.generate("x")
+        threading.Timer(0.3, client.close).start()
+        with pytest.raises(grpc.RpcError) as info:
+            list(call)
+    finally:
+        release.set()
+    assert info.value.code() == grpc.StatusCode.CANCELLED
+    assert len(slow.arrivals) + len(other.arrivals) == 1
+
+
+def test_a_router_whose_grpc_server_stops_under_load_fails_no_call(routers):
+    """A real gRPC server stopping (as a router does after its drain) while 8 threads
+    keep calling: the calls that reach it as it shuts down end UNAVAILABLE or, for a
+    call that arrived as the shutdown began, CANCELLED (rarely: a few times in 20
+    stops). The client retries both on the other router: every call succeeds."""
+    outcomes: Counter[str] = Counter()
+    for trial in range(6):
+        stopping, other = routers(), routers()
+        done = threading.Event()
+        with Client([stopping.address, other.address], timeout=10, retry=QUICK, seed=trial) as client:
+            def hammer() -> None:
+                while not done.is_set():
+                    try:
+                        outcomes["OK" if tokens_of(client.generate("x")) == [0, 1, 2, 3] else "wrong tokens"] += 1
+                    except grpc.RpcError as e:
+                        outcomes[f"{e.code().name}: {e.details()}"] += 1
+            threads = [threading.Thread(target=hammer) for _ in range(8)]
+            for t in threads:
+                t.start()
+            time.sleep(0.2)
+            stopping.server.stop(2.0).wait(5)
+            time.sleep(0.1)
+            done.set()
+            for t in threads:
+                t.join(10)
+    assert set(outcomes) == {"OK"}, outcomes
