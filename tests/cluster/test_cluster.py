@@ -19,9 +19,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-import torch
 
 from cluster_helpers import REPO, Stream, UpProcess, child_env, pid_alive, wait_for
+from engine_helpers import one_thread  # noqa: F401 (an autouse fixture: one torch thread)
 from pdserve.engine import LLM, SamplingParams
 from pdserve.services.router.client import Client, collect
 
@@ -38,10 +38,7 @@ MAX_N = 4
 
 @pytest.fixture(scope="module")
 def llm():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield LLM(num_blocks=512)
-    torch.set_num_threads(before)
+    return LLM(num_blocks=512)
 
 
 @pytest.fixture(scope="module")

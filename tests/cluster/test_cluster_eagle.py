@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from cluster_helpers import UpProcess, all_blocks_free, stats, wait_for
+from engine_helpers import one_thread  # noqa: F401 (an autouse fixture: one torch thread)
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.config import DEFAULT_EAGLE3_HEAD
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
@@ -36,14 +36,9 @@ def up(tmp_path_factory):
 
 
 def test_remote_prefill_accepts_exactly_what_a_local_prefill_does(up):
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        local = LLM(num_blocks=256, speculative_config=CONFIG)
-        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-        want = [local.generate([p], params)[0].outputs[0].token_ids for p in PROMPTS]  # one at a time
-    finally:
-        torch.set_num_threads(before)
+    local = LLM(num_blocks=256, speculative_config=CONFIG)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    want = [local.generate([p], params)[0].outputs[0].token_ids for p in PROMPTS]  # one at a time
     infos = {w.role: w for w in up.list_workers()}
     prefill, decode = infos[pb.ROLE_PREFILL], infos[pb.ROLE_DECODE]
     assert prefill.kv_layout == decode.kv_layout and "eagle_head=" in decode.kv_layout

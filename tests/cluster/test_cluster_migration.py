@@ -32,9 +32,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-import torch
 
 from cluster_helpers import REPO, all_blocks_free, child_env, stats, wait_for
+from engine_helpers import one_thread  # noqa: F401 (an autouse fixture: one torch thread)
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.text import SequenceText
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
@@ -51,10 +51,7 @@ BLOCK = 16  # the workers' KV block size (the default)
 
 @pytest.fixture(scope="module")
 def llm():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield LLM(num_blocks=256)
-    torch.set_num_threads(before)
+    return LLM(num_blocks=256)
 
 
 class Cluster:

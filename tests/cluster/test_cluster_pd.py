@@ -28,9 +28,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-import torch
 
 from cluster_helpers import Stream, UpProcess, all_blocks_free, metric, stats, wait_for
+from engine_helpers import one_thread  # noqa: F401 (an autouse fixture: one torch thread)
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.config import DEFAULT_DRAFT_MODEL
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
@@ -65,10 +65,7 @@ SHARED = [PREFIX + tail for tail in ("    return alpha\n", "    return beta_1 + 
 
 @pytest.fixture(scope="module")
 def llm():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield LLM(num_blocks=512)
-    torch.set_num_threads(before)
+    return LLM(num_blocks=512)
 
 
 def greedy(llm: LLM, prompts: list[str], max_tokens: int) -> list[list[int]]:

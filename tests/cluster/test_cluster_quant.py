@@ -27,9 +27,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-import torch
 
 from cluster_helpers import REPO, UpProcess, all_blocks_free, child_env, wait_for
+from engine_helpers import one_thread  # noqa: F401 (an autouse fixture: one torch thread)
 from pdserve.engine import LLM, SamplingParams
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.services.router.client import Client, collect
@@ -92,14 +92,9 @@ def fp32_greedy():
 
 def engine_greedy(prompts: list[str], **flags) -> tuple[list[list[int]], LLM]:
     """What the engine alone generates with these flags (every prompt prefilled where it decodes)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        llm = LLM(num_blocks=128, **flags)
-        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
-        return [o.outputs[0].token_ids for o in llm.generate(prompts, params)], llm
-    finally:
-        torch.set_num_threads(before)
+    llm = LLM(num_blocks=128, **flags)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)], llm
 
 
 def serve(up: UpProcess, prompts: list[str]) -> list[list[int]]:

@@ -31,9 +31,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-import torch
 
 from cluster_helpers import REPO, all_blocks_free, child_env, list_workers, stats, wait_for
+from engine_helpers import one_thread  # noqa: F401 (an autouse fixture: one torch thread)
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.config import CacheConfig
 from pdserve.engine.engine import EngineConfig, LLMEngine
@@ -56,10 +56,7 @@ FALLBACKS = "pdserve:router_local_prefill_fallbacks_total"
 
 @pytest.fixture(scope="module")
 def llm():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield LLM(num_blocks=256)
-    torch.set_num_threads(before)
+    return LLM(num_blocks=256)
 
 
 def greedy(llm: LLM, prompt: str, max_tokens: int) -> list[int]:
