@@ -35,8 +35,8 @@ ifeq ($(and $(PROMETHEUS),$(PROMTOOL)),)
 endif
 
 # The suite on two pytest-xdist workers (one per core), each test file one unit of work
-# (its module's cluster started once), in the order tests/conftest.py gives: 8.7 min from
-# a fresh clone against 14.6 in one process (docs/benchmarks.md, "make test wall time").
+# (its module's cluster started once), in the order tests/conftest.py gives: 12.2 min from
+# a fresh clone, install included (docs/benchmarks.md, "make test wall time").
 # `make test TEST_WORKERS=1` runs it in one process.
 TEST_WORKERS ?= 2
 ifeq ($(TEST_WORKERS),1)
