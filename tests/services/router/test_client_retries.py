@@ -311,34 +311,21 @@ def test_a_cancelled_status_the_caller_did_not_cause_is_retried(routers):
     assert len(stopping.arrivals) == 1 and len(other.arrivals) == 1
 
 
-def test_the_callers_own_cancel_is_never_retried(routers):
-    """The caller cancels an attempt in flight (no message yet): CANCELLED, no
-    second attempt on either router."""
+@pytest.mark.parametrize("ender", ["cancel", "close"])
+def test_the_callers_own_cancel_or_close_is_never_retried(routers, ender):
+    """The caller cancels an attempt in flight (no message yet), or closes the client
+    under it: CANCELLED, no second attempt on either router."""
     release = threading.Event()
     slow, other = routers(wait_then_serve(release)), routers()
+    client = Client([slow.address, other.address], timeout=10, retry=QUICK, seed=0)
     try:
-        with Client([slow.address, other.address], timeout=10, retry=QUICK, seed=0) as client:
-            call = client.generate("x")
-            threading.Timer(0.3, call.cancel).start()
-            with pytest.raises(grpc.RpcError) as info:
-                list(call)
-    finally:
-        release.set()
-    assert info.value.code() == grpc.StatusCode.CANCELLED
-    assert len(slow.arrivals) + len(other.arrivals) == 1
-
-
-def test_closing_the_client_ends_its_calls_without_a_retry(routers):
-    release = threading.Event()
-    slow, other = routers(wait_then_serve(release)), routers()
-    try:
-        client = Client([slow.address, other.address], timeout=10, retry=QUICK, seed=0)
         call = client.generate("x")
-        threading.Timer(0.3, client.close).start()
+        threading.Timer(0.3, call.cancel if ender == "cancel" else client.close).start()
         with pytest.raises(grpc.RpcError) as info:
             list(call)
     finally:
         release.set()
+        client.close()
     assert info.value.code() == grpc.StatusCode.CANCELLED
     assert len(slow.arrivals) + len(other.arrivals) == 1
 
