@@ -1,11 +1,22 @@
 """Between proto messages (pdserve.v1) and engine types. No policy here, beyond
-refusing oversized repeated fields before they are copied."""
+refusing oversized repeated fields before they are copied.
+
+Sampling has one type on both sides of the wire, the engine's SamplingParams; this
+module is its only crossing:
+
+    pb.SamplingOptions -> SamplingParams   params_from_options  (router adapter, workers)
+    SamplingParams     -> pb.SamplingOptions  options_of        (what the router sends)
+
+The router sends every value it validated (only what is None stays unset), so no
+worker's default decides a request: `params_from_options(options_of(p), p.cache_salt
+or "") == p`.
+"""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pdserve.engine.sampling_params import SamplingParams, check_field
+from pdserve.engine.sampling_params import SamplingParams, check_field, short_repr
 from pdserve.engine.validation import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 
@@ -17,6 +28,9 @@ _SCALARS = (
     "presence_penalty", "frequency_penalty", "seed", "ignore_eos", "logprobs", "prompt_logprobs",
     "n", "beam_width", "length_penalty", "sample_index", "resumed_tokens",
 )
+_REPEATED = ("stop", "stop_token_ids")
+# Every pb.SamplingOptions field, each named as SamplingParams names it.
+SAMPLING_FIELDS = (*_SCALARS, *_REPEATED, "early_stopping")
 _EARLY_STOPPING = {"true": True, "false": False, "never": "never"}
 
 ROLES = {"prefill": pb.ROLE_PREFILL, "decode": pb.ROLE_DECODE, "mixed": pb.ROLE_MIXED}
@@ -44,6 +58,28 @@ def params_from_options(options: pb.SamplingOptions, cache_salt: str = "") -> Sa
             raise ValueError(f"early_stopping: must be 'true', 'false' or 'never', got {options.early_stopping!r}")
         kwargs["early_stopping"] = _EARLY_STOPPING[value]
     return SamplingParams(**kwargs)  # type: ignore[arg-type]
+
+
+def options_of(params: SamplingParams) -> pb.SamplingOptions:
+    """The options a worker is sent: every field that is not None (the cache salt
+    travels in its request's own field). Raises ValueError
+    naming a field whose value the proto cannot hold (an int32 field given 2**40, a
+    seed past int64)."""
+    options = pb.SamplingOptions()
+    for name in SAMPLING_FIELDS:
+        value = getattr(params, name)
+        if value is None:
+            continue
+        try:
+            if name in _REPEATED:
+                getattr(options, name).extend(value)
+            elif name == "early_stopping":
+                options.early_stopping = value if isinstance(value, str) else str(value).lower()
+            else:
+                setattr(options, name, value)
+        except (ValueError, TypeError, OverflowError):
+            raise ValueError(f"{name}: out of range or of the wrong type, got {short_repr(value)}") from None
+    return options
 
 
 def token_logprob(token_id: int, logprob: float, top: dict[int, float] | None) -> pb.TokenLogprob:

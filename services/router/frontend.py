@@ -3,6 +3,7 @@
     adapter (gRPC now, HTTP next)      FrontEnd.generate(Request)
     -----------------------------      --------------------------
     its request -> Request    ------>  draining?                       UNAVAILABLE
+    (sampling refused: refuse(error)   INVALID_ARGUMENT "<field>: ...", counted)
                                        tenant (--salt-cache-by-key)    UNAUTHENTICATED
                                        validate -> Job                 INVALID_ARGUMENT "<field>: ..."
                                        deadline: the caller's, capped at --request-timeout
@@ -104,6 +105,15 @@ class FrontEnd:
             self._ended(e.status if isinstance(e, ServeError) else Status.UNKNOWN)
             raise
         return Generation(self, job, deadline, ResponseBuilder(job, self.tokenizer, arrival, self.metrics))
+
+    def refuse(self, error: ValueError) -> ServeError:
+        """The INVALID_ARGUMENT of a request its adapter could not build (a sampling
+        field the engine's SamplingParams refused, naming it), counted as a refusal
+        of `generate` is."""
+        refusal = ServeError(status_of(error), str(error))
+        self.metrics.request_started()
+        self.metrics.request_ended(refusal.status.name)
+        return refusal
 
     def drain(self, grace: float) -> bool:
         """Admit no new request (UNAVAILABLE), let those in flight finish for up to

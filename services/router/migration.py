@@ -130,12 +130,8 @@ def unmigratable(job: Job) -> str | None:
 def one_sample(job: Job, index: int) -> Job:
     """Sample `index` of `job` (n > 1) as a request of its own: n == 1, its seeded draws
     keyed as that sample's (SamplingParams.sample_index), its own worker request ids."""
-    options = pb.SamplingOptions()
-    options.CopyFrom(job.options)
-    options.n = 1
-    options.sample_index = index
     return replace(job, worker_request_id=f"{job.worker_request_id}-s{index}",
-                   params=replace(job.params, n=1, sample_index=index), options=options)
+                   params=replace(job.params, n=1, sample_index=index))
 
 
 def continuation(job: Job, sent: list[int], block_size: int) -> Job:
@@ -149,14 +145,9 @@ def continuation(job: Job, sent: list[int], block_size: int) -> Job:
     prompt = job.prompt + tuple(sent)
     max_tokens = params.max_tokens - k
     min_tokens = max(0, params.min_tokens - k)
-    options = pb.SamplingOptions()
-    options.CopyFrom(job.options)
-    options.max_tokens = max_tokens
-    options.min_tokens = min_tokens
-    options.resumed_tokens = k
     return replace(
         job, prompt=prompt, params=replace(params, max_tokens=max_tokens, min_tokens=min_tokens, resumed_tokens=k),
-        options=options, block_hashes=tuple(hash_blocks(prompt, block_size, cache_salt=params.cache_salt)),
+        block_hashes=tuple(hash_blocks(prompt, block_size, cache_salt=params.cache_salt)),
     )
 
 

@@ -2,58 +2,30 @@
 
     pb.GenerateRequest        -> Request           request_of     (the gRPC adapter)
     SequenceOutput            -> pb.GenerateResponse response_of  (the gRPC adapter)
-    Sampling                  -> pb.SamplingOptions  options_of   (what workers are sent)
     pb.TokenLogprob (workers) -> TokenLogprob        logprob_of   (response building)
 
-No policy here: values pass as they are, and the validator checks them. Only a value
-the proto cannot hold (an int32 field given 2**40, a string where a number goes) is
-refused on the way to pb, naming its field.
+Sampling crosses in services/common/convert.py (pb.SamplingOptions <-> the engine's
+SamplingParams, the one sampling type inside the router). No policy here: the
+validator checks what the engine's SamplingParams does not.
 """
 
 from __future__ import annotations
 
-from dataclasses import fields
-
-from pdserve.engine.sampling_params import short_repr
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
+from pdserve.services.common.convert import params_from_options
 from pdserve.services.common.deadline import Deadline
-from pdserve.services.router.records import Request, Sampling, SequenceOutput, TokenLogprob
-
-SAMPLING_FIELDS = tuple(f.name for f in fields(Sampling))
-_REPEATED = ("stop", "stop_token_ids")
-
-
-def sampling_of(options: pb.SamplingOptions) -> Sampling:
-    """The fields a client set (unset ones stay None: the engine's defaults)."""
-    set_fields = {name: getattr(options, name) for name in SAMPLING_FIELDS
-                  if name not in _REPEATED and options.HasField(name)}
-    return Sampling(**set_fields, stop=tuple(options.stop), stop_token_ids=tuple(options.stop_token_ids))
-
-
-def options_of(sampling: Sampling) -> pb.SamplingOptions:
-    """The options as workers get them: only the fields the caller set, so every
-    worker applies the engine's own defaults to the rest. Raises ValueError naming a
-    field whose value the proto cannot hold."""
-    options = pb.SamplingOptions()
-    for name in SAMPLING_FIELDS:
-        value = getattr(sampling, name)
-        try:
-            if name in _REPEATED:
-                getattr(options, name).extend(value)
-            elif value is not None:
-                setattr(options, name, value)
-        except (ValueError, TypeError, OverflowError):
-            raise ValueError(f"{name}: out of range or of the wrong type, got {short_repr(value)}") from None
-    return options
+from pdserve.services.router.records import Request, SequenceOutput, TokenLogprob
 
 
 def request_of(request: pb.GenerateRequest, authorization: str = "", deadline: Deadline | None = None) -> Request:
-    """A Generate call's request, as the front end takes it."""
+    """A Generate call's request, as the front end takes it. Raises ValueError naming
+    a sampling field the engine's SamplingParams refuses (the adapter hands it to
+    FrontEnd.refuse)."""
     which = request.WhichOneof("prompt")
     return Request(
         text=request.text if which == "text" else None,
         token_ids=tuple(request.token_ids.ids) if which == "token_ids" else None,
-        sampling=sampling_of(request.sampling), model=request.model, request_id=request.request_id,
+        sampling=params_from_options(request.sampling), model=request.model, request_id=request.request_id,
         cache_salt=request.cache_salt, authorization=authorization, deadline=deadline,
     )
 

@@ -3,48 +3,24 @@
     adapter (gRPC, HTTP)                         front end (frontend.py)
     --------------------                         -----------------------
     its request   -> Request(text | token_ids,  -> validate, admit, dispatch
-                             sampling=Sampling(...), ...)
+                             sampling=SamplingParams(...), ...)
     its messages  <- SequenceOutput per sequence <- one per worker message and sequence
                      (text, token_ids, logprobs, finish_reason; on a sequence's
                       last: usage, timing, cumulative_logprob, prompt_logprobs)
 
-Values are taken as the caller sent them (no check here): the front end's
-validator refuses what is wrong, naming the field.
+Sampling is the engine's own SamplingParams, the router's one sampling type: an
+adapter builds it from its framing (services/common/convert.py for gRPC, the HTTP
+adapter's protocol.py), and its construction refuses a value out of range, naming
+the field. The other values are taken as the caller sent them: the front end's
+validator refuses what is wrong (the model, the prompt, limits), naming the field.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.services.common.deadline import Deadline
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """Every field of engine.SamplingParams a caller may set; None (or empty): the
-    engine's default. The names are the proto's SamplingOptions fields."""
-
-    max_tokens: int | None = None
-    min_tokens: int | None = None
-    temperature: float | None = None  # 0: greedy
-    top_k: int | None = None  # 0 or -1: off
-    top_p: float | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool | None = None
-    logprobs: int | None = None  # top-k logprobs per generated token
-    prompt_logprobs: int | None = None
-    n: int | None = None
-    beam_width: int | None = None  # > 1: beam search
-    length_penalty: float | None = None
-    early_stopping: str | None = None  # "true" | "false" | "never"
-    sample_index: int | None = None  # n == 1: draw as sample i of a request with n > 1 (seeded)
-    resumed_tokens: int | None = None  # the prompt's last N tokens are the sequence's own output
 
 
 @dataclass(frozen=True)
@@ -58,14 +34,16 @@ class Request:
 
     text: str | None = None
     token_ids: tuple[int, ...] | None = None
-    sampling: Sampling = Sampling()
+    sampling: SamplingParams = SamplingParams()  # its cache_salt unused: the validator sets the job's
     model: str = ""  # empty: the served model
     request_id: str = ""  # empty: the router assigns one
     cache_salt: str = ""  # empty: none
     authorization: str = ""
     deadline: Deadline | None = None
     add_special_tokens: bool = True  # when `text` is tokenized (a chat template already wrote them)
-    fill_context: bool = False  # max_tokens unset: as many as max_model_len leaves after the prompt
+    # The caller left max_tokens unset: sampling.max_tokens is only a cap, lowered to what
+    # max_model_len leaves after the prompt.
+    fill_context: bool = False
 
 
 @dataclass(frozen=True)

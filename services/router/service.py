@@ -2,6 +2,7 @@
 
     Generate(pb.GenerateRequest, context)
         request_of(pb, authorization metadata, the call's deadline) -> Request
+                   (a sampling field refused: front_end.refuse -> INVALID_ARGUMENT)
         front_end.generate(Request) -> stream; context ends -> stream.cancel()
         each SequenceOutput -> response_of -> pb.GenerateResponse (write-guarded)
         ServeError -> context.abort(GRPC_CODES[status], message); with retry_after_s
@@ -47,7 +48,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     def _generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
         authorization = metadata_of(context.invocation_metadata()).get(AUTHORIZATION, "")
         try:
-            stream = self.front_end.generate(request_of(request, authorization, Deadline.of_rpc(context, math.inf)))
+            front_request = request_of(request, authorization, Deadline.of_rpc(context, math.inf))
+        except ValueError as e:  # a sampling field SamplingParams refused
+            _abort(context, self.front_end.refuse(e))
+        try:
+            stream = self.front_end.generate(front_request)
         except ServeError as e:
             _abort(context, e)
         with stream:

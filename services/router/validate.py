@@ -3,10 +3,14 @@
 Every check the engine would make is made here first, so a bad request never
 reaches a worker: model name, prompt (text or ids, non-empty, text within
 --max-prompt-bytes before it is tokenized, within --max-prompt-tokens and below
-max_model_len, in the vocabulary), every sampling field (engine.SamplingParams, then the engine's
-own `validate_sampling_params` with the workers' limits: n and beam_width within
---max-n, logprobs within --max-logprobs, stop strings and ids), prompt + max_tokens
-within max_model_len, cache_salt.
+max_model_len, in the vocabulary), every sampling field (the request's SamplingParams
+checked its ranges when its adapter built it; here each value must fit its proto field,
+then the engine's own `validate_sampling_params` with the workers' limits: n and
+beam_width within --max-n, logprobs within --max-logprobs, stop strings and ids),
+prompt + max_tokens within max_model_len, cache_salt.
+
+A Job holds one sampling type, the engine's SamplingParams, salted: what each worker
+reads from the options it is sent (`Job.options`, derived, never stored).
 
 The cache salt a job runs with is the client's, behind its tenant's name when the
 router salts by API key (`tenant/salt`): a client can pick its own salt, never step
@@ -24,8 +28,7 @@ from pdserve.engine.sampling_params import MAX_CACHE_SALT, SamplingParams, check
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.engine.validation import MAX_REQUEST_ID, SamplingLimits, validate_prompt, validate_sampling_params
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
-from pdserve.services.common.convert import params_from_options
-from pdserve.services.router.pb_records import options_of
+from pdserve.services.common.convert import options_of
 from pdserve.services.router.records import Request
 
 # A client's salt: half of what the engine takes, so the tenant in front of it (`key_id/`) always fits.
@@ -38,9 +41,14 @@ class Job:
     request_id: str  # the client's, echoed in every response
     worker_request_id: str  # unique per router: what workers see
     prompt: tuple[int, ...]
-    params: SamplingParams
-    options: pb.SamplingOptions  # as the client sent them: workers apply the same defaults
+    params: SamplingParams  # cache_salt included: the one the job runs with
     block_hashes: tuple[bytes, ...]  # salted with params.cache_salt, as every worker hashes them
+
+    @property
+    def options(self) -> pb.SamplingOptions:
+        """The sampling options workers are sent: `params` on the wire (convert.py),
+        parsed back by every worker into `params` itself."""
+        return options_of(self.params)
 
     @property
     def cache_salt(self) -> str:
@@ -79,8 +87,8 @@ class Validator:
 
     def validate(self, request: Request, tenant: str | None = None) -> Job:
         """The job of a request; `tenant` (an API key's id) goes in front of its salt.
-        The sampling fields are checked as the workers will read them: the options
-        they are sent, parsed by the function they parse them with."""
+        The sampling fields are checked as the workers will read them: each must fit
+        its proto field, then the workers' limits apply."""
         lim = self.limits
         check_field(not request.model or request.model == lim.model_name, "model",
                     f"unknown model; this router serves {lim.model_name!r}", request.model)
@@ -90,21 +98,20 @@ class Validator:
         if len(request.cache_salt) > MAX_CLIENT_SALT:
             raise ValueError(f"cache_salt: longer than {MAX_CLIENT_SALT} characters")
         salt = request.cache_salt if tenant is None else f"{tenant}/{request.cache_salt}"
-        sampling = request.sampling
-        if request.fill_context and sampling.max_tokens is None:
+        params = replace(request.sampling, cache_salt=salt or None)
+        if request.fill_context:
             room = lim.max_model_len - len(prompt)
             check_field(room >= 1, "prompt", f"leaves no room for output within max_model_len {lim.max_model_len}",
                         len(prompt))
-            sampling = replace(sampling, max_tokens=room)
-        options = options_of(sampling)
-        params = params_from_options(options, salt)
+            params = replace(params, max_tokens=min(params.max_tokens, room))
+        options_of(params)  # raises naming a value its proto field cannot hold
         validate_sampling_params(params, SamplingLimits(
             lim.vocab_size, max_n=lim.max_n, max_logprobs=lim.max_logprobs, has_tokenizer=self.tokenizer is not None,
         ))
         validate_prompt(prompt, params, lim.vocab_size, lim.max_model_len, ids_field="token_ids")
         worker_id = uuid.uuid4().hex
         return Job(
-            request.request_id or worker_id, worker_id, tuple(prompt), params, options,
+            request.request_id or worker_id, worker_id, tuple(prompt), params,
             tuple(hash_blocks(prompt, lim.block_size, cache_salt=params.cache_salt)),
         )
 

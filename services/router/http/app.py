@@ -177,7 +177,11 @@ class HttpApi:
         prompt_logprobs = body.prompt_logprobs
         if body.echo and body.logprobs is not None and prompt_logprobs is None and not body.stream:
             prompt_logprobs = body.logprobs  # echoed tokens carry their logprobs too
-        sampling = replace(sampling_of(body, body.max_tokens, body.logprobs), prompt_logprobs=prompt_logprobs)
+        try:
+            sampling = replace(sampling_of(body, self.limits.max_model_len if fill else body.max_tokens, body.logprobs),
+                               prompt_logprobs=prompt_logprobs)
+        except ValueError as e:
+            raise api_error_of(self.front_end.refuse(e)) from None
         requests = [
             Request(text=text, token_ids=ids, sampling=sampling, request_id=_request_id(body.request_id, i, len(prompts)),
                     cache_salt=body.cache_salt or "", authorization=authorization,
@@ -185,7 +189,7 @@ class HttpApi:
             for i, (text, ids) in enumerate(prompts)
         ]
         runs = await Runs.admit(self.front_end, self.pool, requests)
-        n = sampling.n or 1
+        n = sampling.n
         echoes = [self._echo(text, gen.prompt_token_ids) if body.echo else "" for (text, _), gen in
                   zip(prompts, runs.generations)]
         completion_id = f"cmpl-{runs.generations[0].request_id}"
@@ -226,7 +230,12 @@ class HttpApi:
             raise bad_request("top_logprobs", "needs logprobs: true")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        sampling = sampling_of(body, max_tokens, logprobs)
+        names = {**CHAT_NAMES, "max_tokens": "max_completion_tokens"} if body.max_completion_tokens is not None \
+            else CHAT_NAMES
+        try:  # unset: up to max_model_len (fill_context)
+            sampling = sampling_of(body, self.limits.max_model_len if max_tokens is None else max_tokens, logprobs)
+        except ValueError as e:
+            raise api_error_of(self.front_end.refuse(e), names) from None
         prompt = await self._chat_prompt(body, body.add_special_tokens)
         chat_request = Request(token_ids=tuple(prompt), sampling=sampling, request_id=body.request_id or "",
                                cache_salt=body.cache_salt or "", authorization=authorization,
@@ -234,10 +243,8 @@ class HttpApi:
         try:
             runs = await Runs.admit(self.front_end, self.pool, [chat_request])
         except ServeError as e:
-            names = {**CHAT_NAMES, "max_tokens": "max_completion_tokens"} if body.max_completion_tokens is not None \
-                else CHAT_NAMES
             raise api_error_of(e, names) from None
-        n = sampling.n or 1
+        n = sampling.n
         chat_id = f"chatcmpl-{runs.generations[0].request_id}"
         last = body.messages[-1]
         echo = (last.content if isinstance(last.content, str) else "") if body.echo and last.role == "assistant" else ""

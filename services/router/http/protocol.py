@@ -2,7 +2,8 @@
 
     CompletionRequest / ChatCompletionRequest / TokenizeRequest / DetokenizeRequest
         parse(Model, body bytes)  -> the model, or ApiError 400 naming the field
-        sampling_of(body)         -> records.Sampling (the front end's options)
+        sampling_of(body)         -> the engine's SamplingParams (the router's one sampling
+                                     type), or ValueError naming the field
 
 Unknown fields are ignored (clients send what other servers take); what pdserve
 cannot do yet (`tools`, a `response_format` other than text, a `logit_bias`,
@@ -17,8 +18,8 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.services.router.http.errors import ApiError, bad_request
-from pdserve.services.router.records import Sampling
 
 M = TypeVar("M", bound=BaseModel)
 MAX_PROMPTS = 256  # prompts of one /v1/completions body (each is a request of its own)
@@ -143,26 +144,25 @@ def _is_type_tag(part: str) -> bool:
     return part in ("str", "int", "bool", "float", "dict", "list") or "[" in part or part.startswith("function-")
 
 
-def sampling_of(body: _Sampled, max_tokens: int | None, logprobs: int | None) -> Sampling:
-    """The front end's sampling options of a body (`max_tokens` and `logprobs` as the
-    endpoint reads them). Raises ApiError naming a field pdserve cannot honour."""
+def sampling_of(body: _Sampled, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    """The sampling of a body (`max_tokens` and `logprobs` as the endpoint reads them;
+    a field left unset keeps the engine's default). Raises ApiError naming a field
+    pdserve cannot honour, ValueError naming a value SamplingParams refuses."""
     unsupported(body)
     n = 1 if body.n is None else body.n
     if body.best_of is not None and body.best_of != n:
         raise bad_request("best_of", f"must equal n ({n}) or be unset: pdserve returns every sequence it samples")
     if body.stream_options is not None and not body.stream:
         raise bad_request("stream_options", "only with stream: true")
-    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
-    beams = n if body.use_beam_search else None
-    early = body.early_stopping
-    return Sampling(
+    fields = dict(
         max_tokens=max_tokens, min_tokens=body.min_tokens, temperature=body.temperature, top_k=body.top_k,
         top_p=body.top_p, min_p=body.min_p, repetition_penalty=body.repetition_penalty,
         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty, seed=body.seed,
-        stop=stop, stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos, logprobs=logprobs,
-        prompt_logprobs=body.prompt_logprobs, n=n, beam_width=beams, length_penalty=body.length_penalty,
-        early_stopping=None if early is None else early if isinstance(early, str) else str(early).lower(),
+        stop=body.stop, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, logprobs=logprobs,
+        prompt_logprobs=body.prompt_logprobs, n=n, beam_width=n if body.use_beam_search else None,
+        length_penalty=body.length_penalty, early_stopping=body.early_stopping,
     )
+    return SamplingParams(**{name: value for name, value in fields.items() if value is not None})
 
 
 def unsupported(body: _Sampled) -> None:

@@ -11,7 +11,8 @@ from pdserve.engine.sampler import position_key
 from pdserve.services.common.convert import params_from_options
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.services.router.migration import Progress, Sample, continuation, one_sample, rebase, unmigratable
-from pdserve.services.router.records import Request, Sampling
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.services.router.records import Request
 from pdserve.services.router.validate import Limits, Validator
 
 BLOCK = 16
@@ -20,7 +21,7 @@ VALIDATOR = Validator(Limits("tiny", vocab_size=4096, max_model_len=256, max_n=4
 
 
 def job(**sampling):
-    return VALIDATOR.validate(Request(token_ids=PROMPT, sampling=Sampling(**sampling), cache_salt="s"))
+    return VALIDATOR.validate(Request(token_ids=PROMPT, sampling=SamplingParams(**sampling), cache_salt="s"))
 
 
 def delta(tokens, logprobs=(), finish=""):
@@ -158,7 +159,7 @@ def tokenizer():
 def stop_job(tokenizer, stop):
     validator = Validator(Limits("tiny", vocab_size=4096, max_model_len=256, max_n=4,
                                  block_size=BLOCK), tokenizer)
-    return validator.validate(Request(text="def f(x):", sampling=Sampling(max_tokens=100, stop=stop)))
+    return validator.validate(Request(text="def f(x):", sampling=SamplingParams(max_tokens=100, stop=stop)))
 
 
 def test_a_stop_string_begun_before_the_cut_ends_the_continuation_where_the_uninterrupted_run_would(tokenizer):

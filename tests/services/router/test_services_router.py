@@ -4,6 +4,7 @@ flags, the front end and its records (with no worker); and the client's option m
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
@@ -15,7 +16,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.services.common import flags
-from pdserve.services.common.convert import params_from_options
+from pdserve.services.common.convert import SAMPLING_FIELDS, options_of, params_from_options
 from pdserve.services.common.deadline import Deadline
 from pdserve.services.common.status import ServeError, Status
 from pdserve.services.router import policy
@@ -23,10 +24,8 @@ from pdserve.services.router.cancel import Cancellation
 from pdserve.services.router.client import options_from_kwargs
 from pdserve.services.router.config import RouterConfig
 from pdserve.services.router.dispatch import Attempt, Path
-from pdserve.services.router.pb_records import (
-    SAMPLING_FIELDS, logprob_of, options_of, request_of, response_of, sampling_of,
-)
-from pdserve.services.router.records import Request, Sampling, SequenceOutput, Timing, TokenLogprob, Usage
+from pdserve.services.router.pb_records import logprob_of, request_of, response_of
+from pdserve.services.router.records import Request, SequenceOutput, Timing, TokenLogprob, Usage
 from pdserve.services.router.responses import ResponseBuilder
 from pdserve.services.router.validate import Limits, Validator
 
@@ -341,25 +340,32 @@ def test_every_status_maps_to_the_grpc_code_of_its_name():
     assert status_of_rpc(grpc.StatusCode.OK) is Status.UNKNOWN
 
 
-def test_sampling_records_carry_every_proto_field_both_ways():
+def test_sampling_params_carry_every_proto_field_both_ways():
     assert set(SAMPLING_FIELDS) == set(pb.SamplingOptions.DESCRIPTOR.fields_by_name)
+    assert set(SAMPLING_FIELDS) <= {f.name for f in dataclasses.fields(SamplingParams)}
     options = options_from_kwargs(max_tokens=5, stop=["\n", "x"], early_stopping="never", seed=3, stop_token_ids=[1, 2],
                                   temperature=0.0)
-    sampling = sampling_of(options)
-    assert sampling == Sampling(max_tokens=5, stop=("\n", "x"), early_stopping="never", seed=3, stop_token_ids=(1, 2),
-                                temperature=0.0)
-    assert options_of(sampling) == options  # unset fields stay unset: workers apply their own defaults
-    assert not options_of(Sampling()).ListFields()
+    sampling = params_from_options(options)
+    assert sampling == SamplingParams(max_tokens=5, stop=("\n", "x"), early_stopping="never", seed=3,
+                                      stop_token_ids=(1, 2), temperature=0.0)
+    assert params_from_options(options_of(sampling)) == sampling  # what every worker reads back
+    sent = {f.name for f, _ in options_of(SamplingParams()).ListFields()}
+    assert sent == set(SAMPLING_FIELDS) - {"seed", "logprobs", "prompt_logprobs", "stop", "stop_token_ids"}  # None, empty
+    for early in (True, False, "never"):
+        beams = SamplingParams(beam_width=2, early_stopping=early, length_penalty=0.5)
+        assert params_from_options(options_of(beams)) == beams
     with pytest.raises(ValueError, match="^max_tokens:"):
-        options_of(Sampling(max_tokens=2**40))  # int32 on the wire
+        options_of(SamplingParams(max_tokens=2**40))  # int32 on the wire
+    with pytest.raises(ValueError, match="^seed:"):
+        options_of(SamplingParams(seed=2**63))  # a uint64 seed: int64 on the wire
     with pytest.raises(ValueError, match="^temperature:"):
-        options_of(Sampling(temperature="hot"))  # type: ignore[arg-type]
+        SamplingParams(temperature="hot")  # type: ignore[arg-type]
 
 
 def test_requests_and_outputs_cross_the_grpc_adapter_unchanged():
     r = request([5, 6], model="tiny", max_tokens=3)
     r.request_id, r.cache_salt = "mine", "salt"
-    assert request_of(r, "Bearer k") == Request(token_ids=(5, 6), sampling=Sampling(max_tokens=3), model="tiny",
+    assert request_of(r, "Bearer k") == Request(token_ids=(5, 6), sampling=SamplingParams(max_tokens=3), model="tiny",
                                                 request_id="mine", cache_salt="salt", authorization="Bearer k")
     assert (request_of(request("")).text, request_of(request("")).token_ids) == ("", None)  # set, but empty
     assert (request_of(pb.GenerateRequest()).text, request_of(pb.GenerateRequest()).token_ids) == (None, None)
@@ -437,7 +443,7 @@ def test_the_front_end_refuses_naming_the_field_and_counts_the_status(router_wit
         router.front_end.generate(Request(token_ids=(1, 10**6)))
     assert info.value.status is Status.INVALID_ARGUMENT and info.value.message.startswith("token_ids:")
     assert failures(router, "INVALID_ARGUMENT") == 1 and in_flight(router) == 0
-    stream = router.front_end.generate(Request(text="def f():", sampling=Sampling(max_tokens=2)))
+    stream = router.front_end.generate(Request(text="def f():", sampling=SamplingParams(max_tokens=2)))
     with pytest.raises(ServeError) as info:
         list(stream)
     assert info.value.status is Status.UNAVAILABLE and "no decode worker" in info.value.message

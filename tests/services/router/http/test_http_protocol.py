@@ -12,6 +12,7 @@ import json
 import pytest
 
 from pdserve.engine.config import DEFAULT_MODEL
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.services.common.status import ServeError, Status
 from pdserve.services.router.http.chat import chat_prompt
@@ -19,7 +20,6 @@ from pdserve.services.router.http.errors import HTTP_STATUS, ApiError, api_error
 from pdserve.services.router.http.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, parse, sampling_of,
 )
-from pdserve.services.router.records import Sampling
 
 CHAT = [{"role": "user", "content": "hi"}]
 
@@ -193,7 +193,7 @@ def chat(**fields) -> ChatCompletionRequest:
     return parse(ChatCompletionRequest, json.dumps({"messages": CHAT, **fields}).encode())
 
 
-def sampling(body, max_tokens: int | None = 16, logprobs: int | None = None) -> Sampling:
+def sampling(body, max_tokens: int | None = 16, logprobs: int | None = None) -> SamplingParams:
     return sampling_of(body, max_tokens, logprobs)
 
 
@@ -208,7 +208,7 @@ def test_the_fields_map_onto_the_front_ends_sampling_options():
     body = completion(n=3, temperature=0.5, top_p=0.9, top_k=5, min_p=0.1, seed=7, stop="\n", stop_token_ids=[3],
                       presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.1, min_tokens=2,
                       ignore_eos=True, prompt_logprobs=2)
-    assert sampling(body, 9, 4) == Sampling(
+    assert sampling(body, 9, 4) == SamplingParams(
         max_tokens=9, min_tokens=2, temperature=0.5, top_k=5, top_p=0.9, min_p=0.1, repetition_penalty=1.1,
         presence_penalty=0.5, frequency_penalty=-0.5, seed=7, stop=("\n",), stop_token_ids=(3,), ignore_eos=True,
         logprobs=4, prompt_logprobs=2, n=3,
@@ -234,12 +234,13 @@ def test_stream_options_only_with_stream():
 
 def test_beam_search_and_early_stopping():
     beams = sampling(completion(use_beam_search=True, n=3, length_penalty=0.5, early_stopping=True))
-    assert (beams.beam_width, beams.n, beams.length_penalty, beams.early_stopping) == (3, 3, 0.5, "true")
+    assert (beams.beam_width, beams.n, beams.length_penalty, beams.early_stopping) == (3, 3, 0.5, True)
     assert sampling(completion(use_beam_search=True)).beam_width == 1
-    assert sampling(completion(n=3)).beam_width is None  # sampling, not beams
-    assert sampling(completion(use_beam_search=True, n=2, early_stopping=False)).early_stopping == "false"
+    assert sampling(completion(n=3)).beam_width == 1  # sampling, not beams
+    assert not sampling(completion(n=3)).use_beam_search
+    assert sampling(completion(use_beam_search=True, n=2, early_stopping=False)).early_stopping is False
     assert sampling(completion(use_beam_search=True, n=2, early_stopping="never")).early_stopping == "never"
-    assert sampling(completion(use_beam_search=True, n=2)).early_stopping is None
+    assert sampling(completion(use_beam_search=True, n=2)).early_stopping is False  # the engine's default
 
 
 @pytest.mark.parametrize("fields, param", [
