@@ -450,6 +450,50 @@ def test_the_front_end_refuses_naming_the_field_and_counts_the_status(router_wit
     assert stream.status is Status.UNAVAILABLE and failures(router, "UNAVAILABLE") == 1 and in_flight(router) == 0
 
 
+class _Aborted(Exception):
+    pass
+
+
+class _CallContext:
+    """What the gRPC adapter asks of a call: its metadata, deadline, end callback, abort."""
+
+    def __init__(self) -> None:
+        self.code = None
+        self.details = ""
+
+    def invocation_metadata(self):
+        return ()
+
+    def time_remaining(self):
+        return None
+
+    def add_callback(self, callback) -> bool:
+        return True
+
+    def abort(self, code, details):
+        self.code, self.details = code, details
+        raise _Aborted(details)
+
+
+def test_the_grpc_adapter_refuses_a_sampling_value_naming_the_field_and_counts_it(router_without_workers):
+    import grpc
+
+    from pdserve.services.router.service import GenerationServicer
+
+    router = router_without_workers
+    servicer = GenerationServicer(router.front_end, 5.0, router.metrics)
+    context = _CallContext()
+    with pytest.raises(_Aborted):
+        list(servicer._generate(request([5, 6], temperature=-1.0), context))
+    assert context.code == grpc.StatusCode.INVALID_ARGUMENT and context.details.startswith("temperature: must be >= 0")
+    assert failures(router, "INVALID_ARGUMENT") == 1 and in_flight(router) == 0
+    context = _CallContext()
+    with pytest.raises(_Aborted):
+        list(servicer._generate(request([5, 10**6], max_tokens=2), context))  # the validator's refusal
+    assert context.code == grpc.StatusCode.INVALID_ARGUMENT and context.details.startswith("token_ids: ")
+    assert failures(router, "INVALID_ARGUMENT") == 2 and in_flight(router) == 0
+
+
 def test_the_front_end_admits_with_a_retry_hint_and_frees_the_slot_on_close(router_without_workers):
     front_end = router_without_workers.front_end
     holder = front_end.generate(Request(text="a"))  # the one slot, never read
