@@ -32,8 +32,8 @@ from pdserve.services.common.deadline import Deadline
 from pdserve.services.common.errors import rpc_errors
 from pdserve.services.worker.config import WorkerConfig
 from pdserve.services.worker.engine_loop import EngineLoop
-from pdserve.services.worker.events import FailedEvent, FinishedEvent, RequestStream, TokenEvent
-from pdserve.services.worker.rpc import CALL_TIMEOUT, POLL, failure_status
+from pdserve.services.worker.events import FailedEvent, Failure, FinishedEvent, RequestStream, TokenEvent
+from pdserve.services.worker.rpc import CALL_TIMEOUT, POLL, abort_failed
 
 
 def first_token_params(params: SamplingParams) -> SamplingParams:
@@ -86,11 +86,10 @@ class PrefillService:
                         first = first or event.delta
                     elif isinstance(event, FinishedEvent):
                         if first is None:  # finished with "abort": it can never fit here
-                            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                          f"request {rid!r}: does not fit this worker's KV cache")
+                            abort_failed(context, rid, Failure.NO_ROOM, "does not fit this worker's KV cache")
                         return first, event.output
                     elif isinstance(event, FailedEvent):
-                        context.abort(failure_status(event.failure), f"request {rid!r}: {event.message}")
+                        abort_failed(context, rid, event.failure, event.message)
         except TimeoutError as e:
             self.loop.abort(rid)
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED if deadline.expired() else grpc.StatusCode.CANCELLED, str(e))

@@ -40,7 +40,6 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pdserve.engine.core import NO_ROOM_PREFIX
 from pdserve.engine.spec.draft_state import DraftState
 from pdserve.engine.engine import LLMEngine, Reservation, TokenDelta
 from pdserve.engine.outputs import RequestOutput
@@ -411,8 +410,7 @@ class RequestTable:
         if record is None or record.state.ended:
             return
         if output.error is not None:
-            failure = Failure.NO_ROOM if output.error.startswith(NO_ROOM_PREFIX) else Failure.INTERNAL
-            self._end(record, failure, output.error)
+            self._end(record, output.failure or Failure.INTERNAL, output.error)
             return
         if output.request_id in self.engine.held:
             if record.exporting:
