@@ -28,6 +28,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -84,14 +85,20 @@ class EngineCore:
 
     # -- groups -------------------------------------------------------------------------
 
-    def new_group(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
-        """Register a request's group; its first sequence (not yet scheduled)."""
+    def new_group(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+        block_hashes: Sequence[bytes] = (),
+    ) -> Request:
+        """Register a request's group; its first sequence (not yet scheduled).
+        `block_hashes`: the prompt's, computed (and checked) by the caller, so the
+        prompt is not hashed again here (none: hashed here)."""
         check_field(isinstance(request_id, str) and 0 < len(request_id) <= MAX_REQUEST_ID, "request_id",
                     f"must be a string of 1..{MAX_REQUEST_ID} characters", request_id)
         if request_id in self.groups or request_id in self.held:
             raise ValueError(f"request_id: {request_id!r} is already running")
         request = Request(
             request_id, list(prompt_token_ids), params, self.kv.block_size, eos_token_ids=self.eos_token_ids,
+            block_hashes=list(block_hashes),
         )
         beam = None
         if params.use_beam_search and self.speculator is not None:

@@ -418,11 +418,14 @@ class Dispatcher:
         request = pb.ReserveRequest(
             request_id=rid, token_ids=job.prompt, sampling=job.options,
             timeout_seconds=min(deadline.remaining(), RESERVATION_LEASE), cache_salt=job.cache_salt,
+            block_hashes=job.block_hashes,
         )
         try:
             return decode.stub.Reserve(request, timeout=min(deadline.remaining(), RESERVE_TIMEOUT))
         except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.FAILED_PRECONDITION:  # no KV receiver after all
+            if e.code() == grpc.StatusCode.FAILED_PRECONDITION:  # no KV receiver after all, or our hashes differ
+                log.warning("request %s: %s cannot reserve (%s); prefilling there", job.request_id, decode.worker_id,
+                            e.details())
                 return None
             if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and not cancel.cancelled:
                 # No room in D's cache right now: a reservation cannot wait, but D's
@@ -556,7 +559,7 @@ def prefill_request(job: Job, rid: str, reservation: pb.ReserveResponse) -> pb.P
     (the decode worker's transfer plan, carried unread)."""
     return pb.PrefillRequest(
         request_id=rid, token_ids=job.prompt, sampling=job.options, cache_salt=job.cache_salt,
-        transfer_plan=reservation.transfer_plan,
+        transfer_plan=reservation.transfer_plan, block_hashes=job.block_hashes,
     )
 
 
