@@ -57,7 +57,7 @@ from pdserve.services.common.errors import status_of_rpc
 from pdserve.services.common.failure import failure_of, wire_name
 from pdserve.services.common.metrics import RouterMetrics
 from pdserve.services.common.status import ServeError, Status
-from pdserve.services.router import policy
+from pdserve.services.router import policy, worker_limits
 from pdserve.services.router.cancel import Cancellation
 from pdserve.services.router.config import RouterConfig
 from pdserve.services.router.migration import Progress, StopWatch, continuation, one_sample, rebase, unmigratable
@@ -292,6 +292,7 @@ class Dispatcher:
         self, decode: WorkerHandle, job: Job, attempt: Attempt, deadline: Deadline, cancel: Cancellation,
         note_cached: Callable[[int], None],
     ) -> Iterator[pb.DecodeResponse]:
+        worker_limits.check(job.params, decode.info)  # what D registered, before D is asked anything
         if self._wants_remote_prefill(job, decode):
             why = self.registry.no_remote_prefill()
             if why is None:
