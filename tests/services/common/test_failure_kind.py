@@ -56,3 +56,22 @@ def test_failure_of_reads_a_calls_trailing_metadata():
     assert failure_of(_CallError(failure_metadata(FailureKind.EXPIRED))) is FailureKind.EXPIRED
     assert failure_of(_CallError(None)) is None
     assert failure_of(ValueError("not a call")) is None
+
+
+def test_a_worker_rpc_that_fails_a_request_carries_its_kind_by_name():
+    from pdserve.services.worker.rpc import abort_failed
+
+    class Context:
+        metadata = None
+
+        def set_trailing_metadata(self, metadata):
+            self.metadata = metadata
+
+        def abort(self, code, details):
+            raise RuntimeError(code, details)
+
+    context = Context()
+    with pytest.raises(RuntimeError) as info:
+        abort_failed(context, "r", FailureKind.EXPIRED, "reservation expired")
+    assert info.value.args == (grpc.StatusCode.DEADLINE_EXCEEDED, "request 'r': reservation expired")
+    assert context.metadata == ((FAILURE_METADATA, "FAILURE_KIND_EXPIRED"),)
