@@ -192,8 +192,8 @@ class DecodeConnector:
         self.stats["cached_blocks"] += skip
         return TransferPlan(
             request_id, self.receiver.endpoint, self.receiver.transport, self.layout, len(prompt), skip,
-            _prompt_hashes(reservation.block_hashes, prompt, bs, params.cache_salt)[:skip], tuple(reservation.block_ids),
-            secret, self.receiver.server_key, sample_first,
+            _prompt_hashes(reservation.block_hashes, prompt, bs, params.cache_salt)[:skip],
+            tuple(reservation.block_ids), secret, self.receiver.server_key, sample_first,
         )
 
     def cancel(self, request_id: str, reason: str = "cancelled") -> bool:

@@ -156,8 +156,9 @@ class RequestTable:
         the plan says while it runs, and its blocks are held until the receiver's ack;
         `export_kv` alone holds them until `release`. `first_token`: see
         LLMEngine.add_request. `block_hashes`: the prompt's, checked by the caller
-        (engine/hashing.py: the engine and the connector reuse them). Raises ValueError (bad input, or a plan that does not
-        fit) or TransferError (the plan's receiver cannot be reached): nothing stays."""
+        (engine/hashing.py), reused by the engine and the connector. Raises
+        ValueError (bad input, or a plan that does not fit) or TransferError (the
+        plan's receiver cannot be reached): nothing stays."""
         if plan is not None and self.connector.prefill is None:
             raise ValueError("transfer_plan: this worker ships no KV (--kv-connector)")
         record = self._admit(request_id, State.QUEUED, exporting=plan is not None)
@@ -177,7 +178,8 @@ class RequestTable:
         """Decode side: blocks for a prompt whose KV arrives remotely, for `lease`
         seconds, and the connector's plan for its sender (b"" without a connector:
         `commit` then says when the KV is there). Its stream waits for `attach`.
-        `block_hashes`: as in `submit`. Raises ValueError (bad input) or NoCapacityError (no room now)."""
+        `block_hashes`: as in `submit`. Raises ValueError (bad input) or
+        NoCapacityError (no room now)."""
         if request_id in self._records:
             raise ValueError(f"request_id: {request_id!r} is already running")
         reservation = self.engine.reserve_remote(request_id, prompt, params, block_hashes)

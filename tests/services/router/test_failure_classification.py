@@ -60,7 +60,8 @@ def test_client_details_name_the_workers_failure_kind():
     assert isinstance(internal, ServeError) and internal.status is Status.INTERNAL
     assert internal.message == "request 'r-0': engine: boom [FAILURE_KIND_INTERNAL]"
     full = classify(CallError(grpc.StatusCode.RESOURCE_EXHAUSTED, "", failure_metadata(FailureKind.NO_ROOM)))
-    assert isinstance(full, WorkerFailed) and full.busy and str(full).endswith("RESOURCE_EXHAUSTED: [FAILURE_KIND_NO_ROOM]")
+    assert isinstance(full, WorkerFailed) and full.busy
+    assert str(full).endswith("RESOURCE_EXHAUSTED: [FAILURE_KIND_NO_ROOM]")
 
 
 def test_details_without_a_kind_are_passed_on_as_they_are():
