@@ -29,6 +29,9 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn", "longr
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 DTYPES = ("float32", "float16", "bfloat16")
 DEFAULT_MAX_LOGPROBS = 20  # as vLLM's max_logprobs
+# Largest n and beam_width: the one default of the engine, the workers' and the router's --max-n
+# (a decode worker registers its own, and the router checks a request against it).
+DEFAULT_MAX_N = 8
 # The embedded default model (models/ at the repository root).
 DEFAULT_MODEL = str(Path(__file__).resolve().parent.parent / "models" / "pdserve-tiny-code")
 # Its draft model for speculative decoding: same tokenizer, trained on the same text.
@@ -341,7 +344,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     gpu_memory_utilization: float = 0.9
     seed: int = 0
-    max_n: int = 64  # upper bound for n and beam_width
+    max_n: int = DEFAULT_MAX_N  # upper bound for n and beam_width
     max_logprobs: int = DEFAULT_MAX_LOGPROBS  # upper bound for logprobs and prompt_logprobs
     # Speculative decoding on this engine (None: off); a dict or JSON string is parsed.
     speculative: SpeculativeConfig | None = None

@@ -11,7 +11,8 @@ known; every other request goes on as if nothing happened:
   - sampling the batch raises: its rows are sampled one by one;
   - anything per request (prompt logprobs, fan-out, appending a token, a stop string,
     the token hook, a beam step) fails that request's group only.
-A failed request ends like an abort (finish_reason "abort", `RequestOutput.error`),
+A failed request ends like an abort (finish_reason "abort", `RequestOutput.error` and
+`RequestOutput.failure`: INTERNAL, or NO_ROOM for one that can never fit the pool),
 its blocks freed, and a log line names it. Whatever else escapes fails the requests
 of this step's batch, never the engine: every path out frees their blocks.
 
@@ -27,10 +28,12 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Sequence
 
 import torch
 
 from pdserve.engine.beam import BeamSearch
+from pdserve.engine.errors import FailureKind
 from pdserve.engine.export import LayerHook, layer_callback
 from pdserve.engine.forking import Forker
 from pdserve.engine.group import SequenceGroup
@@ -53,7 +56,6 @@ Scheduled = list[tuple[Request, int]]
 # What a sampler row is sampled for: a sequence's next token, or (with drafts) one of
 # the K+1 positions of its verification.
 SampleJob = tuple[Request, int]  # (sequence, number of rows: 1, or K+1)
-NO_ROOM_PREFIX = "kv cache:"  # RequestOutput.error of a request that can never fit the pool
 
 
 class EngineCore:
@@ -83,14 +85,20 @@ class EngineCore:
 
     # -- groups -------------------------------------------------------------------------
 
-    def new_group(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
-        """Register a request's group; its first sequence (not yet scheduled)."""
+    def new_group(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+        block_hashes: Sequence[bytes] = (),
+    ) -> Request:
+        """Register a request's group; its first sequence (not yet scheduled).
+        `block_hashes`: the prompt's, computed (and checked) by the caller, so the
+        prompt is not hashed again here (none: hashed here)."""
         check_field(isinstance(request_id, str) and 0 < len(request_id) <= MAX_REQUEST_ID, "request_id",
                     f"must be a string of 1..{MAX_REQUEST_ID} characters", request_id)
         if request_id in self.groups or request_id in self.held:
             raise ValueError(f"request_id: {request_id!r} is already running")
         request = Request(
             request_id, list(prompt_token_ids), params, self.kv.block_size, eos_token_ids=self.eos_token_ids,
+            block_hashes=list(block_hashes),
         )
         beam = None
         if params.use_beam_search and self.speculator is not None:
@@ -146,11 +154,15 @@ class EngineCore:
         if group.done and self.groups.pop(group.request_id, None) is not None:
             finished.append(self.output.build(group))
 
-    def abort_group(self, group: SequenceGroup, error: str | None = None) -> RequestOutput:
-        """End a request wherever it is; its output (for beams: the n best so far)."""
+    def abort_group(
+        self, group: SequenceGroup, error: str | None = None, failure: FailureKind = FailureKind.INTERNAL,
+    ) -> RequestOutput:
+        """End a request wherever it is; its output (for beams: the n best so far).
+        With `error` the engine failed it, as `failure` says (RequestOutput.failure)."""
         if group.beam is not None and group.beams_at_abort is None:
             group.beams_at_abort = group.beam.best(group.params.n, [b.output_token_ids for b in group.live])
-        group.error = group.error or error
+        if group.error is None and error is not None:
+            group.error, group.failure = error, failure
         for seq in list(group.live):
             self.finish_seq(group, seq, RequestStatus.FINISHED_ABORTED)
         self.groups.pop(group.request_id, None)
@@ -429,7 +441,8 @@ class EngineCore:
                     sched.preempt(seq)
             return []
         log.warning("request %s can never fit in the KV cache: failing it", head.request_id)
-        return [self.abort_group(head, f"{NO_ROOM_PREFIX} the request needs more blocks than the whole pool")]
+        return [self.abort_group(head, "kv cache: the request needs more blocks than the whole pool",
+                                 FailureKind.NO_ROOM)]
 
     def _waiting_for_remote_kv(self) -> bool:
         return any(g.live and g.live[0].status == RequestStatus.WAITING_FOR_REMOTE_KV for g in self.groups.values())

@@ -15,6 +15,7 @@ owner (services/worker) keeps the deadlines.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -35,6 +36,7 @@ class Reservation:
     request_id: str
     block_ids: list[int]
     num_cached_tokens: int  # prompt tokens whose KV this worker already holds (whole blocks)
+    block_hashes: tuple[bytes, ...] = ()  # the prompt's full blocks' (engine/hashing.py), computed once
 
 
 class RemoteKV:
@@ -43,9 +45,11 @@ class RemoteKV:
     def __init__(self, core: EngineCore) -> None:
         self.core = core
 
-    def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Reservation:
+    def reserve(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, block_hashes: Sequence[bytes] = (),
+    ) -> Reservation:
         core = self.core
-        request = core.new_group(request_id, prompt_token_ids, params)
+        request = core.new_group(request_id, prompt_token_ids, params, block_hashes)
         hits, num_hit = core.kv.get_computed_blocks(request)
         if not core.kv.allocate_slots(request, request.num_tokens - num_hit, hits):
             core.drop_group(request_id)
@@ -53,7 +57,7 @@ class RemoteKV:
         core.kv.record_lookup(request, num_hit)
         request.num_cached_tokens = num_hit
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
-        return Reservation(request_id, core.kv.block_ids(request_id), num_hit)
+        return Reservation(request_id, core.kv.block_ids(request_id), num_hit, tuple(request.block_hashes))
 
     def commit(self, request_id: str, first_token: int | None, draft: DraftState | None = None) -> list[RequestOutput]:
         core = self.core

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 
 import torch
 
@@ -235,7 +236,7 @@ class LLMEngine:
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, export_kv: bool = False,
-        first_token: int | None = None,
+        first_token: int | None = None, block_hashes: Sequence[bytes] = (),
     ) -> list[RequestOutput]:
         """Queue a request. With `export_kv` (prefill role) its blocks outlive it until
         `release(request_id)`, so the KV can be shipped to a decode worker.
@@ -245,14 +246,17 @@ class LLMEngine:
         token hook at once, as a committed transfer's is), and the prompt is computed
         with it, as a preempted sequence is recomputed, before the next token is
         sampled: a decode worker taking over a prompt whose KV never arrived. Returns
-        the request's output if that token already finished it (else [])."""
+        the request's output if that token already finished it (else []).
+
+        `block_hashes`: the prompt's full blocks' hashes (engine/hashing.py), computed
+        and checked by the caller (`checked_block_hashes`); none: hashed here."""
         self.validate(prompt_token_ids, params)
         if first_token is not None:
             if not continues_from_first_token(params):
                 raise ValueError("first_token: only for n == 1 without beam search")
             if not 0 <= first_token < self.model_config.vocab_size:
                 raise ValueError(f"first_token: {first_token} is not in [0, {self.model_config.vocab_size})")
-        request = self.core.new_group(request_id, prompt_token_ids, params)
+        request = self.core.new_group(request_id, prompt_token_ids, params, block_hashes)
         request.export_kv = export_kv
         finished: list[RequestOutput] = []
         if first_token is not None:
@@ -278,12 +282,15 @@ class LLMEngine:
 
     # -- disaggregation -----------------------------------------------------------------
 
-    def reserve_remote(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Reservation:
+    def reserve_remote(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, block_hashes: Sequence[bytes] = (),
+    ) -> Reservation:
         """Allocate blocks for a prompt whose KV a prefill worker will send. The
         request waits (WAITING_FOR_REMOTE_KV, never scheduled) until `commit_remote`
-        or `abort`; the caller owns its deadline. Raises NoCapacityError when full."""
+        or `abort`; the caller owns its deadline. Raises NoCapacityError when full.
+        `block_hashes`: as in add_request; the reservation carries the prompt's."""
         self.validate(prompt_token_ids, params)
-        return self.remote.reserve(request_id, prompt_token_ids, params)
+        return self.remote.reserve(request_id, prompt_token_ids, params, block_hashes)
 
     def commit_remote(self, request_id: str, first_token: int | None = None,
                       draft: DraftState | None = None) -> list[RequestOutput]:

@@ -1,9 +1,34 @@
-"""Engine exceptions the services map to gRPC status codes (services/common/errors.py).
+"""Engine exceptions and failure kinds, which the services map to gRPC status codes
+and to the proto's FailureKind (services/common/errors.py, services/common/failure.py).
 
 Torch-free, so that the router can import them without loading the engine."""
 
 from __future__ import annotations
 
+import enum
+
 
 class NoCapacityError(RuntimeError):
     """Not enough free KV blocks to reserve for a remote prefill right now."""
+
+
+class FailureKind(enum.Enum):
+    """Why a request failed, in the one vocabulary every layer shares (engine, worker,
+    router; on the wire: pdserve.v1.FailureKind, mapped once in services/common/failure.py).
+
+    The engine itself fails a request as NO_ROOM or INTERNAL (`RequestOutput.failure`);
+    the worker that owns the request's record adds the rest (aborts, deadlines, KV
+    transfers, shutdown)."""
+
+    ABORTED = "aborted"  # abort() / the reader went away
+    SHUTDOWN = "shutdown"  # the worker stopped (its drain grace ran out) before the request ended
+    EXPIRED = "expired"  # a reservation's KV did not arrive in time
+    TRANSFER = "transfer"  # the KV transfer reported an error
+    INTERNAL = "internal"  # the engine raised while stepping
+    NO_ROOM = "no_room"  # the request needs more KV blocks than the whole pool
+
+    @property
+    def kv_lost(self) -> bool:
+        """A reservation's KV never arrived: the decode worker is fine and may prefill
+        the prompt itself (the router's fallback)."""
+        return self in (FailureKind.TRANSFER, FailureKind.EXPIRED)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pdserve.engine.beam import BeamSearch, Hypothesis
+from pdserve.engine.errors import FailureKind
 from pdserve.engine.request import Request
 from pdserve.engine.sampling_params import SamplingParams
 
@@ -33,6 +34,7 @@ class SequenceGroup:
     # each with whether it had finished; taken before the beams are freed.
     beams_at_abort: list[tuple[Hypothesis, bool]] | None = None
     error: str | None = None  # why the request failed, when it did
+    failure: FailureKind | None = None  # how (set with error)
 
     @property
     def needs_fan_out(self) -> bool:

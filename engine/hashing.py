@@ -9,6 +9,11 @@ ids as little-endian int64, then the extra keys as length-prefixed UTF-8), so th
 router, every prefill worker and every decode worker agree, whatever the Python
 process (never Python's salted `hash()`). Only full blocks get a hash.
 
+A prompt is hashed once per process: the router hashes it and sends the hashes with
+the request; a worker checks them once against its own computation
+(`checked_block_hashes`), then passes them down (engine requests, the KV connector)
+so nothing hashes that prompt again.
+
 A request's optional cache salt (`SamplingParams.cache_salt`, vLLM's `cache_salt`)
 is an extra key of the first block only; the chain carries it into every later
 hash. Requests with different salts therefore never share a cached block, and
@@ -25,6 +30,12 @@ BlockHash = bytes  # 32-byte sha256 digest
 
 ROOT_HASH: BlockHash = hashlib.sha256(b"pdserve/block-hash/v1").digest()
 SALT_KEY_PREFIX = "cache_salt:"  # keeps a salt apart from any other extra key
+
+
+class BlockHashMismatch(ValueError):
+    """Block hashes a peer sent (the router's) differ from this process's own for the
+    same prompt: the two differ in tokenizer, block size or cache salt. A precondition
+    of the cluster, not the request's fault (FAILED_PRECONDITION)."""
 
 
 def hash_block(parent: BlockHash, token_ids: Sequence[int], extra_keys: Sequence[str] = ()) -> BlockHash:
@@ -59,3 +70,31 @@ def hash_blocks(
         parent = hash_block(parent, token_ids[start : start + block_size], keys)
         hashes.append(parent)
     return hashes
+
+
+def checked_block_hashes(
+    sent: Sequence[bytes], token_ids: Sequence[int], block_size: int, cache_salt: str | None = None,
+    field: str = "block_hashes",
+) -> list[BlockHash]:
+    """The prompt's block hashes, computed here once and checked against `sent` (a
+    peer's, e.g. the router's; empty: none sent, ours are returned). Raises
+    ValueError naming `field` for a list of the wrong length or a hash of the wrong
+    size, BlockHashMismatch when the values differ (another tokenizer, block size or
+    salt: the message says so)."""
+    ours = hash_blocks(token_ids, block_size, cache_salt=cache_salt)
+    if not sent:
+        return ours
+    if len(sent) != len(ours):
+        raise BlockHashMismatch(
+            f"{field}: {len(sent)} hashes for a prompt of {len(token_ids)} tokens, which has {len(ours)} full "
+            f"blocks of {block_size} tokens here (a different block size?)")
+    for i, h in enumerate(sent):
+        if not isinstance(h, bytes) or len(h) != len(ROOT_HASH):
+            size = len(h) if isinstance(h, bytes) else type(h).__name__
+            raise ValueError(f"{field}[{i}]: {size} bytes; a block hash has {len(ROOT_HASH)}")
+    first = next((i for i, (a, b) in enumerate(zip(sent, ours)) if a != b), None)
+    if first is not None:
+        raise BlockHashMismatch(
+            f"{field}[{first}]: differs from this worker's hash of the same prompt block: the sender and this "
+            f"worker differ in tokenizer, block size ({block_size} here) or cache salt")
+    return ours

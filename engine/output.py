@@ -129,7 +129,7 @@ class OutputProcessor:
             group.request_id, None, group.prompt_token_ids, completions, finished=True,
             num_cached_tokens=first.num_cached_tokens if first else 0,
             prompt_logprobs=group.prompt_logprobs if group.params.prompt_logprobs is not None else None,
-            error=group.error, times=request_times(group.finished),
+            error=group.error, failure=group.failure, times=request_times(group.finished),
             num_draft_tokens=sum(s.num_draft_tokens for s in group.finished),
             num_accepted_tokens=sum(s.num_accepted_tokens for s in group.finished),
         )

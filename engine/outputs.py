@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdserve.engine.errors import FailureKind
+
 
 @dataclass
 class CompletionOutput:
@@ -44,6 +46,7 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     times: RequestTimes | None = None
     error: str | None = None  # why the engine failed this request (finish_reason "abort")
+    failure: FailureKind | None = None  # how, with error: INTERNAL or NO_ROOM
     # Speculative decoding, over all its sequences: drafts scored, and those emitted.
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0

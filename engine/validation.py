@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pdserve.engine.config import DEFAULT_MAX_LOGPROBS
+from pdserve.engine.config import DEFAULT_MAX_LOGPROBS, DEFAULT_MAX_N
 from pdserve.engine.sampling_params import SamplingParams, check_field
 
 # Characters of a request id, wherever one is named: a client's at the router, a worker's
@@ -29,7 +29,7 @@ MAX_STOP_TOKEN_IDS = 64
 @dataclass(frozen=True)
 class SamplingLimits:
     vocab_size: int
-    max_n: int = 64  # largest n and beam_width
+    max_n: int = DEFAULT_MAX_N  # largest n and beam_width
     max_logprobs: int = DEFAULT_MAX_LOGPROBS  # largest logprobs and prompt_logprobs
     has_tokenizer: bool = True  # stop strings need one
     max_num_seqs: int | None = None  # sequences one step may run: a request's n / beam_width must fit

@@ -192,8 +192,8 @@ class DecodeConnector:
         self.stats["cached_blocks"] += skip
         return TransferPlan(
             request_id, self.receiver.endpoint, self.receiver.transport, self.layout, len(prompt), skip,
-            tuple(hash_blocks(prompt, bs, cache_salt=params.cache_salt)[:skip]), tuple(reservation.block_ids),
-            secret, self.receiver.server_key, sample_first,
+            _prompt_hashes(reservation.block_hashes, prompt, bs, params.cache_salt)[:skip],
+            tuple(reservation.block_ids), secret, self.receiver.server_key, sample_first,
         )
 
     def cancel(self, request_id: str, reason: str = "cancelled") -> bool:
@@ -294,15 +294,16 @@ class PrefillConnector:
         self._exports: dict[str, _Export] = {}
 
     def start(self, request_id: str, prompt_token_ids: Sequence[int], plan: TransferPlan,
-              cache_salt: str | None = None) -> None:
+              cache_salt: str | None = None, block_hashes: Sequence[bytes] = ()) -> None:
         """Ship the KV of a request the caller is about to add to the engine (with
         `export_kv` and this `cache_salt`), as `plan` says: from here on `on_layer`
         sends its pages. Raises ValueError when the plan does not fit this prompt,
         LayoutMismatch (a ValueError) when the receiver's pages are not this engine's
         (dtype, shape, weights' quantization, KV scales), TransferError when the
-        receiver cannot be reached."""
+        receiver cannot be reached. `block_hashes`: the prompt's, computed and checked
+        by the caller (none: hashed here)."""
         prompt = list(prompt_token_ids)
-        self._check_plan(request_id, prompt, plan, cache_salt)
+        self._check_plan(request_id, prompt, plan, cache_salt, block_hashes)
         out = self.sender.open(request_id, plan.endpoint, plan.server_key, secret=plan.secret)
         self._exports[request_id] = _Export(plan, out, prompt_digest(prompt), [plan.skip_blocks] * self.layout.num_layers)
 
@@ -374,7 +375,8 @@ class PrefillConnector:
 
     # -- internals ---------------------------------------------------------------
 
-    def _check_plan(self, request_id: str, prompt: list[int], plan: TransferPlan, cache_salt: str | None) -> None:
+    def _check_plan(self, request_id: str, prompt: list[int], plan: TransferPlan, cache_salt: str | None,
+                    block_hashes: Sequence[bytes] = ()) -> None:
         plan.validate()
         if plan.request_id != request_id:
             raise ValueError(f"transfer_plan: for {plan.request_id!r}, not {request_id!r}")
@@ -389,8 +391,8 @@ class PrefillConnector:
             raise LayoutMismatch("transfer_plan.layout", plan.layout, self.layout, "decode worker", "prefill worker")
         if plan.num_tokens != len(prompt):
             raise ValueError(f"transfer_plan.num_tokens: {plan.num_tokens} for a prompt of {len(prompt)}")
-        ours = hash_blocks(prompt, self.layout.block_size, cache_salt=cache_salt)[: plan.skip_blocks]
-        if list(plan.cached_block_hashes) != ours:
+        ours = _prompt_hashes(block_hashes, prompt, self.layout.block_size, cache_salt)[: plan.skip_blocks]
+        if tuple(plan.cached_block_hashes) != ours:
             raise ValueError("transfer_plan.cached_block_hashes: do not match this prompt's blocks")
 
     def _send_layer(self, export: _Export, layer: int, start: int, end: int, block_ids: Sequence[int]) -> None:
@@ -479,3 +481,10 @@ class KVConnector:
         if self.transport.sender is not None:
             self.transport.sender.close()
         self.transport.cleanup()
+
+
+def _prompt_hashes(known: Sequence[bytes], prompt: list[int], block_size: int, cache_salt: str | None
+                   ) -> tuple[bytes, ...]:
+    """The prompt's block hashes: those its worker already computed and checked (one
+    hashing per process), else computed here."""
+    return tuple(known) if known else tuple(hash_blocks(prompt, block_size, cache_salt=cache_salt))

@@ -35,7 +35,7 @@ from pdserve.services.decode.service import DecodeService
 from pdserve.services.prefill.service import PrefillService
 from pdserve.services.worker.config import WorkerConfig
 from pdserve.services.worker.engine_loop import EngineLoop
-from pdserve.services.worker.registration import Routers
+from pdserve.services.worker.registration import Routers, worker_limits
 from pdserve.services.worker.servicer import WorkerServicer
 
 log = logging.getLogger(__name__)
@@ -103,7 +103,7 @@ class Worker:
             model=self.config.model_name, kv_endpoint=self.connector.endpoint,
             block_size=self.config.block_size, max_model_len=self.engine.max_model_len,
             num_blocks=self.engine.pool.num_blocks, pid=os.getpid(), metrics_port=self.metrics_port,
-            kv_layout=self.engine.kv_layout,
+            kv_layout=self.engine.kv_layout, limits=worker_limits(self.engine.limits),
         )
 
     def drain(self, grace: float) -> tuple[bool, int]:

@@ -15,11 +15,6 @@ import grpc
 from pdserve.engine.errors import NoCapacityError
 from pdserve.services.common.status import Status, status_of
 
-# Trailing metadata of a worker stream that failed: the worker's events.Failure value
-# ("transfer", "expired", ...), so the router tells a lost KV transfer (it then has
-# the decode worker prefill the prompt) from a worker in trouble.
-FAILURE_METADATA = "pdserve-failure"
-
 GRPC_CODES: dict[Status, grpc.StatusCode] = {
     Status.CANCELLED: grpc.StatusCode.CANCELLED,
     Status.UNKNOWN: grpc.StatusCode.UNKNOWN,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import enum
 
 from pdserve.engine.errors import NoCapacityError
+from pdserve.engine.hashing import BlockHashMismatch
 
 
 class Status(enum.Enum):
@@ -55,6 +56,8 @@ class ServeError(Exception):
 def status_of(error: BaseException) -> Status:
     """The status of an engine exception.
 
+        BlockHashMismatch     FAILED_PRECONDITION (a peer hashes prompts otherwise: tokenizer,
+                              block size or salt; the message names the field)
         ValueError            INVALID_ARGUMENT   (the message names the field)
         NoCapacityError       RESOURCE_EXHAUSTED
         TimeoutError          DEADLINE_EXCEEDED
@@ -63,6 +66,8 @@ def status_of(error: BaseException) -> Status:
     """
     if isinstance(error, ServeError):
         return error.status
+    if isinstance(error, BlockHashMismatch):
+        return Status.FAILED_PRECONDITION
     if isinstance(error, ValueError):
         return Status.INVALID_ARGUMENT
     if isinstance(error, NoCapacityError):

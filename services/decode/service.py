@@ -1,6 +1,8 @@
 """The decode role's RPCs: Reserve and Decode.
 
-    router --Reserve(prompt)--> here     blocks for the prompt (its cached prefix
+    router --Reserve(prompt, hashes)--> here  the router's block hashes checked once
+                                         against ours, then reused (never rehashed);
+                                         blocks for the prompt (its cached prefix
                                          counted), the KV connector's transfer plan
                                          back to the router, for the prefill worker
     router --Decode(id)-------> here     the reserved request's stream: waits for its
@@ -19,6 +21,7 @@ from collections.abc import Iterator
 
 import grpc
 
+from pdserve.engine.hashing import checked_block_hashes
 from pdserve.engine.sampling_params import check_field
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.services.common.convert import params_from_options
@@ -49,8 +52,12 @@ class DecodeService:
         with rpc_errors(context):
             lease = self._lease(request.timeout_seconds)
             params = params_from_options(request.sampling, request.cache_salt)
-            reservation, plan = self.loop.reserve(request.request_id, list(request.token_ids), params, lease,
-                                                  CALL_TIMEOUT)
+            prompt = list(request.token_ids)
+            # The router's hashes, checked once here (a mismatch: FAILED_PRECONDITION),
+            # then the engine and the connector use them: the prompt is hashed once.
+            hashes = checked_block_hashes(request.block_hashes, prompt, self.config.block_size, params.cache_salt)
+            reservation, plan = self.loop.reserve(request.request_id, prompt, params, lease, CALL_TIMEOUT,
+                                                  block_hashes=hashes)
         return pb.ReserveResponse(num_cached_tokens=reservation.num_cached_tokens, transfer_plan=plan)
 
     def _lease(self, seconds: float) -> float:

@@ -17,10 +17,9 @@ from pdserve.engine.outputs import RequestOutput
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.services.common.convert import delta_logprob, prompt_logprobs
 from pdserve.services.common.deadline import Deadline
-from pdserve.services.common.errors import FAILURE_METADATA
 from pdserve.services.worker.engine_loop import EngineLoop
 from pdserve.services.worker.events import FailedEvent, FinishedEvent, RequestStream, TokenEvent
-from pdserve.services.worker.rpc import POLL, failure_status
+from pdserve.services.worker.rpc import POLL, abort_failed
 
 
 class DecodeStream:
@@ -52,8 +51,7 @@ class DecodeStream:
             if message.deltas or message.finished:
                 yield message
             if failed is not None:
-                context.set_trailing_metadata(((FAILURE_METADATA, failed.failure.value),))
-                context.abort(failure_status(failed.failure), f"request {rid!r}: {failed.message}")
+                abort_failed(context, rid, failed.failure, failed.message)
             if message.finished:
                 return
 

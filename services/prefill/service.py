@@ -1,6 +1,9 @@
 """The prefill role's RPC: Prefill.
 
     router --Prefill(tokens, sampling, plan)--> here
+      the router's block hashes            checked once against ours (a mismatch:
+                                           FAILED_PRECONDITION), then reused: the
+                                           engine and the connector never rehash
       engine loop: start the plan          the KV connector learns where pages go
       engine: prefill (export_kv)          pages leave layer by layer (the layer hook)
       finished: final message, blocks held the first token goes with it if the plan
@@ -22,6 +25,7 @@ import dataclasses
 import grpc
 
 from pdserve.engine.engine import TokenDelta
+from pdserve.engine.hashing import checked_block_hashes
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kvtransfer.plan import TransferPlan
@@ -32,8 +36,8 @@ from pdserve.services.common.deadline import Deadline
 from pdserve.services.common.errors import rpc_errors
 from pdserve.services.worker.config import WorkerConfig
 from pdserve.services.worker.engine_loop import EngineLoop
-from pdserve.services.worker.events import FailedEvent, FinishedEvent, RequestStream, TokenEvent
-from pdserve.services.worker.rpc import CALL_TIMEOUT, POLL, failure_status
+from pdserve.services.worker.events import FailedEvent, Failure, FinishedEvent, RequestStream, TokenEvent
+from pdserve.services.worker.rpc import CALL_TIMEOUT, POLL, abort_failed
 
 
 def first_token_params(params: SamplingParams) -> SamplingParams:
@@ -57,8 +61,10 @@ class PrefillService:
         with rpc_errors(context):
             params = first_token_params(params_from_options(request.sampling, request.cache_salt))
             plan = TransferPlan.unpack(request.transfer_plan)
+            prompt = list(request.token_ids)
+            hashes = checked_block_hashes(request.block_hashes, prompt, self.config.block_size, params.cache_salt)
             try:
-                stream = self.loop.submit(rid, list(request.token_ids), params, CALL_TIMEOUT, plan=plan)
+                stream = self.loop.submit(rid, prompt, params, CALL_TIMEOUT, plan=plan, block_hashes=hashes)
             except TransferError as e:  # the receiver is out of reach: another prefill worker may do better
                 context.abort(grpc.StatusCode.UNAVAILABLE, f"request {rid!r}: KV transfer (start): {e}")
             except LayoutMismatch as e:  # the pair's configurations differ: no request of theirs can pair
@@ -86,11 +92,10 @@ class PrefillService:
                         first = first or event.delta
                     elif isinstance(event, FinishedEvent):
                         if first is None:  # finished with "abort": it can never fit here
-                            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                          f"request {rid!r}: does not fit this worker's KV cache")
+                            abort_failed(context, rid, Failure.NO_ROOM, "does not fit this worker's KV cache")
                         return first, event.output
                     elif isinstance(event, FailedEvent):
-                        context.abort(failure_status(event.failure), f"request {rid!r}: {event.message}")
+                        abort_failed(context, rid, event.failure, event.message)
         except TimeoutError as e:
             self.loop.abort(rid)
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED if deadline.expired() else grpc.StatusCode.CANCELLED, str(e))

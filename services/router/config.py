@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.engine.config import DEFAULT_MODEL
+from pdserve.engine.config import DEFAULT_MAX_LOGPROBS, DEFAULT_MAX_N, DEFAULT_MODEL
 from pdserve.services.common.credentials import ClusterCredentials
 from pdserve.services.common.flags import check, flag
 from pdserve.services.router.validate import DEFAULT_MAX_PROMPT_BYTES
@@ -40,8 +40,10 @@ class RouterConfig:
     credentials: ClusterCredentials = flag(ClusterCredentials(), "the cluster's credentials (internal surface)")
     block_size: int = flag(16, "KV block size (workers must match): prompt block hashes")
     max_model_len: int | None = flag(None, "longest prompt + output (default: the model's)")
-    max_n: int = flag(8, "largest n and beam_width accepted")
-    max_logprobs: int = flag(20, "largest logprobs and prompt_logprobs accepted (workers must match)")
+    max_n: int = flag(DEFAULT_MAX_N, "largest n and beam_width accepted (and each decode worker's registered "
+                                     "max_n, checked when it is chosen)")
+    max_logprobs: int = flag(DEFAULT_MAX_LOGPROBS, "largest logprobs and prompt_logprobs accepted (and each decode "
+                                                   "worker's registered max_logprobs, checked when it is chosen)")
     max_prompt_bytes: int = flag(DEFAULT_MAX_PROMPT_BYTES, "largest text prompt in bytes (UTF-8), refused before "
                                                            "it is tokenized")
     max_prompt_tokens: int | None = flag(None, "largest prompt in tokens (default: max_model_len - 1)")

@@ -53,10 +53,11 @@ import grpc
 from pdserve.engine.detokenizer import Decoder
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.services.common.deadline import Deadline
-from pdserve.services.common.errors import FAILURE_METADATA, status_of_rpc
+from pdserve.services.common.errors import status_of_rpc
+from pdserve.services.common.failure import failure_of, wire_name
 from pdserve.services.common.metrics import RouterMetrics
 from pdserve.services.common.status import ServeError, Status
-from pdserve.services.router import policy
+from pdserve.services.router import policy, worker_limits
 from pdserve.services.router.cancel import Cancellation
 from pdserve.services.router.config import RouterConfig
 from pdserve.services.router.migration import Progress, StopWatch, continuation, one_sample, rebase, unmigratable
@@ -67,7 +68,6 @@ log = logging.getLogger(__name__)
 ABORT_TIMEOUT = 1.0
 RESERVE_TIMEOUT = 10.0
 RESERVATION_LEASE = 30.0
-KV_FAILURES = ("transfer", "expired")  # events.Failure values of a lost KV transfer
 FAN_OUT_SLACK = 5.0  # seconds past the deadline a migrated sample's thread has to say how it ended
 GONE = "the caller went away"  # the message of a request whose caller left (nobody reads it)
 
@@ -83,7 +83,8 @@ class WorkerFailed(Exception):
 
 class KVLost(Exception):
     """D's reservation failed before any token of D's own: the KV transfer failed or
-    its reservation expired (D says so in its trailing metadata). D is fine."""
+    its reservation expired (D's trailing metadata names a FailureKind whose
+    `kv_lost` holds: TRANSFER or EXPIRED). D is fine."""
 
 
 class Path(enum.Enum):
@@ -291,6 +292,7 @@ class Dispatcher:
         self, decode: WorkerHandle, job: Job, attempt: Attempt, deadline: Deadline, cancel: Cancellation,
         note_cached: Callable[[int], None],
     ) -> Iterator[pb.DecodeResponse]:
+        worker_limits.check(job.params, decode.info)  # what D registered, before D is asked anything
         if self._wants_remote_prefill(job, decode):
             why = self.registry.no_remote_prefill()
             if why is None:
@@ -417,11 +419,14 @@ class Dispatcher:
         request = pb.ReserveRequest(
             request_id=rid, token_ids=job.prompt, sampling=job.options,
             timeout_seconds=min(deadline.remaining(), RESERVATION_LEASE), cache_salt=job.cache_salt,
+            block_hashes=job.block_hashes,
         )
         try:
             return decode.stub.Reserve(request, timeout=min(deadline.remaining(), RESERVE_TIMEOUT))
         except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.FAILED_PRECONDITION:  # no KV receiver after all
+            if e.code() == grpc.StatusCode.FAILED_PRECONDITION:  # no KV receiver after all, or our hashes differ
+                log.warning("request %s: %s cannot reserve (%s); prefilling there", job.request_id, decode.worker_id,
+                            e.details())
                 return None
             if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and not cancel.cancelled:
                 # No room in D's cache right now: a reservation cannot wait, but D's
@@ -493,8 +498,13 @@ class Dispatcher:
     def _classify(self, worker: WorkerHandle, error: grpc.RpcError, cancel: Cancellation, rid: str) -> Exception:
         """A worker call's gRPC error as ours: the caller gone (CANCELLED), a deadline
         passed, a worker failure another worker may not have (WorkerFailed), or the
-        worker's own status passed on."""
+        worker's own status passed on. The details name the worker's FailureKind
+        when it told one (services/common/failure.py)."""
         code = error.code()
+        kind = failure_of(error)
+        details = error.details() or ""
+        if kind is not None:
+            details = f"{details} [{wire_name(kind)}]".lstrip()
         if cancel.cancelled:
             _abort_quietly(worker, rid)
             return ServeError(Status.CANCELLED, GONE)
@@ -503,9 +513,9 @@ class Dispatcher:
             return ServeError(Status.DEADLINE_EXCEEDED, f"deadline passed ({error.details()})")
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED,
                     grpc.StatusCode.RESOURCE_EXHAUSTED):
-            why = "dropped" if worker.dropped else f"{code.name}: {error.details()}"
+            why = "dropped" if worker.dropped else f"{code.name}: {details}"
             return WorkerFailed(f"worker {worker.worker_id} {why}", busy=code == grpc.StatusCode.RESOURCE_EXHAUSTED)
-        return ServeError(status_of_rpc(code), error.details() or code.name)
+        return ServeError(status_of_rpc(code), details or code.name)
 
 
 def _pump(index: int, serve: Iterator[pb.DecodeResponse],
@@ -550,7 +560,7 @@ def prefill_request(job: Job, rid: str, reservation: pb.ReserveResponse) -> pb.P
     (the decode worker's transfer plan, carried unread)."""
     return pb.PrefillRequest(
         request_id=rid, token_ids=job.prompt, sampling=job.options, cache_salt=job.cache_salt,
-        transfer_plan=reservation.transfer_plan,
+        transfer_plan=reservation.transfer_plan, block_hashes=job.block_hashes,
     )
 
 
@@ -569,11 +579,8 @@ def _drop_first_token(message: pb.DecodeResponse) -> bool:
 
 def _kv_lost(error: grpc.RpcError) -> bool:
     """Whether a decode stream failed because its KV never arrived (not D's fault)."""
-    try:
-        metadata = error.trailing_metadata() or ()
-    except AttributeError:  # not a call's error
-        return False
-    return any(key == FAILURE_METADATA and value in KV_FAILURES for key, value in metadata)
+    kind = failure_of(error)
+    return kind is not None and kind.kv_lost
 
 
 def _abort_quietly(worker: WorkerHandle, rid: str, only_reserved: bool = False) -> None:

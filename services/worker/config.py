@@ -7,7 +7,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.engine.config import DEFAULT_MODEL, CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine.config import (
+    DEFAULT_MAX_LOGPROBS, DEFAULT_MAX_N, DEFAULT_MODEL, CacheConfig, EngineConfig, SchedulerConfig,
+)
 from pdserve.engine.quant.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS, parse_kv_cache_dtype
 from pdserve.engine.spec.config import EAGLE_METHODS, SpeculativeConfig
 from pdserve.services.common.credentials import ClusterCredentials
@@ -60,8 +62,8 @@ class WorkerConfig:
     max_num_seqs: int = flag(256, "most sequences in a batch")
     max_num_batched_tokens: int = flag(2048, "token budget of one engine step")
     max_model_len: int | None = flag(None, "longest prompt + output (default: the model's)")
-    max_n: int = flag(8, "largest n and beam_width accepted")
-    max_logprobs: int = flag(20, "largest logprobs and prompt_logprobs accepted")
+    max_n: int = flag(DEFAULT_MAX_N, "largest n and beam_width accepted (registered: the router checks it)")
+    max_logprobs: int = flag(DEFAULT_MAX_LOGPROBS, "largest logprobs and prompt_logprobs accepted (registered)")
     dtype: str = flag("float32", "float32 | float16 | bfloat16")
     quantization: str | None = flag(None, f"quantize the full-precision checkpoint while loading it: "
                                           f"{' | '.join(QUANTIZATION_METHODS)} (unset: the checkpoint's own format); "

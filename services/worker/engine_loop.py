@@ -23,7 +23,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import TypeVar
 
@@ -147,21 +147,24 @@ class EngineLoop:
     def submit(
         self, request_id: str, prompt: list[int], params: SamplingParams, timeout: float, *,
         plan: TransferPlan | None = None, export_kv: bool = False, first_token: int | None = None,
+        block_hashes: Sequence[bytes] = (),
     ) -> RequestStream:
         """Queue a request to run here; its stream (RequestTable.submit: `plan` ships
         its KV). Raises ValueError (bad input) or TransferError (the plan's receiver
         is out of reach)."""
         return self._call_or_abort(request_id, lambda _e: self.requests.submit(
-            request_id, prompt, params, plan=plan, export_kv=export_kv, first_token=first_token), timeout)
+            request_id, prompt, params, plan=plan, export_kv=export_kv, first_token=first_token,
+            block_hashes=block_hashes), timeout)
 
     def reserve(
-        self, request_id: str, prompt: list[int], params: SamplingParams, lease: float, timeout: float
+        self, request_id: str, prompt: list[int], params: SamplingParams, lease: float, timeout: float,
+        block_hashes: Sequence[bytes] = (),
     ) -> tuple[Reservation, bytes]:
         """Decode side: blocks for a prompt whose KV arrives remotely, until `lease`
         seconds pass without it, and the transfer plan for its sender. Its stream
         waits for `attach`. Raises ValueError (bad input) or NoCapacityError (no room)."""
         return self._call_or_abort(
-            request_id, lambda _e: self.requests.reserve(request_id, prompt, params, lease), timeout)
+            request_id, lambda _e: self.requests.reserve(request_id, prompt, params, lease, block_hashes), timeout)
 
     def attach(self, request_id: str, timeout: float) -> RequestStream:
         """The stream of a reserved request (once). Raises KeyError if there is none."""

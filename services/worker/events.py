@@ -11,12 +11,12 @@ there and then (its blocks freed); only the final event always fits.
 
 from __future__ import annotations
 
-import enum
 import queue
 import threading
 from dataclasses import dataclass
 
 from pdserve.engine.engine import TokenDelta
+from pdserve.engine.errors import FailureKind
 from pdserve.engine.outputs import RequestOutput
 
 
@@ -30,13 +30,9 @@ class FinishedEvent:
     output: RequestOutput  # not mutated once put
 
 
-class Failure(enum.Enum):
-    ABORTED = "aborted"  # abort() / the reader went away
-    SHUTDOWN = "shutdown"  # the worker stopped (its drain grace ran out) before the request ended
-    EXPIRED = "expired"  # a reservation's KV did not arrive in time
-    TRANSFER = "transfer"  # the KV transfer reported an error
-    INTERNAL = "internal"  # the engine raised while stepping
-    NO_ROOM = "no_room"  # the request needs more KV blocks than the whole pool
+# Why a request failed: the engine's own kinds (engine/errors.py), one vocabulary from
+# the engine to the router's client (on the wire: services/common/failure.py).
+Failure = FailureKind
 
 
 @dataclass(frozen=True)

@@ -30,12 +30,22 @@ from collections.abc import Callable
 
 import grpc
 
+from pdserve.engine.validation import SamplingLimits
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from pdserve.services.common.addresses import is_ip, join_host_port, lookup
 from pdserve.services.common.credentials import ClusterAuth
 
 log = logging.getLogger(__name__)
+
+
+def worker_limits(limits: SamplingLimits) -> pb.WorkerLimits:
+    """What a worker registers of its engine's per-request limits (WorkerInfo.limits):
+    the router checks a request against them (services/router/worker_limits.py)."""
+    message = pb.WorkerLimits(max_n=limits.max_n, max_logprobs=limits.max_logprobs)
+    if limits.max_num_seqs is not None:
+        message.max_num_seqs = limits.max_num_seqs
+    return message
 RPC_TIMEOUT = 5.0
 DEFAULT_INTERVAL = 1.0  # until a router's Register reply says its heartbeat interval
 MIN_BACKOFF = 0.05

@@ -37,10 +37,9 @@ import enum
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from pdserve.engine.core import NO_ROOM_PREFIX
 from pdserve.engine.spec.draft_state import DraftState
 from pdserve.engine.engine import LLMEngine, Reservation, TokenDelta
 from pdserve.engine.outputs import RequestOutput
@@ -151,36 +150,39 @@ class RequestTable:
 
     def submit(
         self, request_id: str, prompt: list[int], params: SamplingParams, *, plan: TransferPlan | None = None,
-        export_kv: bool = False, first_token: int | None = None,
+        export_kv: bool = False, first_token: int | None = None, block_hashes: Sequence[bytes] = (),
     ) -> RequestStream:
         """Run a request here; its stream. With `plan` (prefill) its KV is shipped as
         the plan says while it runs, and its blocks are held until the receiver's ack;
         `export_kv` alone holds them until `release`. `first_token`: see
-        LLMEngine.add_request. Raises ValueError (bad input, or a plan that does not
-        fit) or TransferError (the plan's receiver cannot be reached): nothing stays."""
+        LLMEngine.add_request. `block_hashes`: the prompt's, checked by the caller
+        (engine/hashing.py), reused by the engine and the connector. Raises
+        ValueError (bad input, or a plan that does not fit) or TransferError (the
+        plan's receiver cannot be reached): nothing stays."""
         if plan is not None and self.connector.prefill is None:
             raise ValueError("transfer_plan: this worker ships no KV (--kv-connector)")
         record = self._admit(request_id, State.QUEUED, exporting=plan is not None)
         try:
             if plan is not None:
-                self.connector.prefill.start(request_id, prompt, plan, params.cache_salt)
+                self.connector.prefill.start(request_id, prompt, plan, params.cache_salt, block_hashes)
             outputs = self.engine.add_request(request_id, prompt, params, export_kv=export_kv or plan is not None,
-                                              first_token=first_token)
+                                              first_token=first_token, block_hashes=block_hashes)
         except BaseException as e:
             self._end(record, Failure.ABORTED, f"refused: {e}")
             raise
         self._take(outputs)
         return record.stream
 
-    def reserve(self, request_id: str, prompt: list[int], params: SamplingParams, lease: float
-                ) -> tuple[Reservation, bytes]:
+    def reserve(self, request_id: str, prompt: list[int], params: SamplingParams, lease: float,
+                block_hashes: Sequence[bytes] = ()) -> tuple[Reservation, bytes]:
         """Decode side: blocks for a prompt whose KV arrives remotely, for `lease`
         seconds, and the connector's plan for its sender (b"" without a connector:
         `commit` then says when the KV is there). Its stream waits for `attach`.
-        Raises ValueError (bad input) or NoCapacityError (no room now)."""
+        `block_hashes`: as in `submit`. Raises ValueError (bad input) or
+        NoCapacityError (no room now)."""
         if request_id in self._records:
             raise ValueError(f"request_id: {request_id!r} is already running")
-        reservation = self.engine.reserve_remote(request_id, prompt, params)
+        reservation = self.engine.reserve_remote(request_id, prompt, params, block_hashes)
         decode = self.connector.decode
         try:
             plan = decode.expect(reservation, prompt, params).pack() if decode is not None else b""
@@ -411,8 +413,7 @@ class RequestTable:
         if record is None or record.state.ended:
             return
         if output.error is not None:
-            failure = Failure.NO_ROOM if output.error.startswith(NO_ROOM_PREFIX) else Failure.INTERNAL
-            self._end(record, failure, output.error)
+            self._end(record, output.failure or Failure.INTERNAL, output.error)
             return
         if output.request_id in self.engine.held:
             if record.exporting:

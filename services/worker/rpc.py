@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from typing import NoReturn
+
 import grpc
 
+from pdserve.services.common.failure import failure_metadata
 from pdserve.services.worker.events import Failure
 
 CALL_TIMEOUT = 10.0  # longest wait for the engine thread to take a command
@@ -22,3 +25,10 @@ _FAILURE_STATUS = {
 def failure_status(failure: Failure) -> grpc.StatusCode:
     """The status a request that failed this way ends its RPC with."""
     return _FAILURE_STATUS[failure]
+
+
+def abort_failed(context: grpc.ServicerContext, request_id: str, failure: Failure, message: str) -> NoReturn:
+    """End the RPC of a request that failed: the failure's status, and its kind in the
+    trailing metadata (services/common/failure.py), which its caller classifies by."""
+    context.set_trailing_metadata(failure_metadata(failure))
+    context.abort(failure_status(failure), f"request {request_id!r}: {message}")

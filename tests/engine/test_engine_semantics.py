@@ -11,6 +11,7 @@ import torch
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.config import CacheConfig, SchedulerConfig
 from pdserve.engine.engine import EngineConfig, LLMEngine
+from pdserve.engine.errors import FailureKind
 from pdserve.engine.llm import DEFAULT_MODEL
 from pdserve.engine.sampler import Sampler, apply_top_k_top_p
 from engine_helpers import POISON, Poisoned
@@ -209,6 +210,7 @@ def test_beam_request_that_can_never_fit_returns_its_n_best(model_dir):
     llm = LLM(model=model_dir, num_blocks=6, block_size=16)
     out = llm.generate([[5] * 40], SamplingParams(max_tokens=60, beam_width=4, n=2, ignore_eos=True))[0]
     assert len(out.outputs) <= 2 and out.error is not None
+    assert out.failure is FailureKind.NO_ROOM  # a typed kind, not a message prefix
     if len(out.outputs) == 2:
         _assert_n_best(out, 2)
     llm.check_integrity()
@@ -385,10 +387,11 @@ def test_forward_failure_fails_only_the_request_behind_it(model_dir, caplog):
     with caplog.at_level(logging.ERROR, logger="pdserve.engine.core"):
         outs = drain(engine)
     assert outs["bad"].outputs[0].finish_reason == "abort" and "device fault" in outs["bad"].error
+    assert outs["bad"].failure is FailureKind.INTERNAL
     assert any("bad" in r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR)
     for rid, want in expected.items():
         assert [c.token_ids for c in outs[rid].outputs] == [c.token_ids for c in want.outputs], rid
-        assert outs[rid].error is None
+        assert outs[rid].error is None and outs[rid].failure is None
     assert_all_free(engine)
 
 
@@ -406,6 +409,7 @@ def test_sampling_failure_fails_only_its_row(model_dir):
     engine.add_request("bad", [9] * 10, SamplingParams(max_tokens=6, temperature=0.8, seed=666))
     outs = drain(engine)
     assert outs["bad"].outputs[0].finish_reason == "abort" and "sampling fault" in outs["bad"].error
+    assert outs["bad"].failure is FailureKind.INTERNAL
     for i in range(4):
         assert all(len(c.token_ids) == 6 and c.finish_reason == "length" for c in outs[f"ok{i}"].outputs)
     assert_all_free(engine)

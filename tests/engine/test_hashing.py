@@ -5,7 +5,9 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from pdserve.engine.hashing import ROOT_HASH, hash_block, hash_blocks
+import pytest
+
+from pdserve.engine.hashing import ROOT_HASH, BlockHashMismatch, checked_block_hashes, hash_block, hash_blocks
 
 
 def test_only_full_blocks_are_hashed():
@@ -62,3 +64,59 @@ def test_salts_are_checked():
         SamplingParams(cache_salt="x" * 10_000)
     with pytest.raises(ValueError, match="^cache_salt:"):
         hash_blocks(list(range(32)), 16, parent=b"p" * 32, cache_salt="x")
+
+
+# -- a peer's hashes, checked once ---------------------------------------------------------
+
+def test_checked_hashes_are_ours_when_they_match_or_none_were_sent():
+    prompt = list(range(40))
+    ours = hash_blocks(prompt, 16, cache_salt="s")
+    assert checked_block_hashes(ours, prompt, 16, "s") == ours
+    assert checked_block_hashes([], prompt, 16, "s") == ours
+
+
+@pytest.mark.parametrize("why, sent", [
+    ("another salt", lambda p: hash_blocks(p, 16, cache_salt="other")),
+    ("another block size", lambda p: hash_blocks(p, 8)[:2]),  # as many blocks, other contents
+    ("another tokenizer", lambda p: hash_blocks([t + 1 for t in p], 16)),
+])
+def test_a_mismatch_is_refused_naming_the_field_and_the_causes(why, sent):
+    prompt = list(range(40))
+    with pytest.raises(BlockHashMismatch) as info:
+        checked_block_hashes(sent(prompt), prompt, 16, None)
+    message = str(info.value)
+    assert message.startswith("block_hashes[0]:"), why
+    assert "tokenizer" in message and "block size" in message and "salt" in message
+
+
+def test_hostile_hash_lists_get_errors_naming_the_field():
+    prompt = list(range(40))
+    ours = hash_blocks(prompt, 16)
+    with pytest.raises(BlockHashMismatch, match=r"^block_hashes: 3 hashes .* 2 full blocks"):
+        checked_block_hashes([*ours, ours[0]], prompt, 16)
+    with pytest.raises(BlockHashMismatch, match=r"^block_hashes: 1 hashes"):
+        checked_block_hashes(ours[:1], prompt, 16)
+    with pytest.raises(ValueError, match=r"^block_hashes\[1\]: 5 bytes; a block hash has 32"):
+        checked_block_hashes([ours[0], b"short"], prompt, 16)
+    with pytest.raises(ValueError, match=r"^block_hashes\[0\]: 33 bytes"):
+        checked_block_hashes([ours[0] + b"x", ours[1]], prompt, 16)
+    with pytest.raises(ValueError, match=r"^prefill.block_hashes\[0\]"):
+        checked_block_hashes([b"", b""], prompt, 16, field="prefill.block_hashes")
+
+
+def test_the_engine_takes_a_requests_hashes_instead_of_hashing_again(monkeypatch):
+    from pdserve.engine import request as request_module
+    from pdserve.engine.request import Request
+    from pdserve.engine.sampling_params import SamplingParams
+
+    prompt = list(range(40))
+    hashes = hash_blocks(prompt, 16)
+    calls = []
+    real = request_module.hash_block
+    monkeypatch.setattr(request_module, "hash_block", lambda *a: calls.append(a) or real(*a))
+    request = Request("r", prompt, SamplingParams(), 16, block_hashes=list(hashes))
+    assert request.block_hashes == hashes and not calls  # not one prompt block hashed again
+    for t in range(8):  # the output's blocks are hashed as they fill
+        request.append_token(t)
+    assert len(calls) == 1 and request.block_hashes[:2] == hashes
+    assert request.block_hashes == hash_blocks(request.token_ids, 16)

@@ -13,10 +13,27 @@ class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ROLE_PREFILL: _ClassVar[Role]
     ROLE_DECODE: _ClassVar[Role]
     ROLE_MIXED: _ClassVar[Role]
+
+class FailureKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FAILURE_KIND_UNSPECIFIED: _ClassVar[FailureKind]
+    FAILURE_KIND_ABORTED: _ClassVar[FailureKind]
+    FAILURE_KIND_SHUTDOWN: _ClassVar[FailureKind]
+    FAILURE_KIND_EXPIRED: _ClassVar[FailureKind]
+    FAILURE_KIND_TRANSFER: _ClassVar[FailureKind]
+    FAILURE_KIND_INTERNAL: _ClassVar[FailureKind]
+    FAILURE_KIND_NO_ROOM: _ClassVar[FailureKind]
 ROLE_UNSPECIFIED: Role
 ROLE_PREFILL: Role
 ROLE_DECODE: Role
 ROLE_MIXED: Role
+FAILURE_KIND_UNSPECIFIED: FailureKind
+FAILURE_KIND_ABORTED: FailureKind
+FAILURE_KIND_SHUTDOWN: FailureKind
+FAILURE_KIND_EXPIRED: FailureKind
+FAILURE_KIND_TRANSFER: FailureKind
+FAILURE_KIND_INTERNAL: FailureKind
+FAILURE_KIND_NO_ROOM: FailureKind
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -185,18 +202,20 @@ class ListModelsResponse(_message.Message):
     def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "timeout_seconds", "cache_salt")
+    __slots__ = ("request_id", "token_ids", "sampling", "timeout_seconds", "cache_salt", "block_hashes")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingOptions
     timeout_seconds: float
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., timeout_seconds: _Optional[float] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., timeout_seconds: _Optional[float] = ..., cache_salt: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("num_cached_tokens", "transfer_plan")
@@ -207,18 +226,20 @@ class ReserveResponse(_message.Message):
     def __init__(self, num_cached_tokens: _Optional[int] = ..., transfer_plan: _Optional[bytes] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "cache_salt", "transfer_plan")
+    __slots__ = ("request_id", "token_ids", "sampling", "cache_salt", "transfer_plan", "block_hashes")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_PLAN_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingOptions
     cache_salt: str
     transfer_plan: bytes
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., cache_salt: _Optional[str] = ..., transfer_plan: _Optional[bytes] = ...) -> None: ...
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., cache_salt: _Optional[str] = ..., transfer_plan: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token", "num_cached_tokens")
@@ -393,7 +414,7 @@ class KvEventBatch(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., epoch: _Optional[str] = ..., stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ..., snapshot: _Optional[bool] = ..., more: _Optional[bool] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "model", "kv_endpoint", "block_size", "max_model_len", "num_blocks", "pid", "metrics_port", "kv_layout")
+    __slots__ = ("worker_id", "role", "address", "model", "kv_endpoint", "block_size", "max_model_len", "num_blocks", "pid", "metrics_port", "kv_layout", "limits")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -405,6 +426,7 @@ class WorkerInfo(_message.Message):
     PID_FIELD_NUMBER: _ClassVar[int]
     METRICS_PORT_FIELD_NUMBER: _ClassVar[int]
     KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: Role
     address: str
@@ -416,7 +438,18 @@ class WorkerInfo(_message.Message):
     pid: int
     metrics_port: int
     kv_layout: str
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_blocks: _Optional[int] = ..., pid: _Optional[int] = ..., metrics_port: _Optional[int] = ..., kv_layout: _Optional[str] = ...) -> None: ...
+    limits: WorkerLimits
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_blocks: _Optional[int] = ..., pid: _Optional[int] = ..., metrics_port: _Optional[int] = ..., kv_layout: _Optional[str] = ..., limits: _Optional[_Union[WorkerLimits, _Mapping]] = ...) -> None: ...
+
+class WorkerLimits(_message.Message):
+    __slots__ = ("max_n", "max_logprobs", "max_num_seqs")
+    MAX_N_FIELD_NUMBER: _ClassVar[int]
+    MAX_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    max_n: int
+    max_logprobs: int
+    max_num_seqs: int
+    def __init__(self, max_n: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., max_num_seqs: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("worker",)
