@@ -90,13 +90,11 @@ def test_the_dispatcher_refuses_a_request_over_the_chosen_workers_max_n_before_c
     from pdserve.services.common.metrics import Disabled
     from pdserve.services.router.cancel import Cancellation
     from pdserve.services.router.dispatch import Dispatcher
-    from pdserve.services.router.pb_records import options_of
-    from pdserve.services.router.records import Sampling
     from pdserve.services.router.validate import Job
 
     registry = _OneDecodeWorker()
     dispatcher = Dispatcher(registry, RouterConfig(model=DEFAULT_MODEL), Disabled())
-    job = Job("r", "r", (1, 2, 3), SamplingParams(n=3), options_of(Sampling(n=3)), ())
+    job = Job("r", "r", (1, 2, 3), SamplingParams(n=3), ())
     with pytest.raises(ServeError) as error:
         list(dispatcher.run(job, Deadline.after(5.0), Cancellation(), lambda n: None))
     assert error.value.status is Status.INVALID_ARGUMENT and error.value.message.startswith("n: must be <= 2")
