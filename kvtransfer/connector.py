@@ -40,18 +40,18 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from pdserve.engine.spec.draft_state import DraftLayout, DraftState
 from pdserve.engine.hashing import hash_blocks  # the one block hash every worker agrees on
 from pdserve.engine.sampling_params import continues_from_first_token
+from pdserve.engine.spec.draft_state import DraftLayout, DraftState
+from pdserve.kvtransfer.inbox import TransferEvent
 from pdserve.kvtransfer.plan import TransferPlan
 from pdserve.kvtransfer.stats import KVTransferStats
+from pdserve.kvtransfer.transfer import Outgoing
 from pdserve.kvtransfer.wire import (
     AckHeader,
     LayoutMismatch,
-    Outgoing,
     PageLayout,
     TransferError,
-    TransferEvent,
     new_secret,
     prompt_digest,
 )

@@ -17,8 +17,8 @@ from pdserve.engine.config import DEFAULT_MODEL, CacheConfig
 from pdserve.engine.engine import EngineConfig, LLMEngine
 from pdserve.kvtransfer.connector import KVConnector, PrefillConnector, Transport
 from pdserve.kvtransfer.plan import TransferPlan
+from pdserve.kvtransfer.transports.zmq import ZmqReceiver, ZmqSender
 from pdserve.kvtransfer.wire import LayoutMismatch, PageLayout, new_secret
-from pdserve.kvtransfer.zmq import ZmqReceiver, ZmqSender
 from pdserve.services.worker.events import FailedEvent, FinishedEvent
 from pdserve.services.worker.requests import RequestTable
 

@@ -38,12 +38,19 @@ from pdserve.engine.engine import EngineConfig, LLMEngine
 from pdserve.engine.hashing import hash_blocks
 from hf_models import build_model
 from pdserve.kvtransfer.connector import KVConnector, Transport, page_runs
-from pdserve.kvtransfer.nccl import TorchDistConfig, TorchDistReceiver, TorchDistSender
 from pdserve.kvtransfer.plan import TransferPlan
+from pdserve.kvtransfer.transports.nccl import TorchDistConfig, TorchDistReceiver, TorchDistSender
+from pdserve.kvtransfer.transports.zmq import CurveConfig, ZmqConfig, ZmqReceiver, ZmqSender
 from pdserve.kvtransfer.wire import (
-    VERSION, PagesHeader, PageLayout, TransferError, encode, new_secret, prompt_digest, sign,
+    VERSION,
+    PageLayout,
+    PagesHeader,
+    TransferError,
+    encode,
+    new_secret,
+    prompt_digest,
+    sign,
 )
-from pdserve.kvtransfer.zmq import CurveConfig, ZmqConfig, ZmqReceiver, ZmqSender
 from pdserve.services.worker.events import FailedEvent, FinishedEvent
 from pdserve.services.worker.requests import AWAITING_KV, RequestTable, State
 
@@ -718,10 +725,10 @@ def test_decoder_deadline_and_cancel_free_blocks_and_tell_the_sender(tiny_model)
 
 
 def test_the_transport_module_does_not_shadow_pyzmq():
-    import pdserve.kvtransfer.zmq as transport
+    import pdserve.kvtransfer.transports.zmq as transport
 
     assert transport.zmq is zmq and Path(zmq.__file__).parent.name == "zmq"
-    assert Path(transport.__file__).parent.name == "kvtransfer" and hasattr(zmq, "Context")
+    assert Path(transport.__file__).parent.name == "transports" and hasattr(zmq, "Context")
 
 
 # -- planning, in one process ----------------------------------------------------------

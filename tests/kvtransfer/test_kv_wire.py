@@ -13,19 +13,18 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdserve.engine.spec.draft_state import DraftLayout
+from pdserve.kvtransfer.inbox import Inbox, deliver
 from pdserve.kvtransfer.wire import (
     VERSION,
     AbortHeader,
     AckHeader,
     FinalHeader,
     HelloHeader,
-    Inbox,
     PageLayout,
     PagesHeader,
     WelcomeHeader,
     WireError,
     decode,
-    deliver,
     encode,
     new_secret,
     prompt_digest,

@@ -13,7 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdserve.kvtransfer.wire import MAX_HEADER_BYTES, WireError, decode, deliver
+from pdserve.kvtransfer.inbox import deliver
+from pdserve.kvtransfer.wire import MAX_HEADER_BYTES, WireError, decode
 from test_kv_wire import PAGE, PEER, ListFrames, abort, final, make_inbox, pages, untouched
 
 FUZZ = settings(deadline=None, max_examples=300, suppress_health_check=list(HealthCheck))

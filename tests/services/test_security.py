@@ -40,19 +40,19 @@ from cluster_helpers import REPO, UpProcess, child_env, wait_for
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.hashing import hash_blocks
 from pdserve.kvtransfer.plan import TransferPlan
-from pdserve.kvtransfer.nccl import SignedStore, listening_store
+from pdserve.kvtransfer.transports.nccl import SignedStore, listening_store
+from pdserve.kvtransfer.transports.zmq import ZmqConfig, ZmqReceiver, ZmqSender
 from pdserve.kvtransfer.wire import VERSION, PageLayout, new_secret, prompt_digest
-from pdserve.kvtransfer.zmq import ZmqConfig, ZmqReceiver, ZmqSender
 from pdserve.launch.credentials import LaunchCredentials, generate, pack, unpack
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from pdserve.services.common.credentials import TOKEN_METADATA, ClusterAuth, ClusterCredentials
+from pdserve.services.node import Worker
 from pdserve.services.router.api_keys import key_id
 from pdserve.services.router.client import Client, collect
 from pdserve.services.router.config import RouterConfig
 from pdserve.services.router.main import Router
 from pdserve.services.worker.config import WorkerConfig
-from pdserve.services.node import Worker
 
 ZMQ_CONNECTOR = "zmq"
 OPTIONS = pb.SamplingOptions(max_tokens=6, temperature=0.0)
@@ -747,7 +747,7 @@ def test_no_module_that_reads_from_a_socket_unpickles():
         if any(name == m or name.startswith(m + ".") for name in _imports(tree) for m in NETWORK_MODULES):
             readers[path.relative_to(REPO).as_posix()] = path
     # The finder must see the network paths it is meant to guard.
-    assert {"kvtransfer/zmq.py", "kvtransfer/nccl.py", "services/router/main.py", "services/node.py",
+    assert {"kvtransfer/transports/zmq.py", "kvtransfer/transports/nccl.py", "services/router/main.py", "services/node.py",
             "services/router/registry.py", "launch/cluster.py"} <= set(readers)
     problems = {name: unsafe_uses(path.read_text()) for name, path in readers.items()}
     assert {name: found for name, found in problems.items() if found} == {}

@@ -22,8 +22,8 @@ from pdserve.engine.engine import EngineConfig, LLMEngine
 from pdserve.engine.llm import DEFAULT_MODEL
 from pdserve.kvtransfer.connector import KVConnector, Transport
 from pdserve.kvtransfer.plan import TransferPlan
+from pdserve.kvtransfer.transports.zmq import ZmqReceiver, ZmqSender
 from pdserve.kvtransfer.wire import PagesHeader, sign
-from pdserve.kvtransfer.zmq import ZmqReceiver, ZmqSender
 from pdserve.services.worker.events import FailedEvent, Failure, FinishedEvent, RequestStream, TokenEvent
 from pdserve.services.worker.requests import IllegalTransition, RequestTable, State
 from engine_helpers import one_thread  # noqa: F401 (an autouse fixture: one torch thread)

@@ -1,6 +1,6 @@
 """torch.distributed point-to-point transport for KV pages (NCCL on GPUs, gloo on CPUs).
 
-The ZeroMQ control channel (kvtransfer/channel.py: headers, acks, CURVE) composed with
+The ZeroMQ control channel (kvtransfer/transports/channel.py: headers, acks, CURVE) composed with
 a point-to-point page mover; the same contract as the ZeroMQ transport, only the page
 bytes take another road:
 
@@ -48,14 +48,14 @@ from urllib.parse import urlsplit
 import torch
 import torch.distributed as dist
 
-from pdserve.kvtransfer.channel import ReceiverChannel, Reply, SenderChannel, ZmqConfig
+from pdserve.kvtransfer.inbox import FrameSource, Inbox
+from pdserve.kvtransfer.transfer import Outgoing
+from pdserve.kvtransfer.transports.channel import ReceiverChannel, Reply, SenderChannel, ZmqConfig
+from pdserve.kvtransfer.transports.zmq import FramePageReceiver
 from pdserve.kvtransfer.wire import (
     AckHeader,
-    FrameSource,
     Header,
     HelloHeader,
-    Inbox,
-    Outgoing,
     PageLayout,
     PagesHeader,
     TransferError,
@@ -63,7 +63,6 @@ from pdserve.kvtransfer.wire import (
     WireError,
     encode,
 )
-from pdserve.kvtransfer.zmq import FramePageReceiver
 
 log = logging.getLogger(__name__)
 STORE_PREFIX = "pdserve-kv"

@@ -6,8 +6,8 @@ with page bytes left to a page mover.
                    DEALER <--------[ack | welcome]------  ROUTER  (one thread, an Inbox)
          |                                                          |
     PageSender  ~~~~~~~~~~~~~~~~~~~ page bytes ~~~~~~~~~~~~~~~~~~>  PageReceiver
-      frames: in the header's own message (kvtransfer/zmq.py)
-      p2p:    torch.distributed point-to-point after the header (kvtransfer/nccl.py)
+      frames: in the header's own message (kvtransfer/transports/zmq.py)
+      p2p:    torch.distributed point-to-point after the header (kvtransfer/transports/nccl.py)
 
 A transport is a channel plus a mover: `ZmqReceiver` is a `ReceiverChannel` with
 frame pages, `TorchDistReceiver` one with point-to-point pages (and frames), and
@@ -42,25 +42,22 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
 from pdserve.engine.spec.draft_state import DraftLayout, DraftState
-from pdserve.kvtransfer.curve import CurveConfig
+from pdserve.kvtransfer.inbox import FrameSource, Inbox, TransferEvent, deliver
+from pdserve.kvtransfer.transfer import Outgoing
+from pdserve.kvtransfer.transports.curve import CurveConfig
 from pdserve.kvtransfer.wire import (
     MAX_HEADER_BYTES,
     AbortHeader,
     AckHeader,
     FinalHeader,
-    FrameSource,
     Header,
-    Inbox,
-    Outgoing,
     PageLayout,
     PagesHeader,
     TransferError,
-    TransferEvent,
     WireError,
     as_bytes_view,
     check_secret,
     decode,
-    deliver,
     encode,
     sign,
 )
