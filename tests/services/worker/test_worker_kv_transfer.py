@@ -10,8 +10,10 @@ transports). The prefill side runs in the test process. Checks: pages arrive
 bit-identical over ZeroMQ tcp and ipc and over torch.distributed (gloo), for several
 model shapes and dtypes, and decoding continues with the tokens the prefill engine
 would produce; only blocks the decoder lacks cross the wire; a sender dying
-mid-transfer, malformed frames, unauthenticated peers and silent receivers end in
-freed blocks, never hangs. Deadlines in this process run on a ManualClock.
+mid-transfer, malformed frames and silent receivers end in freed blocks, never
+hangs. Deadlines in this process run on a ManualClock. (CURVE and the transports
+alone: tests/kvtransfer/transports/; the connector alone over an in-process
+transport: tests/kvtransfer/test_kv_connector.py.)
 """
 
 from __future__ import annotations
@@ -22,33 +24,28 @@ import os
 import tempfile
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import msgpack
 import pytest
 import torch
 import zmq
-import zmq.auth
 
-from cluster_helpers import wait_for
 from manual_clock import ManualClock
 from pdserve.engine import SamplingParams
 from pdserve.engine.config import CacheConfig, SchedulerConfig
 from pdserve.engine.engine import EngineConfig, LLMEngine
 from pdserve.engine.hashing import hash_blocks
 from hf_models import build_model
-from pdserve.kvtransfer.connector import KVConnector, Transport, page_runs
+from pdserve.kvtransfer.connector import KVConnector, Transport
 from pdserve.kvtransfer.plan import TransferPlan
-from pdserve.kvtransfer.transports.nccl import TorchDistConfig, TorchDistReceiver, TorchDistSender
-from pdserve.kvtransfer.transports.zmq import CurveConfig, ZmqConfig, ZmqReceiver, ZmqSender
+from pdserve.kvtransfer.transports.nccl import TorchDistReceiver, TorchDistSender
+from pdserve.kvtransfer.transports.zmq import ZmqReceiver, ZmqSender
 from pdserve.kvtransfer.wire import (
     VERSION,
     PageLayout,
     PagesHeader,
-    TransferError,
     encode,
     new_secret,
-    prompt_digest,
     sign,
 )
 from pdserve.services.worker.events import FailedEvent, FinishedEvent
@@ -505,147 +502,6 @@ def test_malformed_frames_are_counted_and_the_decoder_keeps_serving(decoder, mod
     assert stats["num_free_blocks"] == stats["num_blocks"]
 
 
-# -- CURVE ----------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def certs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("certs")
-    for who in ("server", "client", "stranger"):
-        (root / who).mkdir()
-        zmq.auth.create_certificates(root / who, who)
-    (root / "authorized").mkdir()
-    (root / "authorized" / "client.key").write_bytes((root / "client" / "client.key").read_bytes())
-    return root
-
-
-def _tiny_kv() -> torch.Tensor:
-    return torch.zeros((2, 8, 2, 4, 1, 8), dtype=torch.float16)
-
-
-def test_nccl_is_the_gloo_transport_on_cuda_memory():
-    """NCCL shares every line with gloo but the backend's name and the KV device: the
-    channel and the point-to-point mover are the same objects (what a CPU can check)."""
-    with pytest.raises(ValueError, match="backend: nccl moves cuda tensors"):
-        TorchDistReceiver(_tiny_kv(), "tcp://127.0.0.1:0", TorchDistConfig(backend="nccl"))
-    gloo, nccl = TorchDistSender(), TorchDistSender(TorchDistConfig(backend="nccl"))
-    try:
-        assert type(gloo.pages) is type(nccl.pages) and gloo.transport == nccl.transport == "torch"
-        assert gloo.pages.via == nccl.pages.via == "p2p"
-    finally:
-        gloo.close()
-        nccl.close()
-
-
-def _send_whole(sender: ZmqSender, target_rid: str, endpoint: str, src: torch.Tensor, prompt: list[int],
-                secret: bytes, server_key: bytes | None = None) -> None:
-    out = sender.open(target_rid, endpoint, server_key, secret=secret)
-    layout = PageLayout.of(src)
-    for layer in range(layout.num_layers):
-        sender.send_pages(out, layer, [(0, src[layer, 0:2])], layout)
-    sender.send_final(out, len(prompt), prompt_digest(prompt), [5])
-
-
-def test_curve_admits_only_authorized_senders(certs):
-    server = CurveConfig.from_files(certs / "server" / "server.key_secret", authorized=certs / "authorized")
-    receiver = ZmqReceiver(_tiny_kv(), "tcp://127.0.0.1:0", ZmqConfig(curve=server))
-    endpoint = receiver.start()
-    prompt = list(range(8))
-    src = torch.randn((2, 8, 2, 4, 1, 8)).half()
-    senders = {
-        "authorized": ZmqSender(ZmqConfig(curve=CurveConfig.from_files(certs / "client" / "client.key_secret", certs / "server" / "server.key"))),
-        "stranger": ZmqSender(ZmqConfig(curve=CurveConfig.from_files(certs / "stranger" / "stranger.key_secret", certs / "server" / "server.key"))),
-        "plaintext": ZmqSender(),
-    }
-    try:
-        for i, (who, sender) in enumerate(senders.items()):
-            secret = new_secret()
-            receiver.expect(who, [2 * i, 2 * i + 1], 0, len(prompt), prompt_digest(prompt), secret)
-            try:
-                _send_whole(sender, who, endpoint, src, prompt, secret)
-            except TransferError:
-                # A refused peer's connection can be torn down before its few messages
-                # are queued (the send finds no pipe): refused all the same. Only the
-                # authorized sender must get through.
-                if who == "authorized":
-                    raise
-        events = {}
-        deadline = time.monotonic() + WAIT_S
-        while "authorized" not in events and time.monotonic() < deadline:
-            events.update({e.request_id: e for e in receiver.events()})
-            time.sleep(0.01)
-        assert events["authorized"].ok and events["authorized"].first_tokens == (5,)
-        assert torch.equal(receiver.inbox.kv[:, 0:2].view(torch.int16), src[:, 0:2].view(torch.int16))
-        # The others never got a message in: their reservations wait, untouched, until
-        # their owner gives up on them (at its deadline).
-        wait_for(lambda: receiver.stats().get("refused_peers", 0) >= 1, WAIT_S, "the stranger's handshake to be refused")
-        assert sorted(receiver.inbox.pending()) == ["plaintext", "stranger"]
-        for who in ("stranger", "plaintext"):
-            assert receiver.cancel(who, "deadline exceeded")
-        while len(events) < 3 and time.monotonic() < deadline:
-            events.update({e.request_id: e for e in receiver.events()})
-            time.sleep(0.01)
-        for who in ("stranger", "plaintext"):
-            assert not events[who].ok and "deadline" in events[who].reason
-        stats = receiver.stats()
-        assert stats["refused_peers"] >= 1  # the stranger's key, at the handshake
-        assert stats["messages"] == 2 and stats["rejected"] == 0  # nothing else got in
-        assert torch.count_nonzero(receiver.inbox.kv[:, 2:]) == 0
-        # The authorized sender also got its ack, over the encrypted channel.
-        acks = []
-        while not acks and time.monotonic() < deadline:
-            acks = senders["authorized"].poll()
-        assert acks[0].ok and acks[0].request_id == "authorized"
-    finally:
-        receiver.close()
-        for sender in senders.values():
-            sender.close()
-
-
-def test_curve_frames_of_the_largest_size_arrive(certs):
-    """Frames cut at max_frame_bytes, encrypted, still fit the receiver's MAXMSGSIZE."""
-    kv = torch.zeros((2, 6, 2, 16, 8, 64))  # 64 KiB pages
-    page = PageLayout.of(kv).page_bytes
-    server = CurveConfig.from_files(certs / "server" / "server.key_secret", authorized=certs / "authorized")
-    client = CurveConfig.from_files(certs / "client" / "client.key_secret", certs / "server" / "server.key")
-    receiver = ZmqReceiver(kv, "tcp://127.0.0.1:0", ZmqConfig(curve=server, max_frame_bytes=2 * page))
-    sender = ZmqSender(ZmqConfig(curve=client, max_frame_bytes=2 * page))
-    src = torch.randn((2, 6, 2, 16, 8, 64))
-    prompt = list(range(16 * 5))
-    try:
-        endpoint = receiver.start()
-        secret = new_secret()
-        receiver.expect("big", [0, 1, 2, 3, 4], 0, len(prompt), prompt_digest(prompt), secret)
-        out = sender.open("big", endpoint, secret=secret)
-        for layer in range(2):
-            sender.send_pages(out, layer, [(0, src[layer, 0:5])], PageLayout.of(kv))  # frames of 2, 2, 1 pages
-        sender.send_final(out, len(prompt), prompt_digest(prompt), [])
-        deadline, events = time.monotonic() + WAIT_S, []
-        while not events and time.monotonic() < deadline:
-            events = receiver.events()
-            time.sleep(0.01)
-        assert events[0].ok, events[0].reason
-        assert torch.equal(kv[:, :5], src[:, :5])
-    finally:
-        receiver.close()
-        sender.close()
-
-
-def test_curve_keys_from_env_and_validation(certs):
-    server_pub, server_sec = zmq.auth.load_certificate(certs / "server" / "server.key_secret")
-    client_pub, _ = zmq.auth.load_certificate(certs / "client" / "client.key")
-    env = {"KV_SECRET_CERT": str(certs / "server" / "server.key_secret"), "KV_AUTHORIZED_KEYS": client_pub.decode()}
-    cfg = CurveConfig.from_env(env, prefix="KV_")
-    assert cfg.public_key == server_pub and cfg.authorized_keys == {client_pub}
-    env = {"KV_PUBLIC_KEY": server_pub.decode(), "KV_SECRET_KEY": server_sec.decode(), "KV_AUTHORIZED_DIR": str(certs / "authorized")}
-    assert CurveConfig.from_env(env, prefix="KV_").authorized_keys == {client_pub}
-    assert CurveConfig.from_env({}, prefix="KV_") is None
-    with pytest.raises(ValueError, match="secret_key"):
-        CurveConfig(server_pub, b"too short")
-    with pytest.raises(ValueError, match="authorized_keys"):
-        ZmqReceiver(_tiny_kv(), "tcp://127.0.0.1:0", ZmqConfig(curve=CurveConfig(server_pub, server_sec)))
-
-
 # -- deadlines and leases, in one process -------------------------------------------------
 
 
@@ -722,27 +578,6 @@ def test_decoder_deadline_and_cancel_free_blocks_and_tell_the_sender(tiny_model)
     finally:
         table.connector.close()
         prefill.close()
-
-
-def test_the_transport_module_does_not_shadow_pyzmq():
-    import pdserve.kvtransfer.transports.zmq as transport
-
-    assert transport.zmq is zmq and Path(zmq.__file__).parent.name == "zmq"
-    assert Path(transport.__file__).parent.name == "transports" and hasattr(zmq, "Context")
-
-
-# -- planning, in one process ----------------------------------------------------------
-
-
-def test_page_runs_follow_contiguity_on_both_ends():
-    kv = torch.arange(2 * 16 * 2 * 1 * 1 * 1, dtype=torch.float32).reshape(2, 16, 2, 1, 1, 1)
-    src = [0, 7, 8, 9, 3, 4]
-    dst = [5, 20, 21, 30, 31, 32]
-    runs = page_runs(kv, 1, 1, 6, src, dst)
-    assert [(first, pages.shape[0]) for first, pages in runs] == [(1, 2), (3, 1), (4, 2)]
-    assert torch.equal(runs[0][1], kv[1, 7:9]) and torch.equal(runs[2][1], kv[1, 3:5])
-    assert runs[0][1].data_ptr() == kv[1, 7].data_ptr()  # views, not copies
-    assert [(f, p.shape[0]) for f, p in page_runs(kv, 0, 1, 6, src)] == [(1, 3), (4, 2)]
 
 
 def test_transfer_plan_round_trips_and_is_checked(tiny_model):
