@@ -4,7 +4,9 @@
                   PageLayout (pure: no state)
     inbox.py      the receiver's acceptance state machine (Inbox): which reservation a
                   message may fill, when it lands, completes or fails
-    transfer.py   one transfer's state on the sending side (Outgoing)
+    transfer.py   one record per transfer: a reservation's Transfer (the connector
+                  makes it, the inbox fills it, the worker's record holds it) and a
+                  prefill export's Export (the connector and its sender share it)
     transports/   the byte movers, each imported only when chosen (registry.py):
       curve.py    CURVE keys of an endpoint (no sockets: services load it freely)
       channel.py  the control channel every transport shares: ZeroMQ headers, acks,

@@ -33,7 +33,8 @@ from typing import Protocol
 
 import torch
 
-from pdserve.engine.spec.draft_state import DraftLayout, DraftState
+from pdserve.engine.spec.draft_state import DraftState
+from pdserve.kvtransfer.transfer import Phase, Transfer
 from pdserve.kvtransfer.wire import (
     AbortHeader,
     AckHeader,
@@ -66,28 +67,6 @@ class TransferEvent:
     peer: bytes | None = None
     nbytes: int = 0
     draft: DraftState | None = None  # the prefill worker's EAGLE head state, when one came
-
-
-@dataclass
-class _Expected:
-    """One reservation waiting for pages. `have[layer][i]` is 1 once page i of that layer
-    arrived intact; `missing` counts the zeros at indices >= skip."""
-
-    request_id: str
-    block_ids: tuple[int, ...]
-    skip: int
-    num_tokens: int
-    digest: bytes
-    secret: bytes  # every message of the transfer proves it (see `sign`)
-    draft: DraftLayout | None  # the head state it takes with the final message (None: none)
-    have: list[bytearray]
-    missing: int
-    peer: bytes | None = None
-    next_seq: int = 0
-    nbytes: int = 0
-    started: bool = False  # a message proving the secret has begun to land
-    writing: bool = False  # a message's bytes are landing in its blocks right now
-    doomed: str | None = None  # cancelled while writing: fail when the write ends
 
 
 class Landing:
@@ -137,11 +116,13 @@ class Inbox:
     """The receiver's transfers: which blocks each may fill, what has landed, and the
     acknowledgements owed. Bytes and acknowledgements only: whether and when a request
     waits, expires or is freed is its owner's (services/worker/requests.py), which
-    ends a transfer here with `cancel`.
+    ends a transfer here with `cancel`. Each transfer is the connector's own
+    `Transfer` (transfer.py, where its phases are drawn), indexed here by request id:
 
-        expect ──first proven message──> (started) ──final, all pages──> done event
-           │ cancel / bad message / sender abort / lost connection ──> failed event
-           └ cancel while a write lands: the failed event follows when the write ends
+        expect ──first proven message──> LANDING ──final, all pages──> ARRIVED: done event
+           │ bad message / sender abort / lost connection ──> FAILED: failed event
+           │ cancel ──> CANCELLED: failed event (acks the sender; its owner already knows)
+           └ cancel while a write lands: CANCELLING, CANCELLED when the write ends
 
     Thread-safe: the engine thread calls `expect`/`cancel`, a transport thread feeds
     messages. Every write into the KV tensor happens inside `pages()` under the lock and
@@ -156,7 +137,7 @@ class Inbox:
         self.lock = threading.RLock()
         self.rejected: Counter[str] = Counter()
         self.stats: Counter[str] = Counter()
-        self._table: dict[str, _Expected] = {}
+        self._table: dict[str, Transfer] = {}
         self._events: list[TransferEvent] = []
         self._started: list[str] = []  # transfers whose first proven message began to land
         # Reservations that ended before any sender was bound to them (no message
@@ -170,26 +151,26 @@ class Inbox:
 
     # -- engine side -------------------------------------------------------------
 
-    def expect(self, request_id: str, block_ids: Sequence[int], skip: int, num_tokens: int,
-               digest: bytes, secret: bytes, draft: DraftLayout | None = None) -> None:
-        """Register a reservation: pages of blocks [skip, len(block_ids)) will arrive, in
-        messages that prove `secret` (which only the chosen sender knows), and maybe
-        the head state of `draft`'s layout with the final message."""
-        check_secret(secret)
-        n = len(block_ids)
+    def expect(self, t: Transfer) -> None:
+        """Register a reservation's transfer: pages of blocks [skip, len(block_ids)) will
+        arrive, in messages that prove its secret (which only the chosen sender knows),
+        and maybe the head state of its `draft` layout with the final message."""
+        check_secret(t.secret)
+        n = len(t.block_ids)
         num_blocks = self.kv.shape[1]
-        if not 0 <= skip <= n or any(not 0 <= b < num_blocks for b in block_ids):
-            raise ValueError(f"block_ids: out of range for {request_id!r}")
-        if -(-num_tokens // self.layout.block_size) != n:
-            raise ValueError(f"num_tokens: {num_tokens} tokens do not fill {n} blocks")
+        if not 0 <= t.skip <= n or any(not 0 <= b < num_blocks for b in t.block_ids):
+            raise ValueError(f"block_ids: out of range for {t.request_id!r}")
+        if -(-t.num_tokens // self.layout.block_size) != n:
+            raise ValueError(f"num_tokens: {t.num_tokens} tokens do not fill {n} blocks")
+        if t.phase is not Phase.EXPECTED:
+            raise ValueError(f"request_id: {t.request_id!r} has been expected before")
         with self.lock:
-            if request_id in self._table:
-                raise ValueError(f"request_id: {request_id!r} is already expected")
-            have = [bytearray(n) for _ in range(self.layout.num_layers)]
-            missing = (n - skip) * self.layout.num_layers
-            self._table[request_id] = _Expected(
-                request_id, tuple(block_ids), skip, num_tokens, digest, secret, draft, have, missing,
-            )
+            if t.request_id in self._table:
+                raise ValueError(f"request_id: {t.request_id!r} is already expected")
+            t.block_ids = tuple(t.block_ids)
+            t.have = [bytearray(n) for _ in range(self.layout.num_layers)]
+            t.missing = (n - t.skip) * self.layout.num_layers
+            self._table[t.request_id] = t
 
     def cancel(self, request_id: str, reason: str = "cancelled") -> bool:
         """Fail a reservation (its owner gave up on it: aborted, or its deadline passed).
@@ -201,10 +182,12 @@ class Inbox:
             t = self._table.get(request_id)
             if t is None:
                 return True
-            if t.writing:
-                t.doomed = t.doomed or reason
+            if t.phase is Phase.LANDING:
+                t.phase, t.reason = Phase.CANCELLING, reason
                 return False
-            self._fail(t, reason)
+            if t.phase is Phase.CANCELLING:
+                return False
+            self._end(t, Phase.CANCELLED, reason)
             return True
 
     def has_events(self) -> bool:
@@ -240,9 +223,9 @@ class Inbox:
         with self.lock:
             for t in list(self._table.values()):
                 if t.peer == peer or (t.request_id == request_id and t.peer is None):
-                    if t.writing:
-                        t.doomed = t.doomed or reason
-                    else:
+                    if t.phase is Phase.LANDING:  # ends with the write (the owner hears of it then)
+                        t.phase, t.reason = Phase.CANCELLING, reason
+                    elif t.phase is not Phase.CANCELLING:
                         self._fail(t, reason)
 
     # -- transport side ----------------------------------------------------------
@@ -259,17 +242,18 @@ class Inbox:
         on a clean exit the pages count as received, on any exception none of this
         message's pages do, and the exception propagates (the caller counts it). The
         lock is not held while the bytes land: the transfer is marked `writing`, so a
-        cancel meanwhile is deferred until the write ends (one transport thread writes,
-        so at most one message per transfer is in flight).
+        cancel meanwhile is deferred until the write ends (LANDING -> CANCELLING; one
+        transport thread writes, so at most one message per transfer is in flight).
         """
         with self.lock:
             t = self._admit(h, peer)
+            if t.phase is Phase.CANCELLING:  # its owner gave up; the write in flight ends it
+                raise WireError("ended_request", f"the reservation for {h.request_id!r} is being cancelled")
             layer_bytes = self._layer_bytes[h.layer] if self._layer_bytes is not None else None
             landings = [Landing(self.kv, h.layer, t.block_ids[f : f + c], host, layer_bytes) for f, c in h.runs]
-            t.writing = True
             if not t.started:
-                t.started = True
                 self._started.append(t.request_id)
+            t.phase = Phase.LANDING
         ok = False
         try:
             yield landings
@@ -278,7 +262,6 @@ class Inbox:
             ok = True
         finally:
             with self.lock:
-                t.writing = False
                 self._mark(t, h, 1 if ok else 0)
                 if ok:
                     t.peer = peer  # the first accepted message binds the transfer to its sender
@@ -286,8 +269,10 @@ class Inbox:
                     t.nbytes += h.total_bytes
                     self.stats["bytes"] += h.total_bytes
                     self.stats["messages"] += 1
-                if t.doomed is not None:
-                    self._fail(t, t.doomed)
+                if t.phase is Phase.CANCELLING:
+                    self._end(t, Phase.CANCELLED, t.reason)
+                elif not t.phase.ended:
+                    t.phase = Phase.RECEIVING
 
     def final(self, h: FinalHeader, peer: bytes, src: FrameSource | None = None) -> None:
         """The last message: complete the transfer (or fail it if pages are missing, or
@@ -311,6 +296,7 @@ class Inbox:
                     self._fail(t, f"final: {exc}")
                     raise
             del self._table[t.request_id]
+            t.phase = Phase.ARRIVED
             self.stats["done"] += 1
             self._events.append(TransferEvent(t.request_id, True, "", h.first_tokens, t.peer, t.nbytes, draft))
 
@@ -323,7 +309,7 @@ class Inbox:
 
     # -- internals ---------------------------------------------------------------
 
-    def _proven(self, h: Signed, peer: bytes) -> _Expected:
+    def _proven(self, h: Signed, peer: bytes) -> Transfer:
         """The transfer a message belongs to, once the message proves its secret.
 
         A message from a sender other than the one a transfer is bound to is refused
@@ -345,7 +331,7 @@ class Inbox:
             raise WireError("bad_mac", f"{h.kind} for {h.request_id!r} does not prove the reservation's secret")
         return t
 
-    def _check_seq(self, t: _Expected, seq: int, peer: bytes) -> _Expected | None:
+    def _check_seq(self, t: Transfer, seq: int, peer: bytes) -> Transfer | None:
         """`t` if `seq` is the next number; None if a replay or a gap just failed it."""
         if seq == t.next_seq:
             return t
@@ -354,7 +340,7 @@ class Inbox:
         self._fail(t, f"messages {what}: seq {seq}, expected {t.next_seq}")
         return None
 
-    def _admit(self, h: PagesHeader, peer: bytes) -> _Expected:
+    def _admit(self, h: PagesHeader, peer: bytes) -> Transfer:
         lay = self.layout
         t = self._proven(h, peer)
         if h.dtype != lay.dtype or h.page != lay.wire_page:
@@ -372,15 +358,21 @@ class Inbox:
             raise WireError("bad_sequence", f"seq {h.seq} out of order failed {h.request_id!r}")
         return t
 
-    def _mark(self, t: _Expected, h: PagesHeader, value: int) -> None:
+    def _mark(self, t: Transfer, h: PagesHeader, value: int) -> None:
         row = t.have[h.layer]
         for first, count in h.runs:
             had = row.count(1, first, first + count)
             row[first : first + count] = bytes([value]) * count
             t.missing += had - (count if value else 0)
 
-    def _fail(self, t: _Expected, reason: str) -> None:
+    def _fail(self, t: Transfer, reason: str) -> None:
+        self._end(t, Phase.FAILED, reason)
+
+    def _end(self, t: Transfer, phase: Phase, reason: str) -> None:
+        """The one way a transfer leaves the table without arriving (FAILED or
+        CANCELLED); its event follows, after which nothing writes its blocks."""
         del self._table[t.request_id]
+        t.phase, t.reason = phase, reason
         if t.peer is None:  # no sender hears of it now: tell it when it shows up
             self._ended[t.request_id] = (t.secret, reason)
             while len(self._ended) > MAX_ENDED:
@@ -389,7 +381,7 @@ class Inbox:
         self._events.append(TransferEvent(t.request_id, False, reason, (), t.peer, t.nbytes))
 
 
-def _read_draft(t: _Expected, draft: tuple[int, int, str], src: FrameSource | None) -> DraftState:
+def _read_draft(t: Transfer, draft: tuple[int, int, str], src: FrameSource | None) -> DraftState:
     """The head state that follows a final header, checked against the reservation's
     layout by dtype and size before a byte is read; WireError if it does not fit."""
     base, nbytes, dtype = draft

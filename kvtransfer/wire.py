@@ -69,12 +69,15 @@ import os
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
 
 import msgpack
 import torch
 
 from pdserve.engine.validation import MAX_REQUEST_ID
+
+if TYPE_CHECKING:
+    from pdserve.engine.spec.draft_state import DraftState
 
 VERSION = 3  # 3: final messages carry `draft` (an EAGLE head's state)
 MAX_HEADER_BYTES = 1 << 16
@@ -319,6 +322,27 @@ def sign(h: Signed, secret: bytes) -> Signed:
 
 def proves(h: Signed, secret: bytes) -> bool:
     return hmac.compare_digest(h.mac, message_mac(secret, h))
+
+
+def final_message(request_id: str, seq: int, secret: bytes, num_tokens: int, digest: bytes,
+                  first_tokens: Sequence[int], draft: DraftState | None, max_frame_bytes: int) -> list[Any]:
+    """The frames of a signed final message: its header, then the EAGLE head's state
+    `draft` (if any: its KV rows, then its feature) in frames of at most
+    `max_frame_bytes`, views of one buffer."""
+    frames: list[Any] = []
+    described = None
+    if draft is not None:
+        flat = torch.cat([draft.kv.reshape(-1).view(torch.uint8), draft.feature.reshape(-1).view(torch.uint8)])
+        data = as_bytes_view(flat)
+        frames = [data[i : i + max_frame_bytes] for i in range(0, len(data), max_frame_bytes)]
+        described = (draft.base, len(data), str(draft.kv.dtype).removeprefix("torch."))
+    header = FinalHeader(request_id, seq, num_tokens, digest, tuple(first_tokens), described)
+    return [encode(sign(header, secret)), *frames]
+
+
+def abort_message(request_id: str, secret: bytes, reason: str) -> list[bytes]:
+    """The one frame of a signed abort message (the reason cut to fit)."""
+    return [encode(sign(AbortHeader(request_id, reason[:1000]), secret))]
 
 
 def encode(h: Header) -> bytes:

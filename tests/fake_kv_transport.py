@@ -23,20 +23,20 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pdserve.engine.spec.draft_state import DraftLayout, DraftState
+from pdserve.engine.spec.draft_state import DraftState
 from pdserve.kvtransfer.inbox import Inbox, TransferEvent, deliver
-from pdserve.kvtransfer.transfer import Outgoing
+from pdserve.kvtransfer.transfer import Export, Transfer
 from pdserve.kvtransfer.wire import (
-    AbortHeader,
     AckHeader,
-    FinalHeader,
     PageLayout,
     PagesHeader,
     TransferError,
     WireError,
+    abort_message,
     as_bytes_view,
     check_secret,
     encode,
+    final_message,
     sign,
 )
 
@@ -147,9 +147,8 @@ class FakeReceiver:
     def start(self) -> str:
         return self.endpoint
 
-    def expect(self, request_id: str, block_ids: Sequence[int], skip: int, num_tokens: int,
-               digest: bytes, secret: bytes, draft: DraftLayout | None = None) -> None:
-        self.inbox.expect(request_id, block_ids, skip, num_tokens, digest, secret, draft)
+    def expect(self, transfer: Transfer) -> None:
+        self.inbox.expect(transfer)
 
     def cancel(self, request_id: str, reason: str = "cancelled") -> bool:
         return self.inbox.cancel(request_id, reason)
@@ -197,12 +196,12 @@ class FakeSender:
         self.counters: Counter[str] = Counter()
         network.senders[peer] = self
 
-    def open(self, request_id: str, endpoint: str, server_key: bytes | None = None, *, secret: bytes) -> Outgoing:
+    def open(self, request_id: str, endpoint: str, server_key: bytes | None = None, *, secret: bytes) -> Export:
         if endpoint not in self.network.receivers:
             raise TransferError(f"{endpoint}: no receiver there")
-        return Outgoing(request_id, endpoint, check_secret(secret), server_key)
+        return Export(request_id, endpoint, check_secret(secret), server_key)
 
-    def send_pages(self, out: Outgoing, layer: int, runs: Sequence[tuple[int, torch.Tensor]], layout: PageLayout) -> int:
+    def send_pages(self, out: Export, layer: int, runs: Sequence[tuple[int, torch.Tensor]], layout: PageLayout) -> int:
         if not runs:
             return 0
         spans = tuple((first, pages.shape[0]) for first, pages in runs)
@@ -215,21 +214,15 @@ class FakeSender:
         self.counters["messages"] += 1
         return sum(nbytes)
 
-    def send_final(self, out: Outgoing, num_tokens: int, digest: bytes, first_tokens: Sequence[int],
+    def send_final(self, out: Export, num_tokens: int, digest: bytes, first_tokens: Sequence[int],
                    draft: DraftState | None = None) -> None:
-        frames: list[bytes] = []
-        described = None
-        if draft is not None:
-            flat = torch.cat([draft.kv.reshape(-1).view(torch.uint8), draft.feature.reshape(-1).view(torch.uint8)])
-            frames = [bytes(as_bytes_view(flat))]
-            described = (draft.base, len(frames[0]), str(draft.kv.dtype).removeprefix("torch."))
-        header = FinalHeader(out.request_id, out.seq, num_tokens, digest, tuple(first_tokens), described)
-        self._send(out, [encode(sign(header, out.secret)), *frames])
+        self._send(out, final_message(out.request_id, out.seq, out.secret, num_tokens, digest, first_tokens, draft,
+                                      1 << 20))
         out.seq += 1
 
-    def send_abort(self, out: Outgoing, reason: str) -> None:
+    def send_abort(self, out: Export, reason: str) -> None:
         try:
-            self._send(out, [encode(sign(AbortHeader(out.request_id, reason[:1000]), out.secret))])
+            self._send(out, abort_message(out.request_id, out.secret, reason))
         except TransferError:
             pass
 
@@ -240,7 +233,7 @@ class FakeSender:
     def close(self) -> None:
         self.network.senders.pop(self.peer, None)
 
-    def _send(self, out: Outgoing, frames: list[bytes]) -> None:
+    def _send(self, out: Export, frames: list[bytes]) -> None:
         self.network.send(out.endpoint, self.peer, out.request_id, frames)
 
 

@@ -24,7 +24,7 @@ import torch
 import zmq  # noqa: F401  (pyzmq, not this module: the name must never shadow it; see tests)
 
 from pdserve.kvtransfer.inbox import FrameSource, Inbox, fill_frames
-from pdserve.kvtransfer.transfer import Outgoing
+from pdserve.kvtransfer.transfer import Export
 from pdserve.kvtransfer.transports.channel import ReceiverChannel, Reply, SenderChannel, ZmqConfig
 from pdserve.kvtransfer.transports.curve import CurveConfig
 from pdserve.kvtransfer.wire import AckHeader, Header, PageLayout, PagesHeader, WireError, as_bytes_view
@@ -66,7 +66,7 @@ class FramePageSender:
     def __init__(self, max_frame_bytes: int) -> None:
         self.max_frame_bytes = max_frame_bytes
 
-    def connect(self, channel: SenderChannel, out: Outgoing) -> None:
+    def connect(self, channel: SenderChannel, out: Export) -> None:
         pass
 
     def payloads(self, runs: Sequence[tuple[int, torch.Tensor]], layout: PageLayout) -> tuple[list[tuple[int, int]], list]:
@@ -85,7 +85,7 @@ class FramePageSender:
                 frames.append(view[k * page : (k + count) * page])
         return spans, frames
 
-    def send(self, channel: SenderChannel, out: Outgoing, header: bytes, payloads: list) -> None:
+    def send(self, channel: SenderChannel, out: Export, header: bytes, payloads: list) -> None:
         channel.send(out, [header, *payloads])
 
     def poll(self) -> list[AckHeader]:

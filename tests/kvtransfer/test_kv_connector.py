@@ -19,6 +19,7 @@ from pdserve.engine.export import ExportSlice
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kvtransfer.connector import DecodeConnector, KVConnector, PrefillConnector, Transport, page_runs
 from pdserve.kvtransfer.stats import KVTransferStats
+from pdserve.kvtransfer.transfer import Export, ExportPhase, Phase, Transfer
 from pdserve.kvtransfer.wire import LayoutMismatch, PagesHeader, encode, sign
 
 LAYERS, BLOCKS, BLOCK_SIZE, HEADS, DIM = 2, 16, 4, 2, 8
@@ -46,14 +47,17 @@ class Pair:
         self.decode = DecodeConnector(self.receiver, self.decode_kv, VOCAB)
         self.prefill = PrefillConnector(self.sender, self.prefill_kv)
         self.cached_tokens = cached_tokens
+        self.transfers: dict[str, Transfer] = {}
+        self.exports: dict[str, Export] = {}
 
-    def reserve(self, rid: str = "r", params: SamplingParams | None = None):
+    def reserve(self, rid: str = "r", params: SamplingParams | None = None) -> Transfer:
         reservation = Reservation(rid, list(RESERVED), self.cached_tokens)
-        return self.decode.expect(reservation, PROMPT, params or SamplingParams(max_tokens=4))
+        self.transfers[rid] = self.decode.expect(reservation, PROMPT, params or SamplingParams(max_tokens=4))
+        return self.transfers[rid]
 
     def export(self, rid: str = "r", plan=None, first_token: int | None = 42) -> None:
         """Start the export and run the prefill's layers over the whole prompt."""
-        self.prefill.start(rid, PROMPT, plan if plan is not None else self.reserve(rid))
+        self.exports[rid] = self.prefill.start(rid, PROMPT, plan if plan is not None else self.reserve(rid).plan)
         for layer in range(LAYERS):
             self.prefill.on_layer(layer, [ExportSlice(rid, 0, len(PROMPT), list(HELD))])
 
@@ -73,6 +77,7 @@ def test_pages_land_in_the_reserved_blocks_and_the_final_frame_commits():
     pair.prefill.finish("r", 42)
     update = pair.decode.poll()
     assert update.arrived == {"r": 42} and not update.failed
+    assert pair.transfers["r"].phase is Phase.ARRIVED and pair.transfers["r"].missing == 0
     assert pair.decode.expecting() == [] and pair.decode.stats["committed"] == 1
     assert pair.decode.stats["bytes"] == LAYERS * 4 * pair.decode.layout.page_bytes
 
@@ -89,7 +94,7 @@ def test_blocks_the_decoder_holds_are_neither_sent_nor_written():
 
 def test_a_request_that_samples_its_own_first_token_ignores_the_senders():
     pair = Pair()
-    plan = pair.reserve(params=SamplingParams(max_tokens=4, n=2))
+    plan = pair.reserve(params=SamplingParams(max_tokens=4, n=2)).plan
     assert not plan.sample_first_token
     pair.export(plan=plan)
     pair.prefill.finish("r", 42)  # the plan says: no token travels
@@ -103,8 +108,12 @@ def test_the_ack_frees_the_prefill_side():
     pair.prefill.finish("r", 42)
     assert pair.prefill.exporting() == ["r"]  # the blocks wait for the ack
     pair.decode.poll()
+    assert pair.exports["r"].phase is ExportPhase.FINAL_SENT
     update = pair.prefill.poll()
     assert list(update.done) == ["r"] and not update.failed
+    assert pair.exports["r"].phase is ExportPhase.ACKED
+    pair.prefill.cancel(pair.exports["r"], "too late")  # an export reported ended: nothing to stop
+    assert pair.prefill.stats["failed"] == 0
     assert pair.prefill.exporting() == [] and pair.prefill.stats["done"] == 1
 
 
@@ -119,7 +128,10 @@ def test_cancel_while_pages_land_waits_for_the_write():
     writer.start()
     try:
         assert gate.entered.wait(10)
-        assert pair.decode.cancel("r", "deadline exceeded") is False
+        transfer = pair.transfers["r"]
+        assert transfer.phase is Phase.LANDING
+        assert pair.decode.cancel(transfer, "deadline exceeded") is False
+        assert transfer.phase is Phase.CANCELLING  # the one fact: cancelled while pages land
         assert pair.decode.poll().failed == {}  # the write is still landing
         assert pair.decode.expecting() == ["r"]
     finally:
@@ -127,6 +139,7 @@ def test_cancel_while_pages_land_waits_for_the_write():
         writer.join(10)
     update = pair.decode.poll()
     assert update.failed == {"r": "deadline exceeded"} and not update.arrived
+    assert transfer.phase is Phase.CANCELLED and pair.decode.cancel(transfer) is True
     assert pair.decode.expecting() == [] and pair.decode.poll().failed == {}  # reported once
     pair.prefill.finish("r", 42)  # the sender goes on, and hears that the reservation ended
     assert "r" in pair.prefill.poll().failed
@@ -134,15 +147,16 @@ def test_cancel_while_pages_land_waits_for_the_write():
 
 def test_cancel_with_nothing_landing_frees_at_once():
     pair = Pair()
-    pair.reserve()
-    assert pair.decode.cancel("r", "aborted") is True
+    transfer = pair.reserve()
+    assert pair.decode.cancel(transfer, "aborted") is True
+    assert transfer.phase is Phase.CANCELLED and transfer.reason == "aborted"
     assert pair.decode.expecting() == [] and pair.decode.poll().failed == {}  # the owner already knows
-    assert pair.decode.cancel("unknown") is True
+    assert pair.decode.cancel(transfer) is True  # twice: nothing more to stop
 
 
 def test_a_wrong_sender_is_refused_and_its_unproven_frames_land_nowhere():
     pair = Pair()
-    plan = pair.reserve()
+    plan = pair.reserve().plan
     stranger = FakeSender(pair.network, peer=b"stranger")
     wrong = plan.__class__(**{**plan.__dict__, "secret": b"x" * 32})  # a plan it guessed
     PrefillConnector(stranger, pair.prefill_kv).start("r", PROMPT, wrong)
@@ -156,7 +170,7 @@ def test_a_wrong_sender_is_refused_and_its_unproven_frames_land_nowhere():
 
 def test_a_bound_transfer_ignores_a_strangers_frames():
     pair = Pair()
-    plan = pair.reserve()
+    plan = pair.reserve().plan
     pair.prefill.start("r", PROMPT, plan)
     pair.prefill.on_layer(0, [ExportSlice("r", 0, len(PROMPT), list(HELD))])  # binds "r" to its sender
     stranger = FakeSender(pair.network, peer=b"stranger")
@@ -172,10 +186,10 @@ def test_a_bound_transfer_ignores_a_strangers_frames():
 @pytest.mark.parametrize("gap, why", [(1, "lost"), (-1, "replayed")])
 def test_a_sequence_gap_or_replay_fails_the_transfer(gap, why):
     pair = Pair()
-    plan = pair.reserve()
+    plan = pair.reserve().plan
     pair.prefill.start("r", PROMPT, plan)
     pair.prefill.on_layer(0, [ExportSlice("r", 0, len(PROMPT), list(HELD))])
-    pair.prefill._exports["r"].out.seq += gap  # a message lost (or one sent again) on the way
+    pair.prefill._exports["r"].seq += gap  # a message lost (or one sent again) on the way
     pair.prefill.on_layer(1, [ExportSlice("r", 0, len(PROMPT), list(HELD))])
     update = pair.decode.poll()
     assert why in update.failed["r"] and not update.arrived
@@ -185,8 +199,8 @@ def test_a_sequence_gap_or_replay_fails_the_transfer(gap, why):
 def test_an_abort_before_the_final_frame_fails_the_reservation_now():
     pair = Pair()
     pair.export()
-    pair.prefill.cancel("r", "prefill worker draining")
-    assert pair.prefill.exporting() == []
+    pair.prefill.cancel(pair.exports["r"], "prefill worker draining")
+    assert pair.prefill.exporting() == [] and pair.exports["r"].phase is ExportPhase.CANCELLED
     update = pair.decode.poll()
     assert update.failed == {"r": "sender aborted: prefill worker draining"}
     assert pair.prefill.stats["failed"] == 0  # an abort the owner chose, not a failure
@@ -194,7 +208,7 @@ def test_an_abort_before_the_final_frame_fails_the_reservation_now():
 
 def test_a_final_frame_with_pages_missing_fails():
     pair = Pair()
-    pair.prefill.start("r", PROMPT, pair.reserve())
+    pair.prefill.start("r", PROMPT, pair.reserve().plan)
     pair.prefill.on_layer(0, [ExportSlice("r", 0, len(PROMPT), list(HELD))])  # layer 1 never sent
     pair.prefill.finish("r", 42)
     assert "pages never arrived" in pair.decode.poll().failed["r"]
@@ -211,7 +225,7 @@ def test_a_first_token_outside_the_vocabulary_fails_the_transfer():
 
 def test_a_layout_mismatch_is_refused_before_any_page_leaves():
     pair = Pair(prefill_dtype=torch.float16)
-    plan = pair.reserve()
+    plan = pair.reserve().plan
     with pytest.raises(LayoutMismatch, match="dtype"):
         pair.prefill.start("r", PROMPT, plan)
     assert pair.prefill.exporting() == [] and pair.sender.counters["messages"] == 0
@@ -220,7 +234,7 @@ def test_a_layout_mismatch_is_refused_before_any_page_leaves():
 
 def test_pages_of_another_layout_are_dropped_on_arrival():
     pair = Pair()
-    plan = pair.reserve()
+    plan = pair.reserve().plan
     header = PagesHeader("r", 0, 0, ((0, 1),), (pair.decode.layout.page_bytes // 2,), "float16",
                          pair.decode.layout.wire_page)
     pair.network.send(plan.endpoint, pair.sender.peer, "r", [encode(sign(header, plan.secret)),
@@ -230,7 +244,7 @@ def test_pages_of_another_layout_are_dropped_on_arrival():
 
 def test_a_plan_for_another_prompt_is_refused():
     pair = Pair(cached_tokens=BLOCK_SIZE)
-    plan = pair.reserve()
+    plan = pair.reserve().plan
     with pytest.raises(ValueError, match="cached_block_hashes"):
         pair.prefill.start("r", [t + 1 for t in PROMPT], plan)
     with pytest.raises(ValueError, match="num_tokens"):
@@ -241,7 +255,7 @@ def test_a_plan_for_another_prompt_is_refused():
 
 def test_an_unreachable_receiver_fails_the_start():
     pair = Pair()
-    plan = pair.reserve()
+    plan = pair.reserve().plan
     pair.receiver.close()
     with pytest.raises(Exception, match="no receiver"):
         pair.prefill.start("r", PROMPT, plan)

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from pdserve.engine.spec.draft_state import DraftLayout
 from pdserve.kvtransfer.inbox import Inbox, deliver
+from pdserve.kvtransfer.transfer import Transfer
 from pdserve.kvtransfer.wire import (
     VERSION,
     AbortHeader,
@@ -71,7 +72,7 @@ def make_kv() -> torch.Tensor:
 
 def make_inbox() -> Inbox:
     inbox = Inbox(make_kv())
-    inbox.expect("r", RESERVED, SKIP, len(PROMPT), DIGEST, SECRET)
+    inbox.expect(Transfer("r", RESERVED, SKIP, len(PROMPT), DIGEST, SECRET))
     return inbox
 
 
@@ -261,7 +262,7 @@ def test_a_transfer_starts_with_its_first_proven_message_once():
     inbox = make_inbox()
     assert feed(inbox, pages("r", 0, 0, [(1, 3)], secret=new_secret())) == "bad_mac"
     assert inbox.take_started() == []
-    inbox.expect("r2", RESERVED, SKIP, len(PROMPT), DIGEST, SECRET)
+    inbox.expect(Transfer("r2", RESERVED, SKIP, len(PROMPT), DIGEST, SECRET))
     assert feed(inbox, pages("r2", 0, 0, [(1, 3)], frames=[b"x"])) == "truncated"  # proven: it began to land
     assert feed(inbox, pages("r2", 0, 0, [(1, 3)])) is None
     assert feed(inbox, pages("r2", 1, 1, [(1, 3)])) is None
@@ -296,7 +297,7 @@ def test_cancel_ends_reservations_and_the_inbox_keeps_no_deadline():
     """A transfer ends when its owner (the worker's request table) cancels it: at
     its deadline too, which is the owner's; the inbox waits as long as it is told."""
     inbox = make_inbox()
-    inbox.expect("s", (0, 1), 0, 8, prompt_digest(list(range(8))), SECRET)
+    inbox.expect(Transfer("s", (0, 1), 0, 8, prompt_digest(list(range(8))), SECRET))
     assert inbox.cancel("r", "client went away")
     assert inbox.cancel("r")  # already gone: safe to free
     assert [e.request_id for e in inbox.take_events()] == ["r"]
@@ -315,7 +316,7 @@ def test_a_cancel_during_a_write_waits_for_it_and_never_blocks():
     with inbox.pages(header, PEER) as landings:
         # Bytes are landing (p2p receives can take a while): the engine thread is not
         # blocked, but it must not free the blocks yet.
-        other = threading.Thread(target=inbox.expect, args=("x", (0,), 0, 2, DIGEST, SECRET))
+        other = threading.Thread(target=inbox.expect, args=(Transfer("x", (0,), 0, 2, DIGEST, SECRET),))
         other.start()
         other.join(5)
         assert not other.is_alive()
@@ -331,14 +332,14 @@ def test_a_cancel_during_a_write_waits_for_it_and_never_blocks():
 def test_expect_refuses_bad_reservations():
     inbox = make_inbox()
     with pytest.raises(ValueError, match="already expected"):
-        inbox.expect("r", RESERVED, SKIP, len(PROMPT), DIGEST, SECRET)
+        inbox.expect(Transfer("r", RESERVED, SKIP, len(PROMPT), DIGEST, SECRET))
     with pytest.raises(ValueError, match="block_ids"):
-        inbox.expect("x", (1, NUM_BLOCKS), 0, 8, DIGEST, SECRET)
+        inbox.expect(Transfer("x", (1, NUM_BLOCKS), 0, 8, DIGEST, SECRET))
     with pytest.raises(ValueError, match="num_tokens"):
-        inbox.expect("x", (1, 2), 0, 9, DIGEST, SECRET)
+        inbox.expect(Transfer("x", (1, 2), 0, 9, DIGEST, SECRET))
     for secret in (b"", b"short", "s" * 32, None):
         with pytest.raises(ValueError, match="secret"):
-            inbox.expect("x", (1, 2), 0, 8, DIGEST, secret)
+            inbox.expect(Transfer("x", (1, 2), 0, 8, DIGEST, secret))
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -346,7 +347,7 @@ def test_half_precision_pages_keep_their_bits(dtype):
     layout = PageLayout(2, 4, 1, 8, dtype)
     kv = torch.zeros((2, 6, *layout.page_shape), dtype=layout.torch_dtype)
     inbox = Inbox(kv)
-    inbox.expect("h", (4, 2), 0, 5, prompt_digest([1] * 5), SECRET)
+    inbox.expect(Transfer("h", (4, 2), 0, 5, prompt_digest([1] * 5), SECRET))
     src = torch.randn((2, 2, *layout.page_shape)).to(layout.torch_dtype)
     for layer in range(2):
         raw = [src[layer, i].view(torch.uint8).numpy().tobytes() for i in range(2)]
@@ -376,7 +377,7 @@ def test_fp8_pages_land_byte_exactly(dtype):
     kv = torch.zeros((2, 8, *layout.page_shape), dtype=layout.torch_dtype)
     inbox = Inbox(kv)
     reserved, prompt = (4, 2, 3), [1] * 10  # 3 blocks of 4
-    inbox.expect("f", reserved, 0, len(prompt), prompt_digest(prompt), SECRET)
+    inbox.expect(Transfer("f", reserved, 0, len(prompt), prompt_digest(prompt), SECRET))
     src = random_pages(layout, 2, 3, seed=5)
     runs = ((0, 2), (2, 1))  # blocks 4, 2: staged; block 3: straight into the cache
     for layer in range(2):
@@ -400,7 +401,7 @@ def test_pages_of_another_dtype_are_dropped_on_arrival(sent):
     layout = PageLayout(1, 4, 1, 8, "float8_e4m3fn")
     kv = torch.zeros((1, 4, *layout.page_shape), dtype=layout.torch_dtype)
     inbox = Inbox(kv)
-    inbox.expect("x", (1,), 0, 4, prompt_digest([1] * 4), SECRET)
+    inbox.expect(Transfer("x", (1,), 0, 4, prompt_digest([1] * 4), SECRET))
     header = PagesHeader("x", 0, 0, ((0, 1),), (layout.page_bytes,), sent, layout.wire_page)
     with pytest.raises(WireError, match="bad_layout") as err:
         deliver(inbox, PEER, ListFrames([encode(sign(header, SECRET)), b"\x7f" * layout.page_bytes]))
@@ -507,7 +508,7 @@ DRAFT = DraftLayout(torch.float32, num_kv_heads=2, head_dim=4, feature_size=6)  
 
 def draft_inbox(layout: DraftLayout | None = DRAFT) -> Inbox:
     inbox = Inbox(make_kv())
-    inbox.expect("r", RESERVED, SKIP, len(PROMPT), DIGEST, SECRET, layout)
+    inbox.expect(Transfer("r", RESERVED, SKIP, len(PROMPT), DIGEST, SECRET, layout))
     return inbox
 
 

@@ -40,6 +40,7 @@ from cluster_helpers import REPO, UpProcess, child_env, wait_for
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.hashing import hash_blocks
 from pdserve.kvtransfer.plan import TransferPlan
+from pdserve.kvtransfer.transfer import Transfer
 from pdserve.kvtransfer.transports.nccl import SignedStore, listening_store
 from pdserve.kvtransfer.transports.zmq import ZmqConfig, ZmqReceiver, ZmqSender
 from pdserve.kvtransfer.wire import VERSION, PageLayout, new_secret, prompt_digest
@@ -323,7 +324,7 @@ def test_workers_sharing_a_cluster_curve_key_exchange_kv_and_no_other_key_gets_i
         endpoint = receiver.start()
         for i, (who, sender) in enumerate(senders.items()):
             secret = new_secret()
-            receiver.expect(who, [2 * i, 2 * i + 1], 0, len(prompt), prompt_digest(prompt), secret)
+            receiver.expect(Transfer(who, [2 * i, 2 * i + 1], 0, len(prompt), prompt_digest(prompt), secret))
             out = sender.open(who, endpoint, receiver.server_key, secret=secret)
             for layer in range(layout.num_layers):
                 sender.send_pages(out, layer, [(0, src[layer])], layout)

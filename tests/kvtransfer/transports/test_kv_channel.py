@@ -3,6 +3,7 @@ its receiver admits per frame, and that closing it ends every reservation it hel
 
 from __future__ import annotations
 
+from pdserve.kvtransfer.transfer import Transfer
 from pdserve.kvtransfer.transports.channel import FRAME_OVERHEAD
 from pdserve.kvtransfer.transports.zmq import ZmqConfig, ZmqReceiver
 from pdserve.kvtransfer.wire import MAX_HEADER_BYTES, PageLayout, new_secret, prompt_digest
@@ -19,8 +20,8 @@ def test_the_longest_frame_admitted_is_a_header_a_frame_or_a_page(tiny_kv):
 def test_closing_the_receiver_fails_every_reservation_it_holds(tiny_kv):
     receiver = ZmqReceiver(tiny_kv, "tcp://127.0.0.1:0")
     assert receiver.start().startswith("tcp://127.0.0.1:")
-    receiver.expect("a", [0, 1], 0, 8, prompt_digest(list(range(8))), new_secret())
-    receiver.expect("b", [2], 0, 4, prompt_digest(list(range(4))), new_secret())
+    receiver.expect(Transfer("a", [0, 1], 0, 8, prompt_digest(list(range(8))), new_secret()))
+    receiver.expect(Transfer("b", [2], 0, 4, prompt_digest(list(range(4))), new_secret()))
     told = []
     receiver.on_events = lambda: told.append(True)
     receiver.close()

@@ -10,6 +10,7 @@ import torch
 import zmq
 
 from cluster_helpers import wait_for
+from pdserve.kvtransfer.transfer import Transfer
 from pdserve.kvtransfer.transports.zmq import CurveConfig, ZmqConfig, ZmqReceiver, ZmqSender
 from pdserve.kvtransfer.wire import PageLayout, TransferError, new_secret, prompt_digest
 
@@ -39,7 +40,7 @@ def test_curve_admits_only_authorized_senders(certs, tiny_kv):
     try:
         for i, (who, sender) in enumerate(senders.items()):
             secret = new_secret()
-            receiver.expect(who, [2 * i, 2 * i + 1], 0, len(prompt), prompt_digest(prompt), secret)
+            receiver.expect(Transfer(who, [2 * i, 2 * i + 1], 0, len(prompt), prompt_digest(prompt), secret))
             try:
                 _send_whole(sender, who, endpoint, src, prompt, secret)
             except TransferError:
@@ -94,7 +95,7 @@ def test_curve_frames_of_the_largest_size_arrive(certs):
     try:
         endpoint = receiver.start()
         secret = new_secret()
-        receiver.expect("big", [0, 1, 2, 3, 4], 0, len(prompt), prompt_digest(prompt), secret)
+        receiver.expect(Transfer("big", [0, 1, 2, 3, 4], 0, len(prompt), prompt_digest(prompt), secret))
         out = sender.open("big", endpoint, secret=secret)
         for layer in range(2):
             sender.send_pages(out, layer, [(0, src[layer, 0:5])], PageLayout.of(kv))  # frames of 2, 2, 1 pages
