@@ -21,7 +21,8 @@
     registry.py   transports by name (--kv-connector zmq | zmq_ipc | gloo | nccl | none)
     stats.py      the transfer counters (KVTransferStats)
 
-kvtransfer knows nothing about scheduling or lifecycles: the planning side reports
-what arrived, was acknowledged or failed, and never calls the engine; the worker's
-request table (services/worker/requests.py) decides and frees.
+kvtransfer knows nothing about scheduling or deadlines: a transfer's record
+(transfer.py) has phases but no deadline, the planning side reports what arrived,
+was acknowledged or failed, and never calls the engine; the worker's request table
+(services/worker/requests.py) holds each record, decides and frees.
 """

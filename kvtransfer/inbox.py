@@ -122,7 +122,8 @@ class Inbox:
         expect ──first proven message──> LANDING ──final, all pages──> ARRIVED: done event
            │ bad message / sender abort / lost connection ──> FAILED: failed event
            │ cancel ──> CANCELLED: failed event (acks the sender; its owner already knows)
-           └ cancel while a write lands: CANCELLING, CANCELLED when the write ends
+           └ cancel (or a lost sender) while a write lands: CANCELLING, CANCELLED when
+             the write ends
 
     Thread-safe: the engine thread calls `expect`/`cancel`, a transport thread feeds
     messages. Every write into the KV tensor happens inside `pages()` under the lock and

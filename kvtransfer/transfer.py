@@ -24,7 +24,9 @@ deadline (the record's deadline is the reservation's):
 returned False, the record keeps its blocks (and this transfer), and the connector
 reports the transfer in `failed` once the write is over; only then are the blocks
 freed. A cancel that returns True (CANCELLED at once) is never reported: the owner
-already knows.
+already knows. A sender lost while its own write lands takes the same road (CANCELLING,
+then CANCELLED when the write ends, reported as failed to an owner that never
+cancelled).
 
 Threads: the engine thread makes a Transfer and never changes its reservation fields
 (request_id .. plan) afterwards. Every other

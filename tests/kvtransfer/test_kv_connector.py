@@ -186,10 +186,9 @@ def test_a_bound_transfer_ignores_a_strangers_frames():
 @pytest.mark.parametrize("gap, why", [(1, "lost"), (-1, "replayed")])
 def test_a_sequence_gap_or_replay_fails_the_transfer(gap, why):
     pair = Pair()
-    plan = pair.reserve().plan
-    pair.prefill.start("r", PROMPT, plan)
+    export = pair.prefill.start("r", PROMPT, pair.reserve().plan)
     pair.prefill.on_layer(0, [ExportSlice("r", 0, len(PROMPT), list(HELD))])
-    pair.prefill._exports["r"].seq += gap  # a message lost (or one sent again) on the way
+    export.seq += gap  # a message lost (or one sent again) on the way
     pair.prefill.on_layer(1, [ExportSlice("r", 0, len(PROMPT), list(HELD))])
     update = pair.decode.poll()
     assert why in update.failed["r"] and not update.arrived
