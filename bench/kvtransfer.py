@@ -71,8 +71,8 @@ import zmq
 from pdserve.bench.repeat import Ratio, interleaved
 from pdserve.engine import SamplingParams
 from pdserve.engine.config import CacheConfig, SchedulerConfig
-from pdserve.engine.engine import EngineConfig, LLMEngine
 from pdserve.engine.export import ExportSlice
+from pdserve.engine.engine import EngineConfig, LLMEngine
 from pdserve.kvtransfer.connector import KVConnector, Receiver, Sender, Transport, page_runs
 from pdserve.kvtransfer.plan import TransferPlan
 from pdserve.kvtransfer.transports.nccl import TorchDistReceiver, TorchDistSender
