@@ -74,10 +74,10 @@ from pdserve.engine.config import CacheConfig, SchedulerConfig
 from pdserve.engine.export import ExportSlice
 from pdserve.engine.engine import EngineConfig, LLMEngine
 from pdserve.kvtransfer.connector import KVConnector, Receiver, Sender, Transport, page_runs
-from pdserve.kvtransfer.nccl import TorchDistReceiver, TorchDistSender
 from pdserve.kvtransfer.plan import TransferPlan
+from pdserve.kvtransfer.transports.nccl import TorchDistReceiver, TorchDistSender
+from pdserve.kvtransfer.transports.zmq import CurveConfig, ZmqConfig, ZmqReceiver, ZmqSender
 from pdserve.kvtransfer.wire import PageLayout, prompt_digest
-from pdserve.kvtransfer.zmq import CurveConfig, ZmqConfig, ZmqReceiver, ZmqSender
 from pdserve.services.worker.events import FailedEvent, FinishedEvent, RequestStream
 from pdserve.services.worker.requests import RequestTable
 

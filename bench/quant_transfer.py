@@ -39,7 +39,7 @@ from pdserve.engine.config import CacheConfig, SchedulerConfig
 from pdserve.engine.engine import EngineConfig, LLMEngine
 from pdserve.kvtransfer.connector import KVConnector, Transport
 from pdserve.kvtransfer.plan import TransferPlan
-from pdserve.kvtransfer.zmq import ZmqReceiver, ZmqSender
+from pdserve.kvtransfer.transports.zmq import ZmqReceiver, ZmqSender
 from pdserve.services.worker.events import FailedEvent, FinishedEvent
 from pdserve.services.worker.requests import RequestTable
 

@@ -2,25 +2,33 @@
 
     planning side: what the engine thread calls         byte side: what a transport is
     ---------------------------------------------        ------------------------------
-    decode   DecodeConnector.expect(reservation) -> plan  Receiver: expect / cancel /
-             DecodeConnector.poll() -> receiving,           events / receiving
-                                       arrived, failed      (ZmqReceiver, TorchDistReceiver)
-             DecodeConnector.cancel(id) -> bool
-    prefill  PrefillConnector.start(id, plan)             Sender: open / send_pages /
+    decode   DecodeConnector.expect(reservation)          Receiver: expect / cancel /
+               -> Transfer (its .plan for the sender)       events / receiving
+             DecodeConnector.poll() -> receiving,           (ZmqReceiver, TorchDistReceiver)
+                                       arrived, failed
+             DecodeConnector.cancel(transfer) -> bool
+    prefill  PrefillConnector.start(id, plan) -> Export   Sender: open / send_pages /
              PrefillConnector.on_layer (engine hook)        send_final / send_abort / poll
              PrefillConnector.finish(id, first token)       (ZmqSender, TorchDistSender)
              PrefillConnector.poll() -> done, failed
-             PrefillConnector.cancel(id)
+             PrefillConnector.cancel(export)
 
 A worker has one `KVConnector`: the planning side of each role it plays over one
 transport (chosen by name: kvtransfer/registry.py). The planning side runs on the
 engine thread only and never touches the engine: it says what arrived, what was
 acknowledged and what failed, and the worker's request table
 (services/worker/requests.py) decides, moves the request and frees its blocks. So
-there is no lifecycle and no deadline here: a transfer waits until its owner cancels
-it (expiry is the owner's deadline), and a cancel that finds pages landing returns
-False, after which a later `poll` reports the transfer failed once the write is
-over, and only then may the blocks be freed.
+there is no deadline here: a transfer waits until its owner cancels it (expiry is
+the owner's deadline), and a cancel that finds pages landing returns False, after
+which a later `poll` reports the transfer failed once the write is over, and only
+then may the blocks be freed.
+
+One record per transfer (kvtransfer/transfer.py, their phases drawn there): a
+decode reservation's `Transfer` (`expect` makes it, the receiver's Inbox fills it,
+the worker's record holds it) and a prefill export's `Export` (`start` opens it
+through the sender, whose sequence numbers it carries; the worker's record holds
+it). Each side only indexes its live ones by request id: the same objects, no
+copies.
 
 On the decode side a receiver thread writes page bytes into reserved blocks (owned
 by that reservation alone until it is committed or freed). On the prefill side each
@@ -40,18 +48,18 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from pdserve.engine.spec.draft_state import DraftLayout, DraftState
 from pdserve.engine.hashing import hash_blocks  # the one block hash every worker agrees on
 from pdserve.engine.sampling_params import continues_from_first_token
+from pdserve.engine.spec.draft_state import DraftLayout, DraftState
+from pdserve.kvtransfer.inbox import TransferEvent
 from pdserve.kvtransfer.plan import TransferPlan
 from pdserve.kvtransfer.stats import KVTransferStats
+from pdserve.kvtransfer.transfer import Export, ExportPhase, Phase, Transfer
 from pdserve.kvtransfer.wire import (
     AckHeader,
     LayoutMismatch,
-    Outgoing,
     PageLayout,
     TransferError,
-    TransferEvent,
     new_secret,
     prompt_digest,
 )
@@ -76,8 +84,7 @@ class Receiver(Protocol):
     on_events: Callable[[], None] | None  # told (on the transport's thread) when `events` has news
 
     def start(self) -> str: ...
-    def expect(self, request_id: str, block_ids: Sequence[int], skip: int, num_tokens: int,
-               digest: bytes, secret: bytes, draft: DraftLayout | None = None) -> None: ...
+    def expect(self, transfer: Transfer) -> None: ...
     def cancel(self, request_id: str, reason: str = ...) -> bool: ...
     def events(self) -> list[TransferEvent]: ...
     def receiving(self) -> list[str]: ...
@@ -90,11 +97,11 @@ class Sender(Protocol):
 
     transport: str
 
-    def open(self, request_id: str, endpoint: str, server_key: bytes | None = None, *, secret: bytes) -> Outgoing: ...
-    def send_pages(self, out: Outgoing, layer: int, runs: Sequence[tuple[int, torch.Tensor]], layout: PageLayout) -> int: ...
-    def send_final(self, out: Outgoing, num_tokens: int, digest: bytes, first_tokens: Sequence[int],
+    def open(self, request_id: str, endpoint: str, server_key: bytes | None = None, *, secret: bytes) -> Export: ...
+    def send_pages(self, out: Export, layer: int, runs: Sequence[tuple[int, torch.Tensor]], layout: PageLayout) -> int: ...
+    def send_final(self, out: Export, num_tokens: int, digest: bytes, first_tokens: Sequence[int],
                    draft: DraftState | None = None) -> None: ...
-    def send_abort(self, out: Outgoing, reason: str) -> None: ...
+    def send_abort(self, out: Export, reason: str) -> None: ...
     def poll(self, timeout_s: float = 0.0) -> list[AckHeader]: ...
     def close(self) -> None: ...
 
@@ -146,14 +153,6 @@ class DecodeUpdate:
     seconds: dict[str, float] = field(default_factory=dict)  # expect -> arrival, per arrived
 
 
-@dataclass
-class _Expected:
-    reservation: Reservation
-    started: float
-    sample_first_token: bool
-    cancelled: bool = False  # cancel found a write landing: reported failed when it ends
-
-
 class DecodeConnector:
     """Decode worker side: expect a reservation's KV, say when it arrived or failed."""
 
@@ -171,12 +170,13 @@ class DecodeConnector:
         self.on_received = on_received  # after a transfer's pages landed, before it is reported arrived
         self.clock = clock
         self.stats: Counter[str] = Counter()
-        self._expected: dict[str, _Expected] = {}
+        self._live: dict[str, Transfer] = {}  # the transfers not yet reported ended (the records' own objects)
 
-    def expect(self, reservation: Reservation, prompt_token_ids: Sequence[int], params: SamplingParams) -> TransferPlan:
-        """The plan for a prefill worker to fill `reservation` (blocks the caller has
-        reserved for this prompt). Raises ValueError for a request that cannot take
-        remote KV; then nothing is expected."""
+    def expect(self, reservation: Reservation, prompt_token_ids: Sequence[int], params: SamplingParams) -> Transfer:
+        """The transfer that fills `reservation` (blocks the caller has reserved for this
+        prompt), its `plan` for a prefill worker. The caller holds it until it is
+        reported ended or its cancel returns True. Raises ValueError for a request that
+        cannot take remote KV; then nothing is expected."""
         if params.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs: needs every prompt position computed here; prefill locally")
         prompt = list(prompt_token_ids)
@@ -184,66 +184,66 @@ class DecodeConnector:
         bs = self.layout.block_size
         skip = reservation.num_cached_tokens // bs
         secret = new_secret()  # one per reservation: nothing from an earlier one proves it
-        self.receiver.expect(request_id, reservation.block_ids, skip, len(prompt), prompt_digest(prompt), secret,
-                             self.draft)
         sample_first = continues_from_first_token(params)
-        self._expected[request_id] = _Expected(reservation, self.clock(), sample_first)
-        self.stats["reserved"] += 1
-        self.stats["cached_blocks"] += skip
-        return TransferPlan(
+        plan = TransferPlan(
             request_id, self.receiver.endpoint, self.receiver.transport, self.layout, len(prompt), skip,
             _prompt_hashes(reservation.block_hashes, prompt, bs, params.cache_salt)[:skip],
             tuple(reservation.block_ids), secret, self.receiver.server_key, sample_first,
         )
+        transfer = Transfer(request_id, plan.block_ids, skip, len(prompt), prompt_digest(prompt), secret,
+                            self.draft, sample_first, self.clock(), reservation, plan)
+        self.receiver.expect(transfer)
+        self._live[request_id] = transfer
+        self.stats["reserved"] += 1
+        self.stats["cached_blocks"] += skip
+        return transfer
 
-    def cancel(self, request_id: str, reason: str = "cancelled") -> bool:
-        """Stop expecting a request's KV. True: nothing writes its blocks any more;
-        False: pages are landing in them right now, and a later `poll` reports the
-        request in `failed` when they are done (until then nobody may free them).
-        Unknown ids: True."""
-        expected = self._expected.get(request_id)
-        if expected is None:
+    def cancel(self, transfer: Transfer, reason: str = "cancelled") -> bool:
+        """Stop expecting a transfer. True: nothing writes its blocks any more; False:
+        pages are landing in them right now (CANCELLING), and a later `poll` reports it
+        in `failed` when they are done (until then nobody may free them). A transfer
+        already reported ended: True."""
+        if self._live.get(transfer.request_id) is not transfer:
             return True
         self.stats["cancelled"] += 1
-        if self.receiver.cancel(request_id, reason):
-            del self._expected[request_id]
+        if self.receiver.cancel(transfer.request_id, reason):
+            del self._live[transfer.request_id]
             return True
-        expected.cancelled = True
         return False
 
     def expecting(self) -> list[str]:
         """Requests whose KV is expected (including those whose cancel waits for a write)."""
-        return list(self._expected)
+        return list(self._live)
 
     def poll(self) -> DecodeUpdate:
         # Events first: a transfer whose end is seen here began to land before it
         # ended, so it is in `receiving` now or was in an earlier update.
         events = self.receiver.events()
-        update = DecodeUpdate(receiving=[rid for rid in self.receiver.receiving() if rid in self._expected])
+        update = DecodeUpdate(receiving=[rid for rid in self.receiver.receiving() if rid in self._live])
         for event in events:
-            expected = self._expected.pop(event.request_id, None)
-            if expected is None:
-                continue  # cancelled while nothing was writing, or never ours
-            if expected.cancelled:  # the write in flight is over
+            transfer = self._live.pop(event.request_id, None)
+            if transfer is None:
+                continue  # cancelled while nothing was writing (the owner knows), or never ours
+            if transfer.phase is Phase.CANCELLED:  # cancelled while a write landed: it is over
                 update.failed[event.request_id] = event.reason or "cancelled"
             elif event.ok:
-                self._arrived(expected, event, update)
+                self._arrived(transfer, event, update)
             else:
                 self._failed(event.request_id, event.reason, update)
         return update
 
-    def _arrived(self, expected: _Expected, event: TransferEvent, update: DecodeUpdate) -> None:
+    def _arrived(self, transfer: Transfer, event: TransferEvent, update: DecodeUpdate) -> None:
         rid = event.request_id
         tokens = event.first_tokens
         if len(tokens) > 1 or any(not 0 <= t < self.vocab_size for t in tokens):
             self._failed(rid, f"first_tokens: {list(tokens)} is not one token in [0, {self.vocab_size})", update)
             return
         if self.on_received is not None:
-            self.on_received(expected.reservation)
-        update.arrived[rid] = tokens[0] if tokens and expected.sample_first_token else None
+            self.on_received(transfer.reservation)
+        update.arrived[rid] = tokens[0] if tokens and transfer.sample_first_token else None
         if event.draft is not None:
             update.drafts[rid] = event.draft
-        update.seconds[rid] = self.clock() - expected.started
+        update.seconds[rid] = self.clock() - transfer.started_at
         self.stats["committed"] += 1
         self.stats["bytes"] += event.nbytes
 
@@ -257,19 +257,6 @@ class DecodeConnector:
 
 
 @dataclass
-class _Export:
-    """One request being exported. `sent_upto[layer]` is the block index below which
-    that layer's pages have been sent; `final_at` is set once the final message is out."""
-
-    plan: TransferPlan
-    out: Outgoing
-    digest: bytes
-    sent_upto: list[int]
-    failed: str | None = None  # a send failed (in the layer hook): reported by the next poll
-    final_at: float | None = None
-
-
-@dataclass
 class PrefillUpdate:
     """What one `poll` found, by request id: exports the receiver acknowledged (seconds
     from the final message to the ack) and exports that cannot complete (why)."""
@@ -280,7 +267,9 @@ class PrefillUpdate:
 
 class PrefillConnector:
     """Prefill worker side: stream each layer's pages the decoder lacks as soon as the
-    layer is written, send the first token with the final message, report the ack."""
+    layer is written, send the first token with the final message, report the ack.
+    Each export is one `Export` (kvtransfer/transfer.py): `start` opens it, the
+    worker's record holds it; this side only indexes the live ones by request id."""
 
     def __init__(self, sender: Sender, kv_cache: torch.Tensor, clock: Callable[[], float] = time.monotonic,
                  kv_format: str = "") -> None:
@@ -291,33 +280,37 @@ class PrefillConnector:
         self.layout = PageLayout.of(kv_cache, kv_format)
         self.clock = clock
         self.stats: Counter[str] = Counter()
-        self._exports: dict[str, _Export] = {}
+        self._exports: dict[str, Export] = {}  # not yet reported ended (the records' own objects)
 
     def start(self, request_id: str, prompt_token_ids: Sequence[int], plan: TransferPlan,
-              cache_salt: str | None = None, block_hashes: Sequence[bytes] = ()) -> None:
+              cache_salt: str | None = None, block_hashes: Sequence[bytes] = ()) -> Export:
         """Ship the KV of a request the caller is about to add to the engine (with
         `export_kv` and this `cache_salt`), as `plan` says: from here on `on_layer`
-        sends its pages. Raises ValueError when the plan does not fit this prompt,
+        sends its pages. The caller holds the export until it is reported ended or it
+        cancels it. Raises ValueError when the plan does not fit this prompt,
         LayoutMismatch (a ValueError) when the receiver's pages are not this engine's
         (dtype, shape, weights' quantization, KV scales), TransferError when the
         receiver cannot be reached. `block_hashes`: the prompt's, computed and checked
         by the caller (none: hashed here)."""
         prompt = list(prompt_token_ids)
         self._check_plan(request_id, prompt, plan, cache_salt, block_hashes)
-        out = self.sender.open(request_id, plan.endpoint, plan.server_key, secret=plan.secret)
-        self._exports[request_id] = _Export(plan, out, prompt_digest(prompt), [plan.skip_blocks] * self.layout.num_layers)
+        export = self.sender.open(request_id, plan.endpoint, plan.server_key, secret=plan.secret)
+        export.plan, export.digest = plan, prompt_digest(prompt)
+        export.sent_upto = [plan.skip_blocks] * self.layout.num_layers
+        self._exports[request_id] = export
+        return export
 
     def on_layer(self, layer: int, slices: list[ExportSlice]) -> None:
         """The engine's layer hook, after `layer` wrote the K/V of each slice's tokens.
         Never raises: a send that fails fails its transfer (reported by `poll`)."""
         for s in slices:
             export = self._exports.get(s.request_id)
-            if export is None or export.failed is not None:
+            if export is None or export.phase is not ExportPhase.SENDING:
                 continue
             try:
                 self._send_layer(export, layer, s.start, s.end, s.block_ids)
             except Exception as exc:  # the forward pass must go on; the transfer fails
-                export.failed = f"send: {exc}"
+                export.phase, export.reason = ExportPhase.FAILED, f"send: {exc}"
                 self.stats["send_errors"] += 1
 
     def finish(self, request_id: str, first_token: int | None, draft: DraftState | None = None) -> None:
@@ -330,15 +323,15 @@ class PrefillConnector:
         if export is None:
             raise TransferError(f"request_id: {request_id!r} has no KV transfer")
         tokens = [first_token] if first_token is not None and export.plan.sample_first_token else []
-        if export.failed is None:
+        if export.phase is ExportPhase.SENDING:
             try:
-                self.sender.send_final(export.out, export.plan.num_tokens, export.digest, tokens, draft)
-                export.final_at = self.clock()
+                self.sender.send_final(export, export.plan.num_tokens, export.digest, tokens, draft)
+                export.phase, export.final_at = ExportPhase.FINAL_SENT, self.clock()
                 return
             except TransferError as exc:
-                export.failed = f"send: {exc}"
-        self._drop(request_id, export.failed, abort=True)
-        raise TransferError(export.failed)
+                export.phase, export.reason = ExportPhase.FAILED, f"send: {exc}"
+        self._drop(export, ExportPhase.FAILED, export.reason, abort=True)
+        raise TransferError(export.reason)
 
     def poll(self, timeout_s: float = 0.0) -> PrefillUpdate:
         """Acks that arrived (waiting up to `timeout_s` for one when none is there), and
@@ -348,27 +341,28 @@ class PrefillConnector:
             export = self._exports.get(ack.request_id)
             if export is None:
                 continue
-            if ack.ok and export.final_at is not None:
+            if ack.ok and export.phase is ExportPhase.FINAL_SENT:
                 update.done[ack.request_id] = self.clock() - export.final_at
-                self._drop(ack.request_id, None)
+                self._drop(export, ExportPhase.ACKED)
             elif not ack.ok:
                 update.failed[ack.request_id] = f"receiver: {ack.reason}"
-                self._drop(ack.request_id, update.failed[ack.request_id])
-        for rid in [r for r, e in self._exports.items() if e.failed is not None]:
-            update.failed[rid] = self._exports[rid].failed
-            self._drop(rid, update.failed[rid], abort=True)
+                self._drop(export, ExportPhase.FAILED, update.failed[ack.request_id])
+        for export in [e for e in self._exports.values() if e.phase is ExportPhase.FAILED]:
+            update.failed[export.request_id] = export.reason
+            self._drop(export, ExportPhase.FAILED, export.reason, abort=True)
         return update
 
-    def cancel(self, request_id: str, reason: str = "cancelled") -> None:
-        """Forget a request's transfer (idempotent, unknown ids ignored). Before the
-        final message the receiver is told to give up (an abort, not a failure); after
-        it, the receiver has all it needs or hears the final first anyway, and the
+    def cancel(self, export: Export, reason: str = "cancelled") -> None:
+        """Forget an export (idempotent; one already reported ended is ignored). Before
+        the final message the receiver is told to give up (an abort, not a failure);
+        after it, the receiver has all it needs or hears the final first anyway, and the
         transfer counts as failed: it was never acknowledged (e.g. the lease ran out)."""
-        export = self._exports.get(request_id)
-        if export is None:
+        if self._exports.get(export.request_id) is not export:
             return
-        sent = export.final_at is not None
-        self._drop(request_id, reason, abort=not sent, failed=sent)
+        if export.phase is ExportPhase.FINAL_SENT:
+            self._drop(export, ExportPhase.FAILED, reason)
+        else:
+            self._drop(export, ExportPhase.CANCELLED, reason, abort=True)
 
     def exporting(self) -> list[str]:
         return list(self._exports)
@@ -395,7 +389,7 @@ class PrefillConnector:
         if tuple(plan.cached_block_hashes) != ours:
             raise ValueError("transfer_plan.cached_block_hashes: do not match this prompt's blocks")
 
-    def _send_layer(self, export: _Export, layer: int, start: int, end: int, block_ids: Sequence[int]) -> None:
+    def _send_layer(self, export: Export, layer: int, start: int, end: int, block_ids: Sequence[int]) -> None:
         """Send pages [lo, hi) of `layer`: from the first block this chunk touched (or the
         first one never sent, e.g. our own prefix-cache hits), skipping what the
         receiver holds. A partially filled block is sent again with the next chunk."""
@@ -405,16 +399,18 @@ class PrefillConnector:
         if hi <= lo:
             return
         runs = page_runs(self.kv, layer, lo, hi, block_ids, export.plan.block_ids)
-        self.stats["bytes"] += self.sender.send_pages(export.out, layer, runs, self.layout)
+        self.stats["bytes"] += self.sender.send_pages(export, layer, runs, self.layout)
         export.sent_upto[layer] = hi
 
-    def _drop(self, request_id: str, why: str | None, abort: bool = False, failed: bool = True) -> None:
-        export = self._exports.pop(request_id)
+    def _drop(self, export: Export, phase: ExportPhase, why: str = "", abort: bool = False) -> None:
+        """End an export: forget it, tell the receiver to give up (`abort`), count it."""
+        del self._exports[export.request_id]
+        export.phase, export.reason = phase, why
         if abort:
-            self.sender.send_abort(export.out, why or "cancelled")
-        if why is None:
+            self.sender.send_abort(export, why or "cancelled")
+        if phase is ExportPhase.ACKED:
             self.stats["done"] += 1
-        elif failed:
+        elif phase is ExportPhase.FAILED:
             self.stats["failed"] += 1
 
 

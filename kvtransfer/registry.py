@@ -43,7 +43,7 @@ from pdserve.engine.spec.draft_state import DraftLayout
 from pdserve.kvtransfer.connector import KVConnector, Receiver, Sender, Transport
 
 if TYPE_CHECKING:
-    from pdserve.kvtransfer.curve import CurveConfig
+    from pdserve.kvtransfer.transports.curve import CurveConfig
 
 HOST_ENV = "PDSERVE_KV_HOST"
 IPC_DIR_ENV = "PDSERVE_KV_IPC_DIR"
@@ -96,7 +96,7 @@ def _sides(ctx: TransportContext, name: str, sender: Callable[[], Sender], recei
 
 def zmq_tcp(ctx: TransportContext) -> Transport:
     """KV pages over ZeroMQ tcp; the receiver binds a free port on the KV host."""
-    from pdserve.kvtransfer.zmq import ZmqConfig, ZmqReceiver, ZmqSender
+    from pdserve.kvtransfer.transports.zmq import ZmqConfig, ZmqReceiver, ZmqSender
 
     config = ZmqConfig(curve=ctx.credentials.curve)
     return _sides(ctx, "zmq", lambda: ZmqSender(config),
@@ -125,7 +125,7 @@ class _IpcSocket:
 
 def zmq_ipc(ctx: TransportContext) -> Transport:
     """KV pages over ZeroMQ ipc (a Unix socket): prefill and decode workers on one host."""
-    from pdserve.kvtransfer.zmq import ZmqConfig, ZmqReceiver, ZmqSender
+    from pdserve.kvtransfer.transports.zmq import ZmqConfig, ZmqReceiver, ZmqSender
 
     config = ZmqConfig(curve=ctx.credentials.curve)
     ipc = _IpcSocket(ctx.worker_id, ctx.ipc_dir)
@@ -134,8 +134,8 @@ def zmq_ipc(ctx: TransportContext) -> Transport:
 
 
 def _torch_dist(backend: str, ctx: TransportContext) -> Transport:
-    from pdserve.kvtransfer.nccl import TorchDistConfig, TorchDistReceiver, TorchDistSender
-    from pdserve.kvtransfer.zmq import ZmqConfig
+    from pdserve.kvtransfer.transports.nccl import TorchDistConfig, TorchDistReceiver, TorchDistSender
+    from pdserve.kvtransfer.transports.zmq import ZmqConfig
 
     config = TorchDistConfig(backend=backend, zmq=ZmqConfig(curve=ctx.credentials.curve),
                              token=ctx.credentials.rendezvous_token)

@@ -28,12 +28,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Plain `pytest` runs keep the files in their order.
 TIMED = ("test_load.py", "test_chaos.py", "test_ray_launcher.py")
 ONE_CHILD_AT_A_TIME = (  # after the in-process files: single-threaded, but a process beside it
-    "test_kv_transfer.py",
+    "test_worker_kv_transfer.py",
     "test_backpressure.py",
     "test_bench_offline.py",
     "test_bench_sampled.py",
     "test_bench_spec.py",
-    "test_kv_fp8.py",
+    "test_worker_kv_fp8.py",
     "test_packaging.py",
 )
 CLUSTERS_LONGEST_FIRST = (

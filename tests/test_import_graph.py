@@ -78,7 +78,7 @@ LAYERS = (
 )
 # Modules a layer must not reach through any chain of imports (a layer's own rule on
 # top of the table): the router never moves KV bytes, so no transport loads in it.
-UNREACHABLE = {"router": ("pdserve.kvtransfer.zmq", "pdserve.kvtransfer.nccl")}
+UNREACHABLE = {"router": ("pdserve.kvtransfer.transports.zmq", "pdserve.kvtransfer.transports.nccl")}
 
 
 # -- reading the package ----------------------------------------------------------------

@@ -40,7 +40,7 @@ from pdserve.services.common.flags import check, flag
 from pdserve.services.common.keepalive import with_keepalive
 
 if TYPE_CHECKING:
-    from pdserve.kvtransfer.curve import CurveConfig
+    from pdserve.kvtransfer.transports.curve import CurveConfig
 
 log = logging.getLogger(__name__)
 TOKEN_METADATA = "pdserve-cluster-token"
@@ -181,7 +181,7 @@ class ClusterAuth:
 
     def kv_curve(self) -> CurveConfig | None:
         """CURVE keys of this worker's KV sender and receiver, or None without keys."""
-        from pdserve.kvtransfer.curve import CurveConfig
+        from pdserve.kvtransfer.transports.curve import CurveConfig
 
         c = self.credentials
         if c.kv_curve_cluster_key is not None:
@@ -195,5 +195,5 @@ class ClusterAuth:
 
     @property
     def rendezvous_token(self) -> bytes | None:
-        """What signs torch.distributed rendezvous values (kvtransfer/nccl.py)."""
+        """What signs torch.distributed rendezvous values (kvtransfer/transports/nccl.py)."""
         return self.token.encode() if self.token is not None else None

@@ -16,19 +16,34 @@ and, for a reserved request that ended before its Decode call attached to it, ho
 long its stream waits for that call (`unclaimed_ttl`, after FINISHED or FAILED).
 QUEUED and RUNNING have none here: their caller's RPC deadline aborts them.
 
+A record owns its KV transfer: a decode reservation's `record.transfer` and a
+prefill export's `record.export` are the connector's own objects (kvtransfer/transfer.py
+`Transfer`, `Export`, whose phases are drawn there), not copies; the connector and
+the receiver's inbox index the same objects. The engine keeps only what scheduling
+needs (the request's blocks and its WAITING_FOR_REMOTE_KV status).
+
 `_move` is the only place a state changes (an illegal move raises
 IllegalTransition), `_end` the only way out: it tells the stream (a request's last
-event goes out exactly once), tells the KV connector to stop (a prefill worker's
-sender, a decode worker's receiver: before anything is freed), and frees the blocks
-(`engine.abort` frees running, waiting, reserved and held blocks alike). A
-connector that finds pages landing in a reservation's blocks when told to stop
-says so: the record then stays, ended, until the connector reports the write over,
-and only then are the blocks freed. The connector (kvtransfer/connector.py) and the
-wire inbox keep bytes and acknowledgements; no other lifecycle or deadline exists.
+event goes out exactly once) and calls `_free`, the one function that lets go of
+what a record holds on every way out: the connector stops first (a prefill
+worker's sender tells its receiver, a decode worker's receiver forgets the
+reservation), then the engine frees the blocks (`engine.abort` frees running,
+waiting, reserved and held blocks alike). "Cancelled while pages are landing" is one
+fact, the transfer's phase CANCELLING: the record then stays, ended, holding its
+transfer and blocks, until the connector reports the write over, and `_free` runs
+again:
+
+    ended record ──_free──> connector.cancel ──True──> engine.abort, record forgotten
+                                    └──False (CANCELLING)──> kept ──write over──> _free
+
+No other lifecycle or deadline exists: a transfer has none of its own.
 
 Engine thread only (services/worker/engine_loop.py runs it; bench/kvtransfer.py
 drives one by hand): nothing here is locked, except what other threads read
-(`num_unattached`, a plain int).
+(`num_unattached`, a plain int). A transfer's progress fields are the receiver
+thread's, under its inbox's lock; this module never reads them, it only holds the
+transfer until the connector reports it over (kvtransfer/transfer.py says which
+thread owns which field).
 """
 
 from __future__ import annotations
@@ -46,6 +61,7 @@ from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kvtransfer.connector import KVConnector
 from pdserve.kvtransfer.plan import TransferPlan
+from pdserve.kvtransfer.transfer import Export, Transfer
 from pdserve.kvtransfer.wire import TransferError
 from pdserve.services.common.metrics import Disabled, WorkerMetrics
 from pdserve.services.worker.events import (
@@ -96,9 +112,11 @@ class Record:
     deadline: float | None = None  # the state's deadline (see the module docstring), on the table's clock
     attached: bool = True  # its stream has a reader (a reservation's, once its Decode call attaches)
     closed: bool = False  # its stream has had its last event
-    exporting: bool = False  # prefill: the connector ships its KV
-    expected: bool = False  # decode: the connector expects its KV
-    landing: bool = False  # ended while pages were landing: its blocks wait for the write to end
+    export: Export | None = None  # prefill: its KV export (kvtransfer/transfer.py) while the connector ships it
+    # decode: its KV transfer (kvtransfer/transfer.py), from `reserve` until the KV
+    # arrived or the transfer is over; kept after the record ended while pages were
+    # landing (CANCELLING): its blocks wait for that write to end
+    transfer: Transfer | None = None
 
     @property
     def claimable(self) -> bool:
@@ -161,10 +179,10 @@ class RequestTable:
         plan's receiver cannot be reached): nothing stays."""
         if plan is not None and self.connector.prefill is None:
             raise ValueError("transfer_plan: this worker ships no KV (--kv-connector)")
-        record = self._admit(request_id, State.QUEUED, exporting=plan is not None)
+        record = self._admit(request_id, State.QUEUED)
         try:
             if plan is not None:
-                self.connector.prefill.start(request_id, prompt, plan, params.cache_salt, block_hashes)
+                record.export = self.connector.prefill.start(request_id, prompt, plan, params.cache_salt, block_hashes)
             outputs = self.engine.add_request(request_id, prompt, params, export_kv=export_kv or plan is not None,
                                               first_token=first_token, block_hashes=block_hashes)
         except BaseException as e:
@@ -185,13 +203,12 @@ class RequestTable:
         reservation = self.engine.reserve_remote(request_id, prompt, params, block_hashes)
         decode = self.connector.decode
         try:
-            plan = decode.expect(reservation, prompt, params).pack() if decode is not None else b""
+            transfer = decode.expect(reservation, prompt, params) if decode is not None else None
         except BaseException:
             self.engine.abort(request_id)
             raise
-        self._admit(request_id, State.RESERVED, deadline=self.clock() + lease, attached=False,
-                    expected=decode is not None)
-        return reservation, plan
+        self._admit(request_id, State.RESERVED, deadline=self.clock() + lease, attached=False, transfer=transfer)
+        return reservation, transfer.plan.pack() if transfer is not None else b""
 
     def attach(self, request_id: str) -> RequestStream:
         """The stream of a reserved request, once. Raises KeyError if there is none."""
@@ -208,7 +225,7 @@ class RequestTable:
         """The reserved blocks hold the prompt's KV (for a table without a connector;
         with one, its arrivals commit): decode, from `first_token` if given."""
         record = self._records.get(request_id)
-        if record is None or record.state not in AWAITING_KV or record.expected:
+        if record is None or record.state not in AWAITING_KV or record.transfer is not None:
             log.warning("commit for %r, which has no reservation waiting for it (expired, aborted or "
                         "expected by the connector)", request_id)
             return
@@ -261,12 +278,12 @@ class RequestTable:
             for request_id in update.done:
                 record = self._records.get(request_id)
                 if record is not None and record.state is State.HELD:
-                    record.exporting = False
+                    record.export = None  # acknowledged: the connector is done with it
                     self._end(record, None)
             for request_id, why in update.failed.items():
                 record = self._records.get(request_id)
                 if record is not None and not record.state.ended:
-                    record.exporting = False
+                    record.export = None  # over: the connector has told the receiver
                     self._end(record, Failure.TRANSFER, f"KV transfer: {why}")
 
     def expire(self) -> None:
@@ -331,29 +348,36 @@ class RequestTable:
 
     def _end(self, record: Record, failure: Failure | None, message: str = "") -> None:
         """End a record: FINISHED (failure None: its stream has had its last event) or
-        FAILED (its stream told why, after the tokens told so far). Then the connector
-        stops (before anything is freed) and the blocks are freed, now or, when pages
-        are landing in them, once the connector says that write is over."""
+        FAILED (its stream told why, after the tokens told so far); then `_free`."""
         self._move(record, State.FINISHED if failure is None else State.FAILED,
                    None if record.attached else self.clock() + self.unclaimed_ttl)
         self._flush_one(record.request_id)  # what was told so far goes first
         if not record.closed:  # (a FINISHED record's stream has had its last event)
             record.stream.put(FailedEvent(failure or Failure.INTERNAL, message), final=True)
             record.closed = True
-        why = message or record.state.value
-        if record.exporting:
-            record.exporting = False
-            self.connector.prefill.cancel(record.request_id, why)
-        if record.expected:
-            record.expected = False
-            record.landing = not self.connector.decode.cancel(record.request_id, why)
-        if not record.landing:
-            self.engine.abort(record.request_id)
+        self._free(record, message or record.state.value)
+
+    def _free(self, record: Record, why: str) -> None:
+        """The one place an ended record lets go of what it holds, on every way out:
+        the connector stops first (a prefill worker's sender tells its receiver; a
+        decode worker's receiver forgets the reservation), then the engine frees the
+        blocks (`engine.abort` frees running, waiting, reserved and held blocks alike).
+        When pages are landing in a reservation's blocks, the record keeps its transfer
+        and the blocks; `_on_decode` calls this again once the connector reports that
+        write over."""
+        if record.export is not None:
+            export, record.export = record.export, None
+            self.connector.prefill.cancel(export, why)
+        transfer = record.transfer
+        if transfer is not None and not self.connector.decode.cancel(transfer, why):
+            return  # CANCELLING: freed when the write ends
+        record.transfer = None
+        self.engine.abort(record.request_id)
         self._settle(record)
 
     def _settle(self, record: Record) -> None:
         """Forget an ended record nothing waits for any more."""
-        if record.state.ended and not record.landing and not record.claimable:
+        if record.state.ended and record.transfer is None and not record.claimable:
             del self._records[record.request_id]
 
     # -- internals --------------------------------------------------------------------------
@@ -375,19 +399,17 @@ class RequestTable:
                 self._move(record, State.RECEIVING, record.deadline)
         for request_id, first_token in update.arrived.items():
             record = self._records.get(request_id)
-            if record is not None and record.expected and record.state in AWAITING_KV:
-                record.expected = False
+            if record is not None and record.transfer is not None and record.state in AWAITING_KV:
+                record.transfer = None  # arrived: nothing is left to stop
                 self._commit(record, first_token, update.drafts.get(request_id))
         for request_id, why in update.failed.items():
             record = self._records.get(request_id)
-            if record is None:
+            if record is None or record.transfer is None:
                 continue
-            if record.landing:  # the write that kept its blocks is over: free them
-                record.landing = False
-                self.engine.abort(request_id)
-                self._settle(record)
-            elif record.expected and record.state in AWAITING_KV:
-                record.expected = False
+            record.transfer = None  # over: nothing writes its blocks any more
+            if record.state.ended:  # the write that kept its blocks is over: free them
+                self._free(record, why)
+            elif record.state in AWAITING_KV:
                 self._end(record, Failure.TRANSFER, f"KV transfer: {why}")
 
     def _commit(self, record: Record, first_token: int | None, draft: DraftState | None = None) -> None:
@@ -416,12 +438,12 @@ class RequestTable:
             self._end(record, output.failure or Failure.INTERNAL, output.error)
             return
         if output.request_id in self.engine.held:
-            if record.exporting:
+            if record.export is not None:
                 try:
                     self.connector.prefill.finish(output.request_id, _first_token(output),
                                                   self.engine.held_draft(output.request_id))
                 except TransferError as e:
-                    record.exporting = False  # the connector has told the receiver
+                    record.export = None  # the connector has told the receiver
                     self._end(record, Failure.TRANSFER, f"KV transfer of {output.request_id!r} failed: {e}")
                     return
             self._emit(record, FinishedEvent(output))

@@ -15,7 +15,7 @@ Three clusters, started together once:
               both layouts, and the cluster serves on.
 The decode worker's pages against the prefill worker's, byte for byte, and the
 reservation-time refusal of a pair whose layouts differ (the second line of defence,
-for workers that met without this router's check) are in tests/kvtransfer/test_kv_fp8.py
+for workers that met without this router's check) are in tests/services/worker/test_worker_kv_fp8.py
 (an engine pair through the real ZeroMQ connector).
 """
 

@@ -40,19 +40,20 @@ from cluster_helpers import REPO, UpProcess, child_env, wait_for
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.hashing import hash_blocks
 from pdserve.kvtransfer.plan import TransferPlan
-from pdserve.kvtransfer.nccl import SignedStore, listening_store
+from pdserve.kvtransfer.transfer import Transfer
+from pdserve.kvtransfer.transports.nccl import SignedStore, listening_store
+from pdserve.kvtransfer.transports.zmq import ZmqConfig, ZmqReceiver, ZmqSender
 from pdserve.kvtransfer.wire import VERSION, PageLayout, new_secret, prompt_digest
-from pdserve.kvtransfer.zmq import ZmqConfig, ZmqReceiver, ZmqSender
 from pdserve.launch.credentials import LaunchCredentials, generate, pack, unpack
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from pdserve.services.common.credentials import TOKEN_METADATA, ClusterAuth, ClusterCredentials
+from pdserve.services.node import Worker
 from pdserve.services.router.api_keys import key_id
 from pdserve.services.router.client import Client, collect
 from pdserve.services.router.config import RouterConfig
 from pdserve.services.router.main import Router
 from pdserve.services.worker.config import WorkerConfig
-from pdserve.services.node import Worker
 
 ZMQ_CONNECTOR = "zmq"
 OPTIONS = pb.SamplingOptions(max_tokens=6, temperature=0.0)
@@ -323,7 +324,7 @@ def test_workers_sharing_a_cluster_curve_key_exchange_kv_and_no_other_key_gets_i
         endpoint = receiver.start()
         for i, (who, sender) in enumerate(senders.items()):
             secret = new_secret()
-            receiver.expect(who, [2 * i, 2 * i + 1], 0, len(prompt), prompt_digest(prompt), secret)
+            receiver.expect(Transfer(who, [2 * i, 2 * i + 1], 0, len(prompt), prompt_digest(prompt), secret))
             out = sender.open(who, endpoint, receiver.server_key, secret=secret)
             for layer in range(layout.num_layers):
                 sender.send_pages(out, layer, [(0, src[layer])], layout)
@@ -747,7 +748,7 @@ def test_no_module_that_reads_from_a_socket_unpickles():
         if any(name == m or name.startswith(m + ".") for name in _imports(tree) for m in NETWORK_MODULES):
             readers[path.relative_to(REPO).as_posix()] = path
     # The finder must see the network paths it is meant to guard.
-    assert {"kvtransfer/zmq.py", "kvtransfer/nccl.py", "services/router/main.py", "services/node.py",
+    assert {"kvtransfer/transports/zmq.py", "kvtransfer/transports/nccl.py", "services/router/main.py", "services/node.py",
             "services/router/registry.py", "launch/cluster.py"} <= set(readers)
     problems = {name: unsafe_uses(path.read_text()) for name, path in readers.items()}
     assert {name: found for name, found in problems.items() if found} == {}

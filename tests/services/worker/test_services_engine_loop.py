@@ -18,8 +18,8 @@ from pdserve.engine.engine import EngineConfig, LLMEngine, NoCapacityError
 from pdserve.engine.llm import DEFAULT_MODEL
 from pdserve.kvtransfer.connector import KVConnector, Transport
 from pdserve.kvtransfer.plan import TransferPlan
+from pdserve.kvtransfer.transports.zmq import ZmqReceiver
 from pdserve.kvtransfer.wire import PagesHeader, sign
-from pdserve.kvtransfer.zmq import ZmqReceiver
 from pdserve.services.worker.engine_loop import EngineLoop
 from pdserve.services.worker.events import FailedEvent, Failure, FinishedEvent, RequestStream, TokenEvent
 from pdserve.services.worker.requests import State

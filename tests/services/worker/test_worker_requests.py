@@ -22,8 +22,9 @@ from pdserve.engine.engine import EngineConfig, LLMEngine
 from pdserve.engine.llm import DEFAULT_MODEL
 from pdserve.kvtransfer.connector import KVConnector, Transport
 from pdserve.kvtransfer.plan import TransferPlan
+from pdserve.kvtransfer.transfer import Phase
+from pdserve.kvtransfer.transports.zmq import ZmqReceiver, ZmqSender
 from pdserve.kvtransfer.wire import PagesHeader, sign
-from pdserve.kvtransfer.zmq import ZmqReceiver, ZmqSender
 from pdserve.services.worker.events import FailedEvent, Failure, FinishedEvent, RequestStream, TokenEvent
 from pdserve.services.worker.requests import IllegalTransition, RequestTable, State
 from engine_helpers import one_thread  # noqa: F401 (an autouse fixture: one torch thread)
@@ -168,7 +169,7 @@ def test_cancel_while_receiving_keeps_the_blocks_until_the_write_is_over(decode)
         assert decode.get("c").state is State.RECEIVING
         decode.abort("c")
         record = decode.get("c")
-        assert record.state is State.FAILED and record.landing
+        assert record.state is State.FAILED and record.transfer.phase is Phase.CANCELLING  # pages landing
         [end] = events(stream)
         assert isinstance(end, FailedEvent) and end.failure is Failure.ABORTED
         decode.advance()

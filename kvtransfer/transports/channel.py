@@ -6,8 +6,8 @@ with page bytes left to a page mover.
                    DEALER <--------[ack | welcome]------  ROUTER  (one thread, an Inbox)
          |                                                          |
     PageSender  ~~~~~~~~~~~~~~~~~~~ page bytes ~~~~~~~~~~~~~~~~~~>  PageReceiver
-      frames: in the header's own message (kvtransfer/zmq.py)
-      p2p:    torch.distributed point-to-point after the header (kvtransfer/nccl.py)
+      frames: in the header's own message (kvtransfer/transports/zmq.py)
+      p2p:    torch.distributed point-to-point after the header (kvtransfer/transports/nccl.py)
 
 A transport is a channel plus a mover: `ZmqReceiver` is a `ReceiverChannel` with
 frame pages, `TorchDistReceiver` one with point-to-point pages (and frames), and
@@ -41,27 +41,23 @@ import torch
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from pdserve.engine.spec.draft_state import DraftLayout, DraftState
-from pdserve.kvtransfer.curve import CurveConfig
+from pdserve.engine.spec.draft_state import DraftState
+from pdserve.kvtransfer.inbox import FrameSource, Inbox, TransferEvent, deliver
+from pdserve.kvtransfer.transfer import Export, Transfer
+from pdserve.kvtransfer.transports.curve import CurveConfig
 from pdserve.kvtransfer.wire import (
     MAX_HEADER_BYTES,
-    AbortHeader,
     AckHeader,
-    FinalHeader,
-    FrameSource,
     Header,
-    Inbox,
-    Outgoing,
     PageLayout,
     PagesHeader,
     TransferError,
-    TransferEvent,
     WireError,
-    as_bytes_view,
+    abort_message,
     check_secret,
     decode,
-    deliver,
     encode,
+    final_message,
     sign,
 )
 
@@ -125,13 +121,13 @@ class PageSender(Protocol):
     transport: str
     via: str  # what pages headers say the runs travel as ("frames", "p2p")
 
-    def connect(self, channel: "SenderChannel", out: Outgoing) -> None:
+    def connect(self, channel: "SenderChannel", out: Export) -> None:
         """A transfer to `out.endpoint` opens (the p2p mover pairs on first use)."""
 
     def payloads(self, runs: Sequence[tuple[int, torch.Tensor]], layout: PageLayout) -> tuple[list[tuple[int, int]], list]:
         """The header's runs (first index, count) and what carries their bytes."""
 
-    def send(self, channel: "SenderChannel", out: Outgoing, header: bytes, payloads: list) -> None:
+    def send(self, channel: "SenderChannel", out: Export, header: bytes, payloads: list) -> None:
         """Send the encoded header over the channel and the payloads their way."""
 
     def poll(self) -> list[AckHeader]:
@@ -211,12 +207,11 @@ class ReceiverChannel:
     def host_buffers(self) -> bool:
         return self.pages.host_buffers
 
-    def expect(self, request_id: str, block_ids: Sequence[int], skip: int, num_tokens: int,
-               digest: bytes, secret: bytes, draft: DraftLayout | None = None) -> None:
+    def expect(self, transfer: Transfer) -> None:
         """Pages of blocks [skip, len(block_ids)) of a reservation will arrive, proving
-        `secret` (and maybe a head state of `draft`'s layout). No deadline here: the
+        its secret (and maybe a head state of its `draft` layout). No deadline here: the
         reservation's owner cancels it when it gives up."""
-        self.inbox.expect(request_id, block_ids, skip, num_tokens, digest, secret, draft)
+        self.inbox.expect(transfer)
 
     @property
     def max_message_bytes(self) -> int:
@@ -407,14 +402,14 @@ class SenderChannel:
     def transport(self) -> str:
         return self.pages.transport
 
-    def open(self, request_id: str, endpoint: str, server_key: bytes | None = None, *, secret: bytes) -> Outgoing:
+    def open(self, request_id: str, endpoint: str, server_key: bytes | None = None, *, secret: bytes) -> Export:
         """Start a transfer to `endpoint`; its messages prove the reservation's `secret`."""
-        out = Outgoing(request_id, endpoint, check_secret(secret), server_key)
+        out = Export(request_id, endpoint, check_secret(secret), server_key)
         self._socket(out)
         self.pages.connect(self, out)
         return out
 
-    def send_pages(self, out: Outgoing, layer: int, runs: Sequence[tuple[int, torch.Tensor]], layout: PageLayout) -> int:
+    def send_pages(self, out: Export, layer: int, runs: Sequence[tuple[int, torch.Tensor]], layout: PageLayout) -> int:
         """Send one layer's runs (first block index, pages tensor [n, 2, bs, H, D]) as one
         message; returns the page bytes sent. Raises TransferError if the peer stalls."""
         if not runs:
@@ -430,25 +425,18 @@ class SenderChannel:
         self.counters["messages"] += 1
         return sum(nbytes)
 
-    def send_final(self, out: Outgoing, num_tokens: int, digest: bytes, first_tokens: Sequence[int],
+    def send_final(self, out: Export, num_tokens: int, digest: bytes, first_tokens: Sequence[int],
                    draft: DraftState | None = None) -> None:
         """The last message; `draft` (an EAGLE head's state for the prompt) follows the
         header in frames of at most max_frame_bytes (wire.py)."""
-        frames: list[Any] = []
-        described = None
-        if draft is not None:
-            flat = torch.cat([draft.kv.reshape(-1).view(torch.uint8), draft.feature.reshape(-1).view(torch.uint8)])
-            data, step = as_bytes_view(flat), self.config.max_frame_bytes
-            frames = [data[i : i + step] for i in range(0, len(data), step)]
-            described = (draft.base, len(data), str(draft.kv.dtype).removeprefix("torch."))
-        header = FinalHeader(out.request_id, out.seq, num_tokens, digest, tuple(first_tokens), described)
-        self.send(out, [encode(sign(header, out.secret)), *frames])
+        self.send(out, final_message(out.request_id, out.seq, out.secret, num_tokens, digest, first_tokens, draft,
+                                     self.config.max_frame_bytes))
         out.seq += 1
 
-    def send_abort(self, out: Outgoing, reason: str) -> None:
+    def send_abort(self, out: Export, reason: str) -> None:
         """Best effort: tell the receiver to give up now rather than when its owner does."""
         try:
-            self.send(out, [encode(sign(AbortHeader(out.request_id, reason[:1000]), out.secret))])
+            self.send(out, abort_message(out.request_id, out.secret, reason))
         except TransferError:
             pass
 
@@ -477,7 +465,7 @@ class SenderChannel:
 
     # -- for page movers ---------------------------------------------------------
 
-    def send(self, out: Outgoing, frames: list[Any]) -> None:
+    def send(self, out: Export, frames: list[Any]) -> None:
         """One message to the transfer's receiver, without blocking."""
         sock = self._socket(out)
         try:
@@ -488,7 +476,7 @@ class SenderChannel:
         except zmq.ZMQError as exc:
             raise TransferError(f"{out.endpoint}: send failed: {exc}") from exc
 
-    def exchange(self, out: Outgoing, frames: list[Any], answer: Callable[[Header], bool], timeout_s: float) -> Header | None:
+    def exchange(self, out: Export, frames: list[Any], answer: Callable[[Header], bool], timeout_s: float) -> Header | None:
         """Send a request and wait up to `timeout_s` for the reply `answer` accepts (None
         if none came); acks arriving meanwhile are kept for `poll`, anything else dropped."""
         sock = self._socket(out)
@@ -510,7 +498,7 @@ class SenderChannel:
 
     # -- internals ---------------------------------------------------------------
 
-    def _socket(self, out: Outgoing) -> zmq.Socket:
+    def _socket(self, out: Export) -> zmq.Socket:
         sock = self._socks.get(out.endpoint)
         if sock is not None:
             return sock

@@ -1,7 +1,7 @@
 """Hypothesis, time-bounded: mutated KV frames (issue 13). Valid messages with bytes
 flipped, cut, spliced or repeated, and small frames that declare huge msgpack
 containers, only ever raise the wire's own `WireError`, never allocate more than a
-few MB, and never write outside the reservation. (test_kv_wire.py builds messages
+few MB, and never write outside the reservation. (test_kv_inbox.py builds messages
 field by field; this one breaks them byte by byte.)"""
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdserve.kvtransfer.wire import MAX_HEADER_BYTES, WireError, decode, deliver
-from test_kv_wire import PAGE, PEER, ListFrames, abort, final, make_inbox, pages, untouched
+from pdserve.kvtransfer.inbox import deliver
+from pdserve.kvtransfer.wire import MAX_HEADER_BYTES, WireError, decode
+from test_kv_inbox import PAGE, PEER, ListFrames, abort, final, make_inbox, pages, untouched
 
 FUZZ = settings(deadline=None, max_examples=300, suppress_health_check=list(HealthCheck))
 # Most a header frame (<= 64 KiB) may cost to parse; a parser that trusted a declared

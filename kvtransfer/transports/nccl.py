@@ -1,6 +1,6 @@
 """torch.distributed point-to-point transport for KV pages (NCCL on GPUs, gloo on CPUs).
 
-The ZeroMQ control channel (kvtransfer/channel.py: headers, acks, CURVE) composed with
+The ZeroMQ control channel (kvtransfer/transports/channel.py: headers, acks, CURVE) composed with
 a point-to-point page mover; the same contract as the ZeroMQ transport, only the page
 bytes take another road:
 
@@ -48,14 +48,14 @@ from urllib.parse import urlsplit
 import torch
 import torch.distributed as dist
 
-from pdserve.kvtransfer.channel import ReceiverChannel, Reply, SenderChannel, ZmqConfig
+from pdserve.kvtransfer.inbox import FrameSource, Inbox
+from pdserve.kvtransfer.transfer import Export
+from pdserve.kvtransfer.transports.channel import ReceiverChannel, Reply, SenderChannel, ZmqConfig
+from pdserve.kvtransfer.transports.zmq import FramePageReceiver
 from pdserve.kvtransfer.wire import (
     AckHeader,
-    FrameSource,
     Header,
     HelloHeader,
-    Inbox,
-    Outgoing,
     PageLayout,
     PagesHeader,
     TransferError,
@@ -63,7 +63,6 @@ from pdserve.kvtransfer.wire import (
     WireError,
     encode,
 )
-from pdserve.kvtransfer.zmq import FramePageReceiver
 
 log = logging.getLogger(__name__)
 STORE_PREFIX = "pdserve-kv"
@@ -368,7 +367,7 @@ class P2PPageSender:
         self._pairs: dict[str, _Pair] = {}
         self._works: deque[tuple[str, str, object]] = deque()  # (endpoint, request id, work)
 
-    def connect(self, channel: SenderChannel, out: Outgoing) -> None:
+    def connect(self, channel: SenderChannel, out: Export) -> None:
         if out.endpoint not in self._pairs:
             self._pairs[out.endpoint] = self._handshake(channel, out)
 
@@ -376,7 +375,7 @@ class P2PPageSender:
         """One tensor per run, whole: `recv` writes it straight into the reserved blocks."""
         return [(first, pages.shape[0]) for first, pages in runs], [pages for _, pages in runs]
 
-    def send(self, channel: SenderChannel, out: Outgoing, header: bytes, tensors: list[torch.Tensor]) -> None:
+    def send(self, channel: SenderChannel, out: Export, header: bytes, tensors: list[torch.Tensor]) -> None:
         pair = self._pairs.get(out.endpoint)
         if pair is None:
             raise TransferError(f"{out.endpoint}: not paired")
@@ -414,7 +413,7 @@ class P2PPageSender:
         if pair is not None:
             pair.close()
 
-    def _handshake(self, channel: SenderChannel, out: Outgoing) -> _Pair:
+    def _handshake(self, channel: SenderChannel, out: Export) -> _Pair:
         pair_id = uuid.uuid4().hex
         welcome = channel.exchange(out, [encode(HelloHeader(pair_id))],
                                    lambda h: isinstance(h, WelcomeHeader) and h.pair == pair_id, self.config.timeout_s)

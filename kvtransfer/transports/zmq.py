@@ -1,5 +1,5 @@
 """ZeroMQ transport for KV pages, over tcp:// or ipc://: the control channel
-(kvtransfer/channel.py) with page bytes as frames of the header's own message.
+(kvtransfer/transports/channel.py) with page bytes as frames of the header's own message.
 
     prefill worker                                  decode worker
     ZmqSender  DEALER --[header | run | run ..]-->  ROUTER  ZmqReceiver (one thread)
@@ -13,7 +13,7 @@ data). The engine must therefore not release sent blocks before the receiver has
 acknowledged them, or the lease ran out.
 
 CURVE, the ZAP check, high-water marks and the frame-size limit are the channel's
-(see kvtransfer/channel.py); the keys are kvtransfer/curve.py's `CurveConfig`.
+(see kvtransfer/transports/channel.py); the keys are kvtransfer/transports/curve.py's `CurveConfig`.
 """
 
 from __future__ import annotations
@@ -23,20 +23,11 @@ from collections.abc import Sequence
 import torch
 import zmq  # noqa: F401  (pyzmq, not this module: the name must never shadow it; see tests)
 
-from pdserve.kvtransfer.channel import ReceiverChannel, Reply, SenderChannel, ZmqConfig
-from pdserve.kvtransfer.curve import CurveConfig
-from pdserve.kvtransfer.wire import (
-    AckHeader,
-    FrameSource,
-    Header,
-    Inbox,
-    Outgoing,
-    PageLayout,
-    PagesHeader,
-    WireError,
-    as_bytes_view,
-    fill_frames,
-)
+from pdserve.kvtransfer.inbox import FrameSource, Inbox, fill_frames
+from pdserve.kvtransfer.transfer import Export
+from pdserve.kvtransfer.transports.channel import ReceiverChannel, Reply, SenderChannel, ZmqConfig
+from pdserve.kvtransfer.transports.curve import CurveConfig
+from pdserve.kvtransfer.wire import AckHeader, Header, PageLayout, PagesHeader, WireError, as_bytes_view
 
 __all__ = ["CurveConfig", "FramePageReceiver", "FramePageSender", "ZmqConfig", "ZmqReceiver", "ZmqSender"]
 
@@ -75,7 +66,7 @@ class FramePageSender:
     def __init__(self, max_frame_bytes: int) -> None:
         self.max_frame_bytes = max_frame_bytes
 
-    def connect(self, channel: SenderChannel, out: Outgoing) -> None:
+    def connect(self, channel: SenderChannel, out: Export) -> None:
         pass
 
     def payloads(self, runs: Sequence[tuple[int, torch.Tensor]], layout: PageLayout) -> tuple[list[tuple[int, int]], list]:
@@ -94,7 +85,7 @@ class FramePageSender:
                 frames.append(view[k * page : (k + count) * page])
         return spans, frames
 
-    def send(self, channel: SenderChannel, out: Outgoing, header: bytes, payloads: list) -> None:
+    def send(self, channel: SenderChannel, out: Export, header: bytes, payloads: list) -> None:
         channel.send(out, [header, *payloads])
 
     def poll(self) -> list[AckHeader]:

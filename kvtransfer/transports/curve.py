@@ -4,7 +4,7 @@ trusts to be one.
     receiver: its own key pair + the senders' public keys it admits (authorized_keys)
     sender:   its own key pair + the receiver's public key (server_key)
 
-Only keys here: the ZeroMQ control channel (kvtransfer/channel.py) turns them into a
+Only keys here: the ZeroMQ control channel (kvtransfer/transports/channel.py) turns them into a
 CURVE handshake and a ZAP check. Services load these without loading a transport.
 """
 

@@ -3,7 +3,7 @@ whose pages differ in dtype, shape, weights' quantization or KV scales refuse to
 naming what differs, before a page leaves; and a prompt's FP8 KV moves between two
 engines through the real ZeroMQ connector (the request tables a worker runs, in one
 process) byte for byte: the decode engine's pages equal the prefill engine's. The
-wire-level checks (page sizes, landings, the dtype on arrival) are in test_kv_wire.py."""
+wire-level checks (page sizes, landings, the dtype on arrival) are in tests/kvtransfer/test_kv_inbox.py."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from pdserve.engine.config import DEFAULT_MODEL, CacheConfig
 from pdserve.engine.engine import EngineConfig, LLMEngine
 from pdserve.kvtransfer.connector import KVConnector, PrefillConnector, Transport
 from pdserve.kvtransfer.plan import TransferPlan
+from pdserve.kvtransfer.transports.zmq import ZmqReceiver, ZmqSender
 from pdserve.kvtransfer.wire import LayoutMismatch, PageLayout, new_secret
-from pdserve.kvtransfer.zmq import ZmqReceiver, ZmqSender
 from pdserve.services.worker.events import FailedEvent, FinishedEvent
 from pdserve.services.worker.requests import RequestTable
 
