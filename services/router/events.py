@@ -4,7 +4,7 @@
     -------------                    ------
     pb.DecodeResponse  --update_of-->  Update(tokens=(Tokens, ...), end=Finished | None)
     pb.PrefillResponse --first_of--->  Update(tokens=(Tokens(0, (first,)),))
-                                         |  dispatch: forwarded as is (attempts.py)
+                                         |  dispatch: forwarded as they come      (dispatch.py)
                                          |  migration: Progress.record, rebase   (migration.py)
                                          |  stop strings: StopWatch.cut          (stops.py)
                                          |  n > 1 migrated: Update.as_sample    (fan_out.py)
@@ -26,7 +26,7 @@ router adds that token's logprob (`Update.counting`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
@@ -129,8 +129,3 @@ def first_of(first: pb.TokenLogprob, with_logprobs: bool) -> Update:
     logprobs = (logprob_of(first),) if with_logprobs else ()
     return Update((Tokens(0, (first.token_id,), logprobs, (first.logprob,)),))
 
-
-def updates_of(messages: Iterable[pb.DecodeResponse]) -> Iterable[Update]:
-    """A worker stream's messages, converted one by one as they arrive."""
-    for message in messages:
-        yield update_of(message)
