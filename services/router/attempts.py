@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from pdserve.services.common.deadline import Deadline
+from pdserve.services.common.metrics import RouterMetrics
 from pdserve.services.common.status import ServeError, Status
 from pdserve.services.router.cancel import Cancellation
 from pdserve.services.router.config import RouterConfig
@@ -104,7 +105,7 @@ Serve = Callable[[WorkerHandle, Job, Attempt], Iterator[Update]]
 
 
 class Attempts:
-    def __init__(self, registry: DecodePool, config: RouterConfig, metrics) -> None:
+    def __init__(self, registry: DecodePool, config: RouterConfig, metrics: RouterMetrics) -> None:
         self.registry = registry
         self.config = config
         self.metrics = metrics

@@ -45,6 +45,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Generator, Iterator
 from contextlib import closing
+from functools import partial
 
 import grpc
 
@@ -55,9 +56,9 @@ from pdserve.services.common.errors import FAILURE_METADATA, status_of_rpc
 from pdserve.services.common.metrics import RouterMetrics
 from pdserve.services.common.status import ServeError, Status
 from pdserve.services.router import policy
+from pdserve.services.router.attempts import Attempt, Attempts, Broken, Path
 from pdserve.services.router.cancel import Cancellation
 from pdserve.services.router.config import RouterConfig
-from pdserve.services.router.attempts import Attempt, Attempts, Broken, Path
 from pdserve.services.router.events import Update, first_of, update_of
 from pdserve.services.router.failures import GONE, KVLost, WorkerFailed
 from pdserve.services.router.fan_out import fan_out
@@ -114,8 +115,8 @@ class Dispatcher:
                     return
                 self._migrate(job, progress, e.decode, e.error, deadline)
             if job.params.n > 1:  # its sequences go on as requests of their own
-                serve = lambda one, sample, inner: self._serve(one, sample, deadline, inner, note_cached, list(tried))
-                yield from fan_out(job, progress, deadline, cancel, serve)
+                yield from fan_out(job, progress, deadline, cancel, lambda one, sample, inner: self._serve(
+                    one, sample, deadline, inner, note_cached, list(tried)))
                 return
 
     def _follow(
@@ -127,11 +128,11 @@ class Dispatcher:
         current, cached = job, note_cached
         if progress.migrations:
             current = continuation(job, progress.token_ids, self.config.block_size)
-            cached = lambda n: note_cached(min(n, len(job.prompt)))  # the original prompt's
+            cached = partial(_cached_of_prompt, note_cached, len(job.prompt))
         stops = stop_watch(self.tokenizer, job, progress.token_ids, migrated=bool(progress.migrations))
         after = f"; after {progress.sent} tokens and {progress.migrations} migrations" if progress.migrations else ""
-        serve = lambda decode, j, attempt: self._on(decode, j, attempt, deadline, cancel, cached)
         attempts = Attempts(self.registry, self.config, self.metrics)  # (the config as of now: tests change it)
+        serve = partial(self._on, deadline=deadline, cancel=cancel, note_cached=cached)
         with closing(attempts.run(current, serve, deadline, cancel, tried, after)) as updates:
             for update in updates:
                 if progress.migrations:
@@ -385,6 +386,12 @@ def prefill_request(job: Job, rid: str, reservation: pb.ReserveResponse) -> pb.P
         request_id=rid, token_ids=job.prompt, sampling=job.options, cache_salt=job.cache_salt,
         transfer_plan=reservation.transfer_plan,
     )
+
+
+def _cached_of_prompt(note_cached: Callable[[int], None], prompt_len: int, n: int) -> None:
+    """A continuation's cached tokens, counted within the original prompt (its own
+    prompt holds the tokens sent too)."""
+    note_cached(min(n, prompt_len))
 
 
 def _kv_lost(error: grpc.RpcError) -> bool:

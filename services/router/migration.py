@@ -19,7 +19,7 @@ front end counts prompt_tokens from P and every token it forwarded once.
 n > 1: the workers fork n samples from one prompt, so each sample that had not
 ended continues as a request of its own (`one_sample`: n == 1, prompt P + its own
 S, `sample_index` i so its seeded draws are sample i's), all at once, their
-streams merged back under their indices (dispatch.py).
+streams merged back under their indices (fan_out.py).
 
 Presence and frequency penalties count output tokens only: the continuation says
 that its prompt's last k tokens are output (`resumed_tokens`), and they count them.
@@ -32,8 +32,9 @@ a request past its deadline or past --max-migrations.
 Stop strings: the new worker's text starts after its prompt, so it cannot see a
 stop string that began in the tokens sent before: stops.py watches the whole output.
 
-`Progress` records what the client has; `continuation` builds the request that
-carries on from it.
+`Progress` records what the client has (from the router's events, events.py);
+`continuation` builds the request that carries on from it; `rebase` makes the
+continuation's final update read as the uninterrupted run's.
 """
 
 from __future__ import annotations
