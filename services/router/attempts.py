@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import closing
 from dataclasses import dataclass
 from typing import Protocol
@@ -93,8 +93,10 @@ class Broken(Exception):
 class DecodePool(Protocol):
     """What the attempts take from the worker registry (registry.py)."""
 
-    def acquire_decode(self, block_hashes: Sequence[bytes], exclude: Sequence[WorkerHandle]) -> WorkerHandle | None: ...
-    def wait_for_decode(self, exclude: Sequence[WorkerHandle], timeout: float) -> bool: ...
+    def acquire_decode(
+        self, block_hashes: Sequence[bytes], exclude: Collection[WorkerHandle]
+    ) -> WorkerHandle | None: ...
+    def wait_for_decode(self, exclude: Collection[WorkerHandle], timeout: float) -> bool: ...
     def release(self, handle: WorkerHandle) -> None: ...
     def probe_soon(self) -> None: ...
 

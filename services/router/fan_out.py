@@ -52,8 +52,9 @@ def fan_out(job: Job, progress: Progress, deadline: Deadline, cancel: Cancellati
     for index in progress.unfinished():
         sent = progress.sample(index)
         sample = Progress(samples={0: replace(sent, token_ids=list(sent.token_ids))}, migrations=progress.migrations)
-        threads.append(threading.Thread(target=_pump, args=(index, serve(one_sample(job, index), sample, inner), merged),
-                                        daemon=True, name=f"{job.worker_request_id}-s{index}"))
+        updates = serve(one_sample(job, index), sample, inner)
+        threads.append(threading.Thread(target=_pump, args=(index, updates, merged), daemon=True,
+                                        name=f"{job.worker_request_id}-s{index}"))
     for thread in threads:
         thread.start()
     try:

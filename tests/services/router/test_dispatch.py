@@ -68,7 +68,8 @@ def test_the_first_token_travels_once_from_the_prefill_worker():
 
 def test_a_failed_prefill_worker_is_skipped_with_a_fresh_reservation():
     decode = FakeWorker("d1", decode=[final((0, "length", -1.0), deltas=[tokens(0, [8], [-1.0])])], kv=True)
-    dead, alive = FakeWorker("p1", role_code=PREFILL, kv=True), FakeWorker("p2", role_code=PREFILL, kv=True, first=(7, -0.5))
+    dead = FakeWorker("p1", role_code=PREFILL, kv=True)
+    alive = FakeWorker("p2", role_code=PREFILL, kv=True, first=(7, -0.5))
     updates = run(FakeRegistry([decode], [dead, alive]), job(max_tokens=2))
     assert sent(updates) == [7, 8]
     reservations = [r.request_id for r in decode.requests if isinstance(r, pb.ReserveRequest)]

@@ -7,11 +7,13 @@ from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.services.router.events import Result, Tokens, Update, first_of, update_of
 from pdserve.services.router.records import TokenLogprob
 
+TOP = pb.TopLogprob(token_id=5, logprob=-0.5)
+
 
 def test_a_worker_message_becomes_one_update():
     message = pb.DecodeResponse(
         deltas=[pb.SequenceDelta(index=1, token_ids=[5, 6], token_logprobs=[-0.5, -0.25], finish_reason="stop",
-                                 logprobs=[pb.TokenLogprob(token_id=5, logprob=-0.5, top=[pb.TopLogprob(token_id=5, logprob=-0.5)]),
+                                 logprobs=[pb.TokenLogprob(token_id=5, logprob=-0.5, top=[TOP]),
                                            pb.TokenLogprob(token_id=6, logprob=-0.25)])],
         finished=True, num_cached_tokens=16, num_draft_tokens=3, num_accepted_tokens=2,
         results=[pb.SequenceResult(index=1, finish_reason="stop", cumulative_logprob=-0.75, token_ids=[])],
