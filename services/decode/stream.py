@@ -5,6 +5,16 @@ usually): per sequence, the tokens since the last message. The last message has
 `finished` and one result per sequence; a result's token_ids are that sequence's
 tokens not already sent as deltas (all of them for beam search, which streams
 nothing, since beams reorder until the end).
+
+A token given to the request rather than sampled here (the engine's TokenDelta with
+no logprob: the prefill worker's first token, which arrived with the KV's final
+frame, or the router's `first_token` after a lost transfer) is not streamed: the
+router forwarded it from the prefill worker at once (TTFT) and adds its logprob to
+the sequence's cumulative logprob, which counts only tokens sampled here. It counts
+as sent, so no result repeats it.
+
+    engine events:  t1 (given, logprob None)  t2  t3 ... tn  Finished
+    messages:       deltas [t2 t3 ...] ... [... tn]  results (tail after tn: none)
 """
 
 from __future__ import annotations
@@ -61,17 +71,22 @@ class DecodeStream:
         for event in events:
             if isinstance(event, TokenEvent):
                 d = event.delta
+                self.sent[d.index] = self.sent.get(d.index, 0) + 1
+                given = d.logprob is None  # not sampled here: the router has it (module docstring)
+                if given and not d.finish_reason:
+                    continue
                 seq = deltas.get(d.index)
                 if seq is None:
                     seq = deltas[d.index] = message.deltas.add(index=d.index)
+                if d.finish_reason:
+                    seq.finish_reason = d.finish_reason
+                if given:
+                    continue
                 seq.token_ids.append(d.token_id)
-                seq.token_logprobs.append(d.logprob if d.logprob is not None else 0.0)
+                seq.token_logprobs.append(d.logprob)
                 logprob = delta_logprob(d)
                 if logprob is not None:
                     seq.logprobs.append(logprob)
-                if d.finish_reason:
-                    seq.finish_reason = d.finish_reason
-                self.sent[d.index] = self.sent.get(d.index, 0) + 1
             elif isinstance(event, FinishedEvent):
                 self._finish(message, event.output)
             elif isinstance(event, FailedEvent):

@@ -9,9 +9,10 @@
                                        deadline: the caller's, capped at --request-timeout
                                        admission: a slot, or the queue RESOURCE_EXHAUSTED + retry_after_s
                               <------  Generation (an iterator of SequenceOutput)
-    for output in stream:              dispatch: attempts, prefill paths, fallbacks
-        send(output)                   (dispatch.py); each worker message -> outputs
-    caller gone: stream.cancel()       (responses.py); drain's grace over: UNAVAILABLE
+    for output in stream:              dispatch: attempts, prefill paths, fallbacks,
+        send(output)                   migration (dispatch.py); each worker update
+    caller gone: stream.cancel()       (events.py) -> outputs (responses.py); drain's
+                                       grace over: UNAVAILABLE
     done/failed: stream.close()        end: slot freed, worker calls cancelled,
                                             metrics request_ended(final status)
 

@@ -19,7 +19,7 @@ front end counts prompt_tokens from P and every token it forwarded once.
 n > 1: the workers fork n samples from one prompt, so each sample that had not
 ended continues as a request of its own (`one_sample`: n == 1, prompt P + its own
 S, `sample_index` i so its seeded draws are sample i's), all at once, their
-streams merged back under their indices (dispatch.py).
+streams merged back under their indices (fan_out.py).
 
 Presence and frequency penalties count output tokens only: the continuation says
 that its prompt's last k tokens are output (`resumed_tokens`), and they count them.
@@ -30,22 +30,19 @@ so a beam search whose worker died is retried from the start, not migrated), and
 a request past its deadline or past --max-migrations.
 
 Stop strings: the new worker's text starts after its prompt, so it cannot see a
-stop string that began in the tokens sent before. `StopWatch` runs the engine's
-`SequenceText` over the whole output on the router and ends the sequence where the
-uninterrupted run would have (the new worker's call is then cancelled).
+stop string that began in the tokens sent before: stops.py watches the whole output.
 
-`Progress` records what the client has; `continuation` builds the request that
-carries on from it.
+`Progress` records what the client has (from the router's events, events.py);
+`continuation` builds the request that carries on from it; `rebase` makes the
+continuation's final update read as the uninterrupted run's.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from pdserve.engine.detokenizer import Decoder
 from pdserve.engine.hashing import hash_blocks
-from pdserve.engine.text import SequenceText
-from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
+from pdserve.services.router.events import Finished, Result, Update
 from pdserve.services.router.validate import Job
 
 
@@ -100,23 +97,28 @@ class Progress:
     def unfinished(self) -> list[int]:
         return [i for i in range(self.n) if self.sample(i).finish_reason is None]
 
-    def record(self, message: pb.DecodeResponse, max_tokens: int) -> None:
-        """Note the tokens of a message about to be forwarded to the client."""
-        self.finished = self.finished or message.finished
-        for delta in message.deltas:
-            sample = self.sample(delta.index)
-            sample.token_ids.extend(delta.token_ids)
-            sample.logprob_sum += sum(delta.token_logprobs) if delta.token_logprobs else sum(e.logprob for e in delta.logprobs)
-            if delta.finish_reason:
-                sample.finish_reason = delta.finish_reason
+    def record(self, update: Update, max_tokens: int) -> None:
+        """Note the tokens of an update about to be forwarded to the client."""
+        self.finished = self.finished or update.finished
+        for tokens in update.tokens:
+            sample = self.sample(tokens.index)
+            sample.token_ids.extend(tokens.token_ids)
+            sample.logprob_sum += sum(tokens.token_logprobs) if tokens.token_logprobs else sum(
+                e.logprob for e in tokens.logprobs)
+            if tokens.finish_reason:
+                sample.finish_reason = tokens.finish_reason
             if sample.finish_reason is None and len(sample.token_ids) >= max_tokens:
                 sample.finish_reason = "length"
 
-    def final_message(self) -> pb.DecodeResponse:
-        """The final message a worker died before sending, every sequence already ended."""
-        results = [pb.SequenceResult(index=i, finish_reason=self.sample(i).finish_reason or "",
-                                     cumulative_logprob=self.sample(i).logprob_sum) for i in range(self.n)]
-        return pb.DecodeResponse(finished=True, results=results)
+    def bases(self) -> dict[int, float]:
+        """Per sequence, what a continuation's worker does not count in its cumulative
+        logprob: the logprobs of the tokens sent before the latest migration."""
+        return {i: s.logprob_base for i, s in self.samples.items()}
+
+    def final_message(self) -> Update:
+        """The final update a worker died before sending, every sequence already ended."""
+        return Update(end=Finished(results=tuple(
+            Result(i, self.sample(i).finish_reason or "", self.sample(i).logprob_sum) for i in range(self.n))))
 
 
 def unmigratable(job: Job) -> str | None:
@@ -151,45 +153,13 @@ def continuation(job: Job, sent: list[int], block_size: int) -> Job:
     )
 
 
-def rebase(message: pb.DecodeResponse, original: Job, progress: Progress) -> None:
-    """Make a continuation's final message read as the uninterrupted run's: the
-    cumulative logprob includes the tokens sent before, cached tokens and prompt
-    logprobs are the original prompt's."""
-    if not message.finished:
-        return
-    for result in message.results:
-        result.cumulative_logprob += progress.sample(result.index).logprob_base
-    message.num_cached_tokens = min(message.num_cached_tokens, len(original.prompt))
-    if len(message.prompt_logprobs) > len(original.prompt):
-        del message.prompt_logprobs[len(original.prompt):]
-
-
-class StopWatch:
-    """Stop strings over the whole output of a migrated sequence (engine/text.py, as
-    the engine matches them): what a continuation's worker cannot see."""
-
-    def __init__(self, tokenizer: Decoder, job: Job, sent: list[int]) -> None:
-        self._text = SequenceText(tokenizer, job.prompt, job.params.stop, job.params.min_tokens)
-        for token in sent:
-            self._text.append(token)
-
-    def cut(self, message: pb.DecodeResponse) -> bool:
-        """True when `message` completes a stop string its worker did not end at: the
-        message is cut after the token that completes it, which ends the sequence
-        ("stop"), and is no longer the worker's final one."""
-        for delta in message.deltas:
-            if delta.index != 0:
-                continue
-            for i, token in enumerate(delta.token_ids):
-                if not self._text.append(token):
-                    continue
-                if i == len(delta.token_ids) - 1 and delta.finish_reason:
-                    return False  # the worker ended there too
-                del delta.token_ids[i + 1:]
-                del delta.logprobs[i + 1:]
-                del delta.token_logprobs[i + 1:]
-                delta.finish_reason = "stop"
-                message.finished = False
-                del message.results[:]
-                return True
-        return False
+def rebase(update: Update, original: Job, progress: Progress) -> Update:
+    """A continuation's update as the uninterrupted run's: on the final one, the
+    cumulative logprob includes the tokens sent before, and cached tokens and prompt
+    logprobs are the original prompt's. Any other update is the same."""
+    if update.end is None:
+        return update
+    update = update.counting(progress.bases())
+    end = update.end
+    return replace(update, end=replace(end, num_cached_tokens=min(end.num_cached_tokens, len(original.prompt)),
+                                       prompt_logprobs=end.prompt_logprobs[:len(original.prompt)]))

@@ -1,4 +1,4 @@
-"""Worker DecodeResponses -> the front end's SequenceOutputs: incremental text, timing, usage.
+"""Worker updates (events.py) -> the front end's SequenceOutputs: incremental text, timing, usage.
 
 Text comes from the engine's `SequenceText` per sequence, the implementation the
 engine stops with (a multi-byte character is never split: it waits for its last
@@ -20,9 +20,8 @@ from dataclasses import dataclass, replace
 
 from pdserve.engine.detokenizer import Decoder
 from pdserve.engine.text import SequenceText
-from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.services.common.metrics import Disabled, RouterMetrics
-from pdserve.services.router.pb_records import logprob_of
+from pdserve.services.router.events import Finished, Result, Update
 from pdserve.services.router.records import SequenceOutput, Timing, TokenLogprob, Usage
 from pdserve.services.router.validate import Job
 
@@ -68,28 +67,27 @@ class ResponseBuilder:
     def note_cached_tokens(self, n: int) -> None:
         self.cached_tokens = max(self.cached_tokens, n)
 
-    def messages(self, decode: pb.DecodeResponse) -> list[SequenceOutput]:
-        """The outputs of one worker message, one per sequence index (in order) that
+    def messages(self, update: Update) -> list[SequenceOutput]:
+        """The outputs of one worker update, one per sequence index (in order) that
         gained text or tokens, or finished."""
         now = time.monotonic()
         out: dict[int, SequenceOutput] = {}
-        for delta in decode.deltas:
-            seq = self._seq(delta.index)
-            token_ids = tuple(delta.token_ids)
-            self._add(seq, token_ids, now)
-            _grow(out, delta.index, token_ids, tuple(logprob_of(e) for e in delta.logprobs), seq.running_text())
-        self._first_tokens(any(d.token_ids for d in decode.deltas), now)
-        if decode.finished:
-            self.note_cached_tokens(decode.num_cached_tokens)
-            self._first_tokens(any(r.token_ids for r in decode.results), now)
-            for result in decode.results:
+        for tokens in update.tokens:
+            seq = self._seq(tokens.index)
+            self._add(seq, tokens.token_ids, now)
+            _grow(out, tokens.index, tokens.token_ids, tokens.logprobs, seq.running_text())
+        self._first_tokens(any(t.token_ids for t in update.tokens), now)
+        end = update.end
+        if end is not None:
+            self.note_cached_tokens(end.num_cached_tokens)
+            self._first_tokens(any(r.token_ids for r in end.results), now)
+            for result in end.results:
                 seq = self._seq(result.index)
-                token_ids = tuple(result.token_ids)
-                self._add(seq, token_ids, now)
-                _grow(out, result.index, token_ids)
-                out[result.index] = self._finish(out[result.index], seq, result, decode, now)
-            if decode.prompt_logprobs and 0 in out:
-                out[0] = replace(out[0], prompt_logprobs=tuple(logprob_of(e) for e in decode.prompt_logprobs))
+                self._add(seq, result.token_ids, now)
+                _grow(out, result.index, result.token_ids)
+                out[result.index] = self._finish(out[result.index], seq, result, end, now)
+            if end.prompt_logprobs and 0 in out:
+                out[0] = replace(out[0], prompt_logprobs=end.prompt_logprobs)
             self.metrics.request_finished(now - self.arrival)
         return [out[i] for i in sorted(out) if out[i].token_ids or out[i].text or out[i].finished]
 
@@ -111,9 +109,9 @@ class ResponseBuilder:
             seq = self._seqs[index] = _Sequence(text)
         return seq
 
-    def _finish(self, output: SequenceOutput, seq: _Sequence, result: pb.SequenceResult, last: pb.DecodeResponse,
+    def _finish(self, output: SequenceOutput, seq: _Sequence, result: Result, last: Finished,
                 now: float) -> SequenceOutput:
-        """Sequence `result`'s last output; `last` is the worker's final message (its
+        """Sequence `result`'s last output; `last` is the request's end (its
         request-wide counts go into every sequence's usage)."""
         reason = result.finish_reason or "abort"
         first = self.first_token_at or seq.first_at or now

@@ -87,6 +87,7 @@ def test_router_cuts_where_the_engine_stops(code_llm):
     must not cut at an occurrence the engine skips."""
     from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
     from pdserve.services.router.pb_records import request_of
+    from pdserve.services.router.events import update_of
     from pdserve.services.router.responses import ResponseBuilder
     from pdserve.services.router.validate import Limits, Validator
 
@@ -101,9 +102,9 @@ def test_router_cuts_where_the_engine_stops(code_llm):
     text = ""
     for token in free.token_ids:
         decode = pb.DecodeResponse(deltas=[pb.SequenceDelta(index=0, token_ids=[token])])
-        text += "".join(m.text for m in builder.messages(decode))
+        text += "".join(m.text for m in builder.messages(update_of(decode)))
     final = pb.DecodeResponse(finished=True, results=[pb.SequenceResult(index=0, finish_reason="stop")])
-    text += "".join(m.text for m in builder.messages(final))
+    text += "".join(m.text for m in builder.messages(update_of(final)))
     assert text == _expected_cut(code_llm, free, stop, 8)
 
 

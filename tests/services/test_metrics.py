@@ -44,6 +44,7 @@ from pdserve.services.common.stats import WorkerStats, stats_response
 from pdserve.services.router.client import options_from_kwargs
 from pdserve.services.router.config import RouterConfig
 from pdserve.services.router.pb_records import request_of
+from pdserve.services.router.events import update_of
 from pdserve.services.router.responses import ResponseBuilder
 from pdserve.services.router.validate import Limits, Validator
 from pdserve.services.worker.config import WorkerConfig
@@ -89,12 +90,12 @@ def test_router_counts_tokens_gaps_and_finishes_once(validator, monkeypatch):
     builder = ResponseBuilder(job(validator, [5] * 20, n=2, max_tokens=4), None, arrival=100.0, metrics=metrics)
     clock = iter([100.5, 101.1, 101.4])
     monkeypatch.setattr("pdserve.services.router.responses.time.monotonic", lambda: next(clock))
-    builder.messages(pb.DecodeResponse(deltas=[delta(0, 1), delta(1, 2, 3)]))  # t=100.5: firsts
-    builder.messages(pb.DecodeResponse(deltas=[delta(0, 4, 5, 6, finish="length")]))  # t=101.1: a gap of 0.6 for 3
+    builder.messages(update_of(pb.DecodeResponse(deltas=[delta(0, 1), delta(1, 2, 3)])))  # t=100.5: firsts
+    builder.messages(update_of(pb.DecodeResponse(deltas=[delta(0, 4, 5, 6, finish="length")])))  # t=101.1: a gap of 0.6 for 3
     final = pb.DecodeResponse(deltas=[delta(1, 7, finish="stop")], finished=True)
     final.results.add(index=0, finish_reason="length")
     final.results.add(index=1, finish_reason="stop")
-    builder.messages(final)  # t=101.4
+    builder.messages(update_of(final))  # t=101.4
     assert sample(metrics, "time_to_first_token_seconds", "_count") == 1
     assert sample(metrics, "time_to_first_token_seconds", "_sum") == pytest.approx(0.5)
     assert sample(metrics, "prompt_tokens", "_total") == 20
@@ -116,7 +117,7 @@ def test_beams_count_tokens_but_no_gaps(validator):
     final = pb.DecodeResponse(finished=True)
     final.results.add(index=0, token_ids=[300, 301, 302], finish_reason="length")
     final.results.add(index=1, token_ids=[303], finish_reason="stop")
-    builder.messages(final)
+    builder.messages(update_of(final))
     assert sample(metrics, "generation_tokens", "_total") == 4
     assert sample(metrics, "time_to_first_token_seconds", "_count") == 1
     assert sample(metrics, "inter_token_latency_seconds", "_count") == 0

@@ -430,6 +430,7 @@ def test_a_wrong_or_replayed_reservation_secret_is_dropped_and_its_blocks_freed(
     d_channel, decode = worker_stub(guarded["decode"].address, auth)
     p_channel, prefill = worker_stub(guarded["prefill"].address, auth)
     secrets: dict[str, bytes] = {}
+    firsts: dict[str, int] = {}  # the prefill worker's first token (the decode worker does not stream it again)
 
     def transfer(rid: str, prompt: list[int], secret_of=None):
         reserved = decode.Reserve(pb.ReserveRequest(request_id=rid, token_ids=prompt, sampling=OPTIONS,
@@ -440,16 +441,17 @@ def test_a_wrong_or_replayed_reservation_secret_is_dropped_and_its_blocks_freed(
             plan = dataclasses.replace(plan, secret=secret_of(plan))
         stream = decode.Decode(pb.DecodeRequest(request_id=rid), timeout=30)
         try:
-            prefill.Prefill(pb.PrefillRequest(request_id=rid, token_ids=prompt, sampling=OPTIONS,
-                                              transfer_plan=plan.pack()), timeout=20)
+            prefilled = prefill.Prefill(pb.PrefillRequest(request_id=rid, token_ids=prompt, sampling=OPTIONS,
+                                                          transfer_plan=plan.pack()), timeout=20)
+            firsts[rid] = prefilled.first_token.token_id
         except grpc.RpcError as e:  # the refusal may reach the prefill worker first
             assert e.code() == grpc.StatusCode.UNAVAILABLE, e
         return stream
 
     with d_channel, p_channel:
         first = tokens(llm, code("first", 4))
-        messages = list(transfer("first", first))  # the first token, from the prefill worker, included
-        assert [t for m in messages for d in m.deltas for t in d.token_ids] == greedy(llm, first, 6)
+        messages = list(transfer("first", first))  # the tokens after the prefill worker's first
+        assert [firsts["first"]] + [t for m in messages for d in m.deltas for t in d.token_ids] == greedy(llm, first, 6)
         for rid, secret_of in (("replayed", lambda plan: secrets["first"]), ("made-up", lambda plan: os.urandom(32))):
             prompt = tokens(llm, code(rid.replace("-", "_"), 4))
             status, details = refused(lambda: transfer(rid, prompt, secret_of))

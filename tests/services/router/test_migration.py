@@ -10,6 +10,7 @@ from pdserve.engine.hashing import hash_blocks
 from pdserve.engine.sampler import position_key
 from pdserve.services.common.convert import params_from_options
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
+from pdserve.services.router.events import update_of
 from pdserve.services.router.migration import Progress, Sample, continuation, one_sample, rebase, unmigratable
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.services.router.records import Request
@@ -25,8 +26,10 @@ def job(**sampling):
 
 
 def delta(tokens, logprobs=(), finish=""):
+    """A worker's message with sequence 0's `tokens`, as the router's update."""
     lps = [pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in zip(tokens, logprobs)]
-    return pb.DecodeResponse(deltas=[pb.SequenceDelta(index=0, token_ids=tokens, logprobs=lps, finish_reason=finish)])
+    return update_of(pb.DecodeResponse(deltas=[pb.SequenceDelta(index=0, token_ids=tokens, logprobs=lps,
+                                                                finish_reason=finish)]))
 
 
 def test_the_continuation_prompts_with_what_was_sent_and_asks_for_the_rest():
@@ -95,16 +98,17 @@ def test_a_sample_of_n_continues_as_a_request_of_its_own_drawing_as_that_sample(
 def test_progress_counts_what_the_client_has_and_sees_an_ended_sequence():
     progress = Progress(n=2)
     progress.record(delta([1, 2], [-0.5, -0.25]), max_tokens=5)
-    progress.record(pb.DecodeResponse(deltas=[pb.SequenceDelta(index=1, token_ids=[9])]), max_tokens=5)
+    progress.record(update_of(pb.DecodeResponse(deltas=[pb.SequenceDelta(index=1, token_ids=[9])])), max_tokens=5)
     assert progress.token_ids == [1, 2] and progress.sample(0).logprob_sum == -0.75
     assert progress.sample(1).token_ids == [9] and progress.sent == 3 and progress.unfinished() == [0, 1]
     progress.record(delta([3], finish="stop"), max_tokens=5)
     assert progress.sample(0).finish_reason == "stop" and progress.unfinished() == [1] and not progress.done
-    progress.record(pb.DecodeResponse(deltas=[pb.SequenceDelta(index=1, token_ids=[8, 7, 6, 5])]), max_tokens=5)
+    progress.record(update_of(pb.DecodeResponse(deltas=[pb.SequenceDelta(index=1, token_ids=[8, 7, 6, 5])])),
+                    max_tokens=5)
     assert progress.done  # sequence 1 reached max_tokens: only the final message is missing
     final = progress.final_message()
-    assert final.finished and [(r.index, r.finish_reason) for r in final.results] == [(0, "stop"), (1, "length")]
-    assert final.results[0].cumulative_logprob == -0.75
+    assert final.finished and [(r.index, r.finish_reason) for r in final.end.results] == [(0, "stop"), (1, "length")]
+    assert final.end.results[0].cumulative_logprob == -0.75
     full = Progress()
     full.record(delta([1, 2, 3]), max_tokens=3)
     assert full.sample(0).finish_reason == "length"
@@ -114,12 +118,13 @@ def test_progress_knows_when_the_final_message_went_out():
     """Beams stream nothing until the final message: once it is forwarded the request
     is served, and the router does not fail it if the worker then dies (the chaos test)."""
     beams = Progress(n=2)
-    beams.record(pb.DecodeResponse(), max_tokens=5)
+    beams.record(update_of(pb.DecodeResponse()), max_tokens=5)
     assert not beams.finished and beams.sent == 0
-    beams.record(pb.DecodeResponse(finished=True, results=[pb.SequenceResult(index=0, token_ids=[4, 5]),
-                                                           pb.SequenceResult(index=1, token_ids=[6])]), max_tokens=5)
+    beams.record(update_of(pb.DecodeResponse(finished=True, results=[pb.SequenceResult(index=0, token_ids=[4, 5]),
+                                                                     pb.SequenceResult(index=1, token_ids=[6])])),
+                 max_tokens=5)
     assert beams.finished
-    beams.record(pb.DecodeResponse(), max_tokens=5)
+    beams.record(update_of(pb.DecodeResponse()), max_tokens=5)
     assert beams.finished
 
 
@@ -128,67 +133,14 @@ def test_rebase_makes_the_final_message_the_uninterrupted_runs():
     progress = Progress(samples={0: Sample(token_ids=[1, 2, 3], logprob_sum=-1.5)})
     progress.migrated()
     running = delta([4], [-0.1])
-    rebase(running, original, progress)
-    assert running == delta([4], [-0.1])  # only the final message changes
+    assert rebase(running, original, progress) == delta([4], [-0.1])  # only the final message changes
     progress.record(running, max_tokens=50)  # the continuation's tokens reach the client too
     assert progress.sample(0).logprob_sum == pytest.approx(-1.6) and progress.sample(0).logprob_base == -1.5
-    final = pb.DecodeResponse(
+    final = rebase(update_of(pb.DecodeResponse(
         finished=True, results=[pb.SequenceResult(index=0, finish_reason="length", cumulative_logprob=-2.0)],
         num_cached_tokens=len(PROMPT) + 3,
         prompt_logprobs=[pb.PromptTokenLogprob() for _ in range(len(PROMPT) + 3)],
-    )
-    rebase(final, original, progress)
-    assert final.results[0].cumulative_logprob == -3.5  # the new worker's -2.0 plus the -1.5 sent before it
-    assert final.num_cached_tokens == len(PROMPT)
-    assert len(final.prompt_logprobs) == len(PROMPT)
-
-
-# -- stop strings spanning the cut: the router sees the whole output --------------------
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    from pdserve.engine.config import DEFAULT_MODEL
-    from pdserve.engine.tokenizer import Tokenizer
-
-    tok = Tokenizer(DEFAULT_MODEL)
-    tok.load()
-    return tok
-
-
-def stop_job(tokenizer, stop):
-    validator = Validator(Limits("tiny", vocab_size=4096, max_model_len=256, max_n=4,
-                                 block_size=BLOCK), tokenizer)
-    return validator.validate(Request(text="def f(x):", sampling=SamplingParams(max_tokens=100, stop=stop)))
-
-
-def test_a_stop_string_begun_before_the_cut_ends_the_continuation_where_the_uninterrupted_run_would(tokenizer):
-    from pdserve.services.router.migration import StopWatch
-
-    output = tokenizer.encode("    return x + 1\n\nprint(f(2))", add_special_tokens=False)
-    text = tokenizer.decode(output)
-    stop = "x + 1\n\npr"
-    original = stop_job(tokenizer, (stop,))
-    # Cut after the token holding "x": the stop string began before the cut.
-    k = next(i for i in range(1, len(output)) if "x" in tokenizer.decode(output[:i]))
-    assert stop not in tokenizer.decode(output[:k])
-    watch = StopWatch(tokenizer, original, output[:k])
-    rest = output[k:]
-    message = delta(rest, [-0.1] * len(rest))
-    assert watch.cut(message)
-    kept = list(message.deltas[0].token_ids)
-    end = k + len(kept)  # the uninterrupted run ends with the token completing the stop string
-    assert stop in tokenizer.decode(output[:end]) and stop not in tokenizer.decode(output[:end - 1])
-    assert len(message.deltas[0].logprobs) == len(kept) and message.deltas[0].finish_reason == "stop"
-    assert not message.finished and text.startswith(tokenizer.decode(output[:end]))
-
-
-def test_a_stop_the_worker_saw_too_passes_through(tokenizer):
-    from pdserve.services.router.migration import StopWatch
-
-    output = tokenizer.encode("    return x + 1\n", add_special_tokens=False)
-    watch = StopWatch(tokenizer, stop_job(tokenizer, ("\n",)), output[:2])
-    message = delta(output[2:], finish="stop")
-    assert not watch.cut(message) and list(message.deltas[0].token_ids) == output[2:]
-    other = StopWatch(tokenizer, stop_job(tokenizer, ("zzz",)), output[:2])
-    assert not other.cut(delta(output[2:]))
+    )), original, progress)
+    assert final.end.results[0].cumulative_logprob == -3.5  # the new worker's -2.0 plus the -1.5 sent before it
+    assert final.end.num_cached_tokens == len(PROMPT)
+    assert len(final.end.prompt_logprobs) == len(PROMPT)

@@ -24,6 +24,7 @@ from pdserve.services.router.cancel import Cancellation
 from pdserve.services.router.client import options_from_kwargs
 from pdserve.services.router.config import RouterConfig
 from pdserve.services.router.dispatch import Attempt, Path
+from pdserve.services.router.events import update_of
 from pdserve.services.router.pb_records import logprob_of, request_of, response_of
 from pdserve.services.router.records import Request, SequenceOutput, Timing, TokenLogprob, Usage
 from pdserve.services.router.responses import ResponseBuilder
@@ -121,7 +122,7 @@ def stream(builder: ResponseBuilder, token_ids: list[int], finish: str = "length
         if last:
             message.finished = True
             message.results.add(index=0, finish_reason=finish, cumulative_logprob=-1.5)
-        out += builder.messages(message)
+        out += builder.messages(update_of(message))
     return out
 
 
@@ -172,7 +173,7 @@ def test_every_sequence_carries_the_requests_speculative_counts(validator, token
     final = pb.DecodeResponse(finished=True, num_draft_tokens=9, num_accepted_tokens=4)
     final.results.add(index=0, token_ids=[300], finish_reason="length")
     final.results.add(index=1, token_ids=[301], finish_reason="length")
-    outputs = builder.messages(final)
+    outputs = builder.messages(update_of(final))
     assert [(o.usage.num_draft_tokens, o.usage.num_accepted_tokens) for o in outputs] == [(9, 4), (9, 4)]
     usage = response_of(outputs[1], "r").usage
     assert (usage.num_draft_tokens, usage.num_accepted_tokens) == (9, 4)
@@ -185,7 +186,7 @@ def test_beams_arrive_whole_in_the_results(validator, tokenizer):
     final = pb.DecodeResponse(finished=True)
     final.results.add(index=0, token_ids=[300, 301], finish_reason="length")
     final.results.add(index=1, token_ids=[302], finish_reason="stop")
-    a, b = builder.messages(final)
+    a, b = builder.messages(update_of(final))
     assert (a.index, list(a.token_ids), b.index, list(b.token_ids)) == (0, [300, 301], 1, [302])
     assert a.usage.completion_tokens == 2 and b.finish_reason == "stop"
 
