@@ -26,6 +26,7 @@ from pdserve.services.common.status import ServeError, Status
 from pdserve.services.router.api_keys import ApiKeys, key_id
 from pdserve.services.router.cancel import Cancellation
 from pdserve.services.router.config import RouterConfig
+from pdserve.services.router.events import Update, update_of
 from pdserve.services.router.frontend import FrontEnd
 from pdserve.services.router.records import Request
 from pdserve.services.router.validate import Job, Limits
@@ -35,14 +36,15 @@ PROMPT = (5, 6, 7, 8, 9)
 KEY = "k" * 24
 
 
-def tokens(*token_ids: int, index: int = 0) -> pb.DecodeResponse:
-    """A worker message with new tokens of sequence `index`."""
-    return pb.DecodeResponse(deltas=[pb.SequenceDelta(index=index, token_ids=token_ids)])
+def tokens(*token_ids: int, index: int = 0) -> Update:
+    """A worker message with new tokens of sequence `index`, as the dispatcher yields it."""
+    return update_of(pb.DecodeResponse(deltas=[pb.SequenceDelta(index=index, token_ids=token_ids)]))
 
 
-def finished(reason: str = "length", cached: int = 0, index: int = 0) -> pb.DecodeResponse:
-    return pb.DecodeResponse(finished=True, num_cached_tokens=cached,
-                             results=[pb.SequenceResult(index=index, finish_reason=reason, cumulative_logprob=-1.5)])
+def finished(reason: str = "length", cached: int = 0, index: int = 0) -> Update:
+    return update_of(pb.DecodeResponse(
+        finished=True, num_cached_tokens=cached,
+        results=[pb.SequenceResult(index=index, finish_reason=reason, cumulative_logprob=-1.5)]))
 
 
 class FakeDispatcher:
@@ -50,7 +52,7 @@ class FakeDispatcher:
     place (to block, to raise). Records what each run was given, and whether its
     generator was closed (what frees a real dispatcher's worker calls)."""
 
-    def __init__(self, *script: pb.DecodeResponse | Callable[[Cancellation], None]) -> None:
+    def __init__(self, *script: Update | Callable[[Cancellation], None]) -> None:
         self.script = script
         self.jobs: list[Job] = []
         self.deadlines: list[Deadline] = []
@@ -58,13 +60,13 @@ class FakeDispatcher:
         self.closed = 0
 
     def run(self, job: Job, deadline: Deadline, cancel: Cancellation, note_cached: Callable[[int], None]
-            ) -> Iterator[pb.DecodeResponse]:
+            ) -> Iterator[Update]:
         self.jobs.append(job)
         self.deadlines.append(deadline)
         self.cancellations.append(cancel)
         return self._replay(cancel)
 
-    def _replay(self, cancel: Cancellation) -> Iterator[pb.DecodeResponse]:
+    def _replay(self, cancel: Cancellation) -> Iterator[Update]:
         try:
             for step in self.script:
                 if callable(step):
