@@ -69,7 +69,6 @@ import argparse
 import math
 import os
 import random
-import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -78,7 +77,8 @@ from dataclasses import asdict, dataclass, replace
 from pdserve.bench.serving.backend import Backend, GrpcBackend
 from pdserve.bench.cluster.clusters import GPU_MODEL, ClusterConfig, ModelShape, Started, clusters_up, pin_process, say
 from pdserve.bench.serving.metrics import Slo, summarize
-from pdserve.bench.common.repeat import Ratio, interleaved
+from pdserve.bench.common.repeat import interleaved
+from pdserve.bench.common.stats import Ratio, median
 from pdserve.bench.common.entry import compare_main, overridden
 from pdserve.bench.serving.run import Measured, measure, table, warm_up, write_json
 from pdserve.bench.serving.workloads import ArrivalConfig, BenchRequest, random_ids, send_times
@@ -178,7 +178,7 @@ def calibrate(cfg: DisaggConfig, clients: dict[str, Backend], vocab: int, log: C
         alone(client, cfg.long_prompt[1], cfg.long_output[0])
     t_long = [alone(clients["colocated"], cfg.long_prompt[1], cfg.long_output[0]).summary.ttft.p50 for _ in range(3)]
     batch = alone(clients["disaggregated"], cfg.short_prompt[1], cfg.short_output[1], count=cfg.decoding)
-    t_ms, tpot_ms, capacity = statistics.median(t_long), batch.summary.tpot.p50, batch.summary.output_throughput
+    t_ms, tpot_ms, capacity = median(t_long), batch.summary.tpot.p50, batch.summary.output_throughput
     mean_output = sum(cfg.short_output) / 2
     load = Load(
         long_rate=cfg.long_rate if cfg.long_rate is not None else cfg.prefill_load / (t_ms / 1e3),

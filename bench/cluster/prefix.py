@@ -42,7 +42,8 @@ from dataclasses import asdict, dataclass, replace
 from pdserve.bench.serving.backend import Backend, GrpcBackend
 from pdserve.bench.cluster.clusters import GPU_MODEL, ClusterConfig, ModelShape, clusters_up, say
 from pdserve.bench.serving.metrics import Slo
-from pdserve.bench.common.repeat import Ratio, interleaved
+from pdserve.bench.common.repeat import interleaved
+from pdserve.bench.common.stats import Ratio
 from pdserve.bench.common.entry import compare_main, overridden
 from pdserve.bench.serving.run import Measured, measure, warm_up, write_json
 from pdserve.bench.serving.workloads import BenchRequest, random_ids

@@ -14,10 +14,7 @@ median of those is reported with its range:
 
 from __future__ import annotations
 
-import math
-import statistics
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -47,39 +44,3 @@ def rotated(names: Sequence[T], rep: int) -> list[T]:
     return [*names[shift:], *names[:shift]]
 
 
-@dataclass(frozen=True)
-class Ratio:
-    """The median of per-repetition ratios, with their min and max."""
-
-    median: float
-    lo: float
-    hi: float
-    k: int
-
-    @classmethod
-    def of(cls, values: Sequence[float]) -> "Ratio":
-        finite = [v for v in values if not math.isnan(v)]
-        if not finite:
-            return cls(math.nan, math.nan, math.nan, len(values))
-        return cls(statistics.median(finite), min(finite), max(finite), len(values))
-
-    @classmethod
-    def paired(cls, numerators: Sequence[float], denominators: Sequence[float]) -> "Ratio":
-        """Ratio.of(n_i / d_i): each repetition's systems against each other."""
-        if len(numerators) != len(denominators):
-            raise ValueError(f"paired: {len(numerators)} numerators, {len(denominators)} denominators")
-        return cls.of([safe_div(n, d) for n, d in zip(numerators, denominators)])
-
-    def __str__(self) -> str:
-        return f"{fmt(self.median)} (min {fmt(self.lo)}, max {fmt(self.hi)}, k={self.k})"
-
-
-def safe_div(n: float, d: float) -> float:
-    """n / d, nan when either is nan or d is 0 (a system with nothing to show)."""
-    if math.isnan(n) or math.isnan(d) or d == 0:
-        return math.nan
-    return n / d
-
-
-def fmt(x: float) -> str:
-    return "nan" if math.isnan(x) else f"{x:.3f}"

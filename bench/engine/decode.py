@@ -30,7 +30,6 @@ batch 1; eager step / captured step at batch 16; medians over repetitions).
 from __future__ import annotations
 
 import random
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -39,7 +38,8 @@ import torch
 
 from pdserve.bench.common.machine import read_bandwidth
 from pdserve.bench.common.random_model import FIRST_REGULAR_TOKEN, ModelSpec
-from pdserve.bench.common.repeat import Ratio, rotated
+from pdserve.bench.common.repeat import rotated
+from pdserve.bench.common.stats import Ratio, median
 
 PROMPT_LEN = 128
 MODES = ("eager", "fast", "captured")
@@ -181,8 +181,8 @@ def run(model_dir: str, cfg: DecodeConfig, log: Callable[[str], None]) -> str:
         for batch in cfg.batches:
             prompts = _prompts(batch, spec.vocab_size, rep)
             for mode in rotated(list(MODES), rep):
-                step[(mode, batch)].append(statistics.median(decode_steps(engines[mode], prompts, cfg.steps)))
-    floor = statistics.median(floors)
+                step[(mode, batch)].append(median(decode_steps(engines[mode], prompts, cfg.steps)))
+    floor = median(floors)
     print(f"threads={torch.get_num_threads()} weights read per step {floor_bytes / 1e6:.0f} MB, "
           f"bandwidth floor {floor * 1e3:.2f} ms (median of {cfg.repeats})")
     print(f"{'batch':>5} {'eager ms':>9} {'fast ms':>8} {'capt ms':>8} {'eager tok/s':>11} {'capt tok/s':>10} "
@@ -193,7 +193,7 @@ def run(model_dir: str, cfg: DecodeConfig, log: Callable[[str], None]) -> str:
         eager, fast, capt = step[("eager", batch)], step[("fast", batch)], step[("captured", batch)]
         speedups[batch] = Ratio.paired(eager, capt)
         fractions[batch] = Ratio.paired(floors, capt)
-        e, f, c = (statistics.median(x) for x in (eager, fast, capt))
+        e, f, c = (median(x) for x in (eager, fast, capt))
         print(f"{batch:>5} {e * 1e3:>9.2f} {f * 1e3:>8.2f} {c * 1e3:>8.2f} {batch / e:>11.1f} {batch / c:>10.1f} "
               f"{Ratio.paired(eager, fast)!s:>28} {speedups[batch]!s:>28} {Ratio.paired(floors, fast)!s:>28} "
               f"{fractions[batch]!s:>28}")

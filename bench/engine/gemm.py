@@ -16,7 +16,6 @@ often a decode step runs it (once per layer; the LM head once). The last line is
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from collections.abc import Callable, Sequence
 
@@ -25,6 +24,7 @@ import torch.nn.functional as F
 
 from pdserve.bench.common.machine import read_bandwidth
 from pdserve.bench.common.random_model import ModelSpec
+from pdserve.bench.common.stats import median
 from pdserve.engine.prepacked import PrepackedLinear
 
 
@@ -72,7 +72,7 @@ def measure(in_features: int, out_features: int, rows: Sequence[int], footprint:
             plain_t.append(_timed(plain_pass))
             packed_t.append(_timed(packed_pass))
         total = nbytes * copies
-        out[m] = (total / statistics.median(plain_t) / 1e9, total / statistics.median(packed_t) / 1e9)
+        out[m] = (total / median(plain_t) / 1e9, total / median(packed_t) / 1e9)
     return out
 
 

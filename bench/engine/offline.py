@@ -64,7 +64,8 @@ import torch
 
 from pdserve.bench.common.random_model import PAD_ID, ModelSpec, save_random_model, temporary_dir
 from pdserve.bench.common.machine import machine_load
-from pdserve.bench.common.repeat import Ratio, interleaved
+from pdserve.bench.common.repeat import interleaved
+from pdserve.bench.common.stats import Ratio
 from pdserve.bench.engine.workload import (QUICK_MODEL, QUICK_WORKLOAD, Request, WorkloadSpec, make_warmup,
                                            make_workload, output_tokens, prompt_tokens)
 

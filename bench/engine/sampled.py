@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import os
 import random
-import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +32,7 @@ from pathlib import Path
 import torch
 
 from pdserve.bench.common.random_model import ModelSpec, save_random_model, temporary_dir
+from pdserve.bench.common.stats import median, percentile
 from pdserve.engine.config import CacheConfig, SchedulerConfig
 from pdserve.engine.engine import EngineConfig, LLMEngine
 from pdserve.engine.request import Request
@@ -132,14 +132,9 @@ def run(spec: SampledSpec) -> str:
         for r in range(spec.repeats):
             steps += decode_step_times(engine, spec, f"run{r}")
     sampled = sampler_times(spec)
-    step_ms, sampler_ms = 1e3 * statistics.median(steps), 1e3 * statistics.median(sampled)
+    step_ms, sampler_ms = 1e3 * median(steps), 1e3 * median(sampled)
     print(f"decode step ({spec.num_seqs} seqs): median {step_ms:.2f} ms over {len(steps)} steps "
-          f"(p10 {1e3 * _quantile(steps, 0.1):.2f}, p90 {1e3 * _quantile(steps, 0.9):.2f})", flush=True)
+          f"(p10 {1e3 * percentile(steps, 10):.2f}, p90 {1e3 * percentile(steps, 90):.2f})", flush=True)
     print(f"sampler alone: median {sampler_ms:.2f} ms over {len(sampled)} calls "
           f"({100 * sampler_ms / step_ms:.0f} % of a step)", flush=True)
     return f"sampled_step_ms={step_ms:.3f} sampler_ms={sampler_ms:.3f}"
-
-
-def _quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]

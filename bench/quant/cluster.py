@@ -48,7 +48,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pdserve.bench.common.random_model import FIRST_REGULAR_TOKEN
-from pdserve.bench.common.repeat import Ratio, interleaved
+from pdserve.bench.common.repeat import interleaved
+from pdserve.bench.common.stats import Ratio
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from pdserve.services.router.client import Client, collect

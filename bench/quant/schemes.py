@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -61,7 +60,8 @@ from pdserve.bench.common.machine import machine_load
 from pdserve.bench.engine.workload import Request, make_warmup, make_workload, output_tokens
 from pdserve.bench.quant.config import GPU, QUICK, QuantBenchConfig, Variant
 from pdserve.bench.common.random_model import FIRST_REGULAR_TOKEN, ModelSpec, save_random_model, temporary_dir
-from pdserve.bench.common.repeat import Ratio, fmt, interleaved
+from pdserve.bench.common.repeat import interleaved
+from pdserve.bench.common.stats import Ratio, fmt, median
 
 # -- one engine per variant -------------------------------------------------------------
 
@@ -123,7 +123,7 @@ def decode_step_time(llm, cfg: QuantBenchConfig, tag: str) -> float:
         times.append(time.perf_counter() - start)
     if len(times) != cfg.decode_steps:
         raise RuntimeError(f"decode: {len(times)} steps after the prefill, expected {cfg.decode_steps}")
-    return statistics.median(times)
+    return median(times)
 
 
 def measure(llm, variant: Variant, cfg: QuantBenchConfig, workload: Sequence[Request], rep: int) -> Pass:
@@ -226,7 +226,7 @@ def print_speed(report: Report, cfg: QuantBenchConfig) -> None:
         passes = report.passes[v.name]
         tput = Ratio.of([p.throughput for p in passes])
         step = Ratio.of([p.decode_step_s * 1e3 for p in passes])
-        gbps = report.memory[v.name].weight_bytes / statistics.median(p.decode_step_s for p in passes) / 1e9
+        gbps = report.memory[v.name].weight_bytes / median(p.decode_step_s for p in passes) / 1e9
         tput_text = f"{tput}" if cfg.throughput_of(v) else "skipped (fp4 on a CPU: --fp4-throughput)"
         log(f"{v.name:<14} throughput tok/s {tput_text}")
         log(f"{'':<14} decode step ms   {step}  ({gbps:.2f} GB/s of weights)")

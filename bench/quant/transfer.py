@@ -24,7 +24,6 @@ time only what is left after it (bench/quant/cluster.py).
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,7 +32,8 @@ from typing import TYPE_CHECKING
 
 from pdserve.bench.transfer.timing import HeldPrompt, prefill_and_hold, time_ours
 from pdserve.bench.common.random_model import FIRST_REGULAR_TOKEN
-from pdserve.bench.common.repeat import Ratio, interleaved
+from pdserve.bench.common.repeat import interleaved
+from pdserve.bench.common.stats import Ratio, median
 from pdserve.engine import SamplingParams
 from pdserve.engine.config import CacheConfig, SchedulerConfig
 from pdserve.engine.engine import EngineConfig, LLMEngine
@@ -127,7 +127,7 @@ def run(model_dir: Path, cfg: QuantBenchConfig, log: Callable[[str], None]) -> T
                 if {b for _, b in runs} != {pairs[kv].held.nbytes}:
                     raise RuntimeError(f"{kv}: received {sorted({b for _, b in runs})} bytes, held "
                                        f"{pairs[kv].held.nbytes}")
-                return statistics.median(s for s, _ in runs)
+                return median(s for s, _ in runs)
             return once
 
         report.seconds = interleaved({kv: repetition(kv) for kv in KV_DTYPES}, cfg.repeats, log)
@@ -146,7 +146,7 @@ def print_report(report: TransferReport, pairs: dict[str, Pair], tokens: int, cf
     for kv in KV_DTYPES:
         dtype = str(pairs[kv].decode.runner.kv_cache.dtype).removeprefix("torch.")
         ms = Ratio.of([1e3 * s for s in report.seconds[kv]])
-        gbps = report.bytes[kv] / statistics.median(report.seconds[kv]) / 1e9
+        gbps = report.bytes[kv] / median(report.seconds[kv]) / 1e9
         log(f"{kv:<9} {dtype:<14} {report.bytes[kv]:>11} bytes  {report.bytes[kv] / tokens:>9.1f} bytes/prompt token  "
             f"(auto / this {base / report.bytes[kv]:.3f})  {ms} ms  {gbps:.2f} GB/s")
         if kv != "auto":

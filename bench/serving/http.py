@@ -66,7 +66,8 @@ from pdserve.bench.cluster.clusters import ClusterConfig, Started, local_cluster
 from pdserve.bench.common.entry import compare_main, overridden
 from pdserve.bench.serving.metrics import Slo
 from pdserve.bench.serving.openai_backend import OpenAiBackend
-from pdserve.bench.common.repeat import Ratio, interleaved
+from pdserve.bench.common.repeat import interleaved
+from pdserve.bench.common.stats import Ratio
 from pdserve.bench.serving.run import Measured, measure, table, warm_up, write_json
 from pdserve.bench.serving.workloads import BenchRequest, load_tokenizer, random_ids
 from pdserve.services.router.client import Client

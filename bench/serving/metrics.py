@@ -23,6 +23,8 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
+from pdserve.bench.common.stats import percentile
+
 PERCENTILES = (50, 90, 99)
 
 
@@ -61,17 +63,6 @@ class RequestResult:
     @property
     def tpot(self) -> float:
         return (self.e2e - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else math.nan
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile with linear interpolation between order statistics."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -64,6 +63,7 @@ from transformers.utils import logging as hf_logging
 from pdserve.bench.common.entry import compare_main, overridden
 from pdserve.bench.common.machine import machine_load
 from pdserve.bench.common.repeat import rotated
+from pdserve.bench.common.stats import median
 from pdserve.bench.spec.report import (Cell, Run, acceptance_curves, acceptance_summary, analyse, head_lines, last_line,
                                        table)
 from pdserve.bench.spec.workloads import WORKLOADS, SpecRequest, draw_functions, make_requests
@@ -204,7 +204,7 @@ def measure(engine: LLMEngine, method: str, workload: str, requests: Sequence[Sp
     engine.check_integrity()
     tokens = tuple(tuple(o.outputs[0].token_ids) for o in outs)
     return Run(method, workload, concurrency, rep, wall, cpu, sum(map(len, tokens)),
-               statistics.median(tpot(o) for o in outs), spec_delta(engine.stats().spec_decode, before), tokens)
+               median(tpot(o) for o in outs), spec_delta(engine.stats().spec_decode, before), tokens)
 
 
 # -- engines and workloads --------------------------------------------------------------
@@ -265,7 +265,7 @@ def run_all(cfg: SpecBenchConfig, log: Callable[[str], None]) -> list[Run]:
     for workload, requests in reqs.items():
         lengths = [len(r.prompt) for r in requests]
         log(f"[workload] {workload}: {len(requests)} prompts of {min(lengths)}-{max(lengths)} tokens "
-            f"(median {statistics.median(lengths):.0f}), max_tokens {cfg.max_tokens}")
+            f"(median {median(lengths):.0f}), max_tokens {cfg.max_tokens}")
     longest = max(len(r.prompt) for rs in reqs.values() for r in rs)
     engines = {}
     for method in cfg.methods:

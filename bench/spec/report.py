@@ -10,7 +10,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from pdserve.bench.common.repeat import Ratio, fmt
+from pdserve.bench.common.stats import Ratio, fmt
 from pdserve.engine.spec.speculator import SpecStats
 
 T = TypeVar("T")

@@ -14,12 +14,12 @@ prefill pool (the one whose time is TTFT) plus the transfer.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
 
-from pdserve.bench.common.repeat import Ratio, interleaved
+from pdserve.bench.common.repeat import interleaved
+from pdserve.bench.common.stats import Ratio, median
 from pdserve.engine.config import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL, ModelConfig
 from pdserve.engine.model_runner import BatchItem, ModelRunner, kv_bytes_per_block
 from pdserve.engine.spec.draft_model import DraftSeq
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
                            args.repeats)
         kv = kv_bytes_per_block(runners["draft"].cfg, BLOCK, torch.float32) * -(-length // BLOCK)
         ratio = Ratio.paired(runs["draft"], runs["target"])
-        print(f"{length:>6} {statistics.median(runs['target']) * 1e3:>10.2f} {statistics.median(runs['draft']) * 1e3:>9.2f} "
+        print(f"{length:>6} {median(runs['target']) * 1e3:>10.2f} {median(runs['draft']) * 1e3:>9.2f} "
               f"{str(ratio):>28} {kv / 1024:>12.0f} {kv / args.wire_gbps / 1e6:>8.2f}")
     return 0
 

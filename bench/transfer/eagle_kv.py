@@ -23,12 +23,12 @@ sequence batched with it.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
 
-from pdserve.bench.common.repeat import Ratio, interleaved
+from pdserve.bench.common.repeat import interleaved
+from pdserve.bench.common.stats import Ratio, median
 from pdserve.engine import SamplingParams
 from pdserve.engine.config import DEFAULT_EAGLE3_HEAD, DEFAULT_MODEL, CacheConfig, SchedulerConfig
 from pdserve.engine.engine import EngineConfig, LLMEngine
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     for length in lengths:
         runs = interleaved({name: (lambda rep, e=e: prefill_seconds(e, length, rep)) for name, e in engines.items()},
                            args.repeats)
-        plain, with_head = statistics.median(runs["plain"]), statistics.median(runs["head"])
+        plain, with_head = median(runs["plain"]), median(runs["head"])
         ratio = Ratio.paired(runs["head"], runs["plain"])
         print(f"{length:>6} {1e3 * plain:>10.1f} {1e3 * with_head:>12.1f} {1e3 * (with_head - plain):>16.1f} "
               f"{str(ratio):>26}")

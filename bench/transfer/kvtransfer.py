@@ -56,7 +56,6 @@ import gc
 import multiprocessing as mp
 import random
 import shutil
-import statistics
 import sys
 import tempfile
 import threading
@@ -68,7 +67,8 @@ from pathlib import Path
 import torch
 import zmq
 
-from pdserve.bench.common.repeat import Ratio, interleaved
+from pdserve.bench.common.repeat import interleaved
+from pdserve.bench.common.stats import Ratio, median
 from pdserve.bench.transfer.timing import WAIT_S, HeldPrompt, prefill_and_hold, time_ours
 from pdserve.engine import SamplingParams
 from pdserve.engine.config import CacheConfig, SchedulerConfig
@@ -323,10 +323,6 @@ def plain_prefill_s(engine: LLMEngine, rid: str, prompt: list[int]) -> float:
     while engine.has_unfinished():
         engine.step()
     return time.perf_counter() - start
-
-
-def median(xs: Sequence[float]) -> float:
-    return statistics.median(xs)
 
 
 def gbps(nbytes: int, seconds: float) -> float:

@@ -1,5 +1,5 @@
 """The benchmarks' parts without a cluster: workloads, arrivals, metrics, SLO, the
-consistency check, interleaved repeats, stopping clusters together, and the flags the
+consistency check, stopping clusters together, and the flags the
 benchmarks added to the services (worker CPU pinning, round-robin prefill choice)."""
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ from collections.abc import Iterator
 import pytest
 
 from pdserve.bench.cluster.clusters import _exit_all
-from pdserve.bench.serving.metrics import RequestResult, Slo, inconsistencies, percentile, request_record, summarize
-from pdserve.bench.common.repeat import Ratio, interleaved
+from pdserve.bench.serving.metrics import RequestResult, Slo, inconsistencies, request_record, summarize
 from pdserve.bench.serving.workloads import (
     MOONCAKE_BLOCK,
     ArrivalConfig,
@@ -146,31 +145,12 @@ def test_summary_goodput_percentiles_and_consistency() -> None:
     assert any("prompt tokens" in p for p in inconsistencies(summary.to_dict(), miscounted))
 
 
-def test_percentile_interpolates_like_numpy() -> None:
-    assert percentile([1, 2, 3, 4], 50) == 2.5
-    assert percentile([10], 99) == 10
-    assert math.isnan(percentile([], 50))
-
-
 def test_slo_parse_errors_name_the_flag() -> None:
     assert Slo.parse("ttft:500,tpot:50") == Slo(500.0, 50.0)
     assert Slo.parse("") == Slo()
     for bad in ("ttft=5", "e2e:5", "ttft:x", "tpot:0"):
         with pytest.raises(ValueError, match="--slo"):
             Slo.parse(bad)
-
-
-def test_interleaved_alternates_systems_and_ratio_is_the_median() -> None:
-    order: list[tuple[str, int]] = []
-    runs = interleaved({"a": lambda rep: order.append(("a", rep)) or rep + 1.0,
-                        "b": lambda rep: order.append(("b", rep)) or 2.0}, 3)
-    assert order == [("a", 0), ("b", 0), ("a", 1), ("b", 1), ("a", 2), ("b", 2)]
-    ratio = Ratio.paired(runs["a"], runs["b"])
-    assert (ratio.median, ratio.lo, ratio.hi, ratio.k) == (1.0, 0.5, 1.5, 3)
-    assert str(ratio) == "1.000 (min 0.500, max 1.500, k=3)"
-    assert math.isnan(Ratio.paired([1.0], [0.0]).median)
-    with pytest.raises(ValueError, match="repeats"):
-        interleaved({"a": lambda rep: rep}, 0)
 
 
 def test_parse_cpus_and_round_robin_policy() -> None:
