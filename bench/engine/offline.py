@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import math
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -65,7 +64,7 @@ import torch
 from pdserve.bench.common.random_model import PAD_ID, ModelSpec, save_random_model, temporary_dir
 from pdserve.bench.common.machine import machine_load
 from pdserve.bench.common.repeat import interleaved
-from pdserve.bench.common.stats import Ratio
+from pdserve.bench.common.stats import Ratio, fmt
 from pdserve.bench.engine.workload import (QUICK_MODEL, QUICK_WORKLOAD, Request, WorkloadSpec, make_warmup,
                                            make_workload, output_tokens, prompt_tokens)
 
@@ -414,10 +413,6 @@ def short_lengths(result: RunResult, requests: Sequence[Request]) -> int:
     return sum(len(t) != r.max_new_tokens for t, r in zip(result.tokens, requests))
 
 
-def fmt_ratio(x: float) -> str:
-    return "nan" if math.isnan(x) else f"{x:.3f}"
-
-
 # -- main ----------------------------------------------------------------------------
 
 
@@ -605,8 +600,8 @@ def run(cfg: BenchConfig) -> str:
     log(f"roofline fraction of ours: {z}")
     log(f"benchmark wall time: {time.perf_counter() - bench_start:.1f} s")
     return (
-        f"ratio_vs_hf_generate={fmt_ratio(x.median)} ratio_vs_hf_generate_batch={fmt_ratio(y.median)} "
-        f"roofline_fraction={fmt_ratio(z.median)}"
+        f"ratio_vs_hf_generate={fmt(x.median)} ratio_vs_hf_generate_batch={fmt(y.median)} "
+        f"roofline_fraction={fmt(z.median)}"
     )
 
 
