@@ -65,7 +65,6 @@ over repetitions).
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import random
@@ -74,14 +73,15 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 
+from pdserve.bench.common.entry import compare_main, overridden, parse
 from pdserve.bench.serving.backend import Backend, GrpcBackend
 from pdserve.bench.cluster.clusters import GPU_MODEL, ClusterConfig, ModelShape, Started, clusters_up, pin_process, say
 from pdserve.bench.serving.metrics import Slo, summarize
 from pdserve.bench.common.repeat import interleaved
 from pdserve.bench.common.stats import Ratio, median
-from pdserve.bench.common.entry import compare_main, overridden
 from pdserve.bench.serving.run import Measured, measure, table, warm_up, write_json
 from pdserve.bench.serving.workloads import ArrivalConfig, BenchRequest, random_ids, send_times
+from pdserve.services.common.flags import flag
 
 SYSTEMS = ("colocated", "disaggregated")
 
@@ -330,42 +330,38 @@ def _cpu_report(started: dict[str, Started], before: dict[str, dict[str, float]]
 # -- command line -----------------------------------------------------------------------------
 
 
-def parse_args(argv: Sequence[str] | None) -> tuple[DisaggConfig, argparse.Namespace]:
-    p = argparse.ArgumentParser(prog="python -m pdserve.bench.cluster.disagg", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="embedded model, 3 s of arrivals, 2 repetitions (< 1 minute)")
-    p.add_argument("--gpu", action="store_true", help="GPU preset: ~1B-parameter model in bf16 on cuda")
-    p.add_argument("--repeats", type=int)
-    p.add_argument("--duration", type=float, dest="duration_s", help="seconds of arrivals per repetition")
-    p.add_argument("--prefill-load", type=float, help="calibrated rates: busy fraction of the prefill worker (0.7)")
-    p.add_argument("--decode-load", type=float, help="calibrated rates: share of one core's decode capacity (0.3)")
-    p.add_argument("--decoding", type=int, help="chats decoding together when the capacity is measured (32)")
-    p.add_argument("--long-rate", type=float, help="long prompts per second (default: calibrated)")
-    p.add_argument("--chat-rate", type=float, help="chats per second (default: calibrated)")
-    p.add_argument("--slo", help="ttft:MS,tpot:MS (default: relative to the calibration)")
-    p.add_argument("--seed", type=int)
-    p.add_argument("--worker-cpus", help="one CPU list per worker, ';'-separated ('' unpinned)")
-    p.add_argument("--aux-cpus", help="pin the router and the load generator to these CPUs")
-    p.add_argument("--max-num-batched-tokens", type=int)
-    p.add_argument("--json", dest="json_path", metavar="FILE")
-    p.add_argument("--plot", dest="plot_path", metavar="FILE.png")
-    args = p.parse_args(argv)
-    base = QUICK if args.quick else GPU if args.gpu else DisaggConfig()
-    given = {name: getattr(args, name) for name in ("repeats", "duration_s", "prefill_load", "decode_load", "decoding",
-                                                     "long_rate",
-                                                     "chat_rate", "seed", "worker_cpus", "aux_cpus",
-                                                     "max_num_batched_tokens")}
-    try:
-        given["slo"] = Slo.parse(args.slo) if args.slo else None
-    except ValueError as e:
-        p.error(str(e))
-    cfg = overridden(base, given, p)
-    return cfg, args
+@dataclass(frozen=True)
+class DisaggFlags:
+    """The command line; a flag left out keeps the preset's value."""
+
+    quick: bool = flag(False, "embedded model, 3 s of arrivals, 2 repetitions (< 1 minute)")
+    gpu: bool = flag(False, "GPU preset: ~1B-parameter model in bf16 on cuda")
+    repeats: int | None = flag(None, "interleaved repetitions (3)")
+    duration: float | None = flag(None, "seconds of arrivals per repetition (40)")
+    prefill_load: float | None = flag(None, "calibrated rates: busy fraction of the prefill worker (0.7)")
+    decode_load: float | None = flag(None, "calibrated rates: share of one core's decode capacity (0.3)")
+    decoding: int | None = flag(None, "chats decoding together when the capacity is measured (32)")
+    long_rate: float | None = flag(None, "long prompts per second (default: calibrated)")
+    chat_rate: float | None = flag(None, "chats per second (default: calibrated)")
+    slo: str | None = flag(None, "ttft:MS,tpot:MS (default: relative to the calibration)")
+    seed: int | None = flag(None, "seed of the workload")
+    worker_cpus: str | None = flag(None, "one CPU list per worker, ';'-separated ('' unpinned; 0;1)")
+    aux_cpus: str | None = flag(None, "pin the router and the load generator to these CPUs")
+    max_num_batched_tokens: int | None = flag(None, "every worker's token budget per step (2048)")
+    json: str | None = flag(None, "write the full report (every run's records) to this file")
+    plot: str | None = flag(None, "write TTFT/TPOT CDFs and tokens/s to this PNG")
+
+
+def config_from(flags: DisaggFlags) -> DisaggConfig:
+    base = QUICK if flags.quick else GPU if flags.gpu else DisaggConfig()
+    cfg = overridden(base, flags, renamed={"duration": "duration_s"}, skip={"slo"})
+    return replace(cfg, slo=Slo.parse(flags.slo)) if flags.slo else cfg
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    cfg, args = parse_args(argv)
-    return compare_main("bench.cluster.disagg", lambda: run(cfg, json_path=args.json_path, plot_path=args.plot_path))
+    cfg, flags = parse(DisaggFlags, argv, "python -m pdserve.bench.cluster.disagg", __doc__,
+                       lambda f: (config_from(f), f))
+    return compare_main("bench.cluster.disagg", lambda: run(cfg, json_path=flags.json, plot_path=flags.plot))
 
 
 if __name__ == "__main__":

@@ -31,7 +31,6 @@ repetitions); the prefix-aware / round-robin ratio is printed on the line before
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import random
@@ -39,14 +38,15 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 
+from pdserve.bench.common.entry import compare_main, overridden, parse
 from pdserve.bench.serving.backend import Backend, GrpcBackend
 from pdserve.bench.cluster.clusters import GPU_MODEL, ClusterConfig, ModelShape, clusters_up, say
 from pdserve.bench.serving.metrics import Slo
 from pdserve.bench.common.repeat import interleaved
 from pdserve.bench.common.stats import Ratio
-from pdserve.bench.common.entry import compare_main, overridden
 from pdserve.bench.serving.run import Measured, measure, warm_up, write_json
 from pdserve.bench.serving.workloads import BenchRequest, random_ids
+from pdserve.services.common.flags import flag
 
 
 @dataclass(frozen=True)
@@ -181,29 +181,29 @@ def _measure_all(cfg: PrefixConfig, clients: dict[str, Backend], log: Callable[[
     return f"ttft_ratio={cache.median:.3f}", problems
 
 
-def parse_args(argv: Sequence[str] | None) -> tuple[PrefixConfig, argparse.Namespace]:
-    p = argparse.ArgumentParser(prog="python -m pdserve.bench.cluster.prefix", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="embedded model, few requests, 2 repetitions (< 1 minute)")
-    p.add_argument("--gpu", action="store_true", help="GPU preset: ~1B-parameter model in bf16 on cuda")
-    p.add_argument("--repeats", type=int)
-    p.add_argument("--num-requests", type=int)
-    p.add_argument("--cross-requests", type=int)
-    p.add_argument("--prompt-tokens", type=int)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--json", dest="json_path", metavar="FILE")
-    p.add_argument("--plot", dest="plot_path", metavar="FILE.png")
-    args = p.parse_args(argv)
-    base = QUICK if args.quick else GPU if args.gpu else PrefixConfig()
-    given = {"repeats": args.repeats, "num_requests": args.num_requests, "cross_requests": args.cross_requests,
-             "prompt_tokens": args.prompt_tokens, "seed": args.seed}
-    cfg = overridden(base, given, p)
-    return cfg, args
+@dataclass(frozen=True)
+class PrefixFlags:
+    """The command line; a flag left out keeps the preset's value."""
+
+    quick: bool = flag(False, "embedded model, few requests, 2 repetitions (< 1 minute)")
+    gpu: bool = flag(False, "GPU preset: ~1B-parameter model in bf16 on cuda")
+    repeats: int | None = flag(None, "interleaved repetitions")
+    num_requests: int | None = flag(None, "requests per repetition, cache on vs off")
+    cross_requests: int | None = flag(None, "requests per repetition, prefix-aware vs round-robin")
+    prompt_tokens: int | None = flag(None, "tokens per prompt")
+    seed: int | None = flag(None, "seed of the prompts")
+    json: str | None = flag(None, "write the full report (every run's records) to this file")
+    plot: str | None = flag(None, "write TTFT/TPOT CDFs to this PNG")
+
+
+def config_from(flags: PrefixFlags) -> PrefixConfig:
+    return overridden(QUICK if flags.quick else GPU if flags.gpu else PrefixConfig(), flags)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    cfg, args = parse_args(argv)
-    return compare_main("bench.cluster.prefix", lambda: run(cfg, json_path=args.json_path, plot_path=args.plot_path))
+    cfg, flags = parse(PrefixFlags, argv, "python -m pdserve.bench.cluster.prefix", __doc__,
+                       lambda f: (config_from(f), f))
+    return compare_main("bench.cluster.prefix", lambda: run(cfg, json_path=flags.json, plot_path=flags.plot))
 
 
 if __name__ == "__main__":

@@ -1,32 +1,60 @@
-"""What the `main` of a cluster-comparison benchmark (bench.cluster.disagg, bench.cluster.prefix) shares.
+"""What the `main` of every benchmark shares: its flags, and its exit.
 
-    parse flags -> overridden(base config, flags given) -> compare_main(name, run)
-        run() -> (last line, problems)     printed after the wall time; exit 0 only
-                                           when nothing was inconsistent
+    parse(Flags, argv, prog, doc, build)   the command line -> the benchmark's Flags (a
+        frozen dataclass, one field a flag: services/common/flags.py, as every service's
+        config) -> build(flags), its config; a value either refuses exits 2 naming it
+    overridden(preset, flags)              the preset (quick, gpu, ...) with every flag
+                                           that was given (not None) on top
+    compare_main(name, run)                run() -> (last line, problems), printed after
+                                           the wall time; exit 0 only when nothing was
+                                           inconsistent (130 interrupted, 1 failed)
 
-A SIGTERM unwinds like ^C, so the clusters are stopped on the way out.
+A SIGTERM unwinds like ^C, so the clusters a benchmark started are stopped on the way out.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import signal
 import sys
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import replace
-from typing import TypeVar
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, TypeVar
+
+from pdserve.services.common.flags import add_flags, from_namespace
 
 C = TypeVar("C")
+F = TypeVar("F")
 
 
-def overridden(base: C, given: Mapping[str, object], parser: argparse.ArgumentParser) -> C:
-    """`base` (a frozen config) with every flag that was given (not None); a value the
-    config refuses is the parser's error, naming it."""
+def parse(flags: type[F], argv: Sequence[str] | None, prog: str, doc: str | None,
+          build: Callable[[F], C] = lambda f: f) -> C:
+    """The benchmark's config from its command line (`python -m PROG --help` lists the
+    flags, each with its PDSERVE_* variable); bad input exits 2 with a message naming
+    the flag, as argparse does for a malformed one."""
+    parser = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_flags(parser, flags)
     try:
-        return replace(base, **{k: v for k, v in given.items() if v is not None})
+        return build(from_namespace(flags, parser.parse_args(argv)))
     except ValueError as e:
         parser.error(str(e))
+
+
+def overridden(preset: C, flags: Any, *, renamed: Mapping[str, str] | None = None, skip: Iterable[str] = ()) -> C:
+    """`preset` (a frozen config) with every field of `flags` that was given (not None)
+    and that `preset` has, but those in `skip` (flags the caller turns into a field
+    itself); `renamed` maps a flag's name to the field it sets when the two differ
+    (`{"duration": "duration_s"}`)."""
+    fields = {f.name for f in dataclasses.fields(preset)}
+    renamed = renamed or {}
+    given = {}
+    for f in dataclasses.fields(flags):
+        name = renamed.get(f.name, f.name)
+        value = getattr(flags, f.name)
+        if name in fields and f.name not in skip and value is not None:
+            given[name] = value
+    return dataclasses.replace(preset, **given)
 
 
 def compare_main(name: str, run: Callable[[], tuple[str, list[str]]]) -> int:

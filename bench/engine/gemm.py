@@ -15,17 +15,19 @@ often a decode step runs it (once per layer; the LM head once). The last line is
 
 from __future__ import annotations
 
-import argparse
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from pdserve.bench.common.entry import parse
 from pdserve.bench.common.machine import read_bandwidth
 from pdserve.bench.common.random_model import ModelSpec
 from pdserve.bench.common.stats import median
 from pdserve.engine.prepacked import PrepackedLinear
+from pdserve.services.common.flags import flag
 
 
 def decode_shapes(spec: ModelSpec) -> list[tuple[str, int, int]]:
@@ -76,15 +78,18 @@ def measure(in_features: int, out_features: int, rows: Sequence[int], footprint:
     return out
 
 
+@dataclass(frozen=True)
+class GemmFlags:
+    rows: tuple[int, ...] = flag((1, 4, 8, 16, 32, 64), "rows of x (tokens in a decode step), comma-separated")
+    repeats: int = flag(3, "timed passes per kernel (the median is printed)")
+    threads: int = flag(2, "torch threads")
+    footprint_mb: int = flag(256, "MB of weight copies per projection: more than the caches hold")
+    quick: bool = flag(False, "two row counts, one repetition, 64 MB")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pdserve.bench.engine.gemm", description=__doc__.split("\n")[0])
-    parser.add_argument("--rows", default="1,4,8,16,32,64")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--footprint-mb", type=int, default=256)
-    parser.add_argument("--quick", action="store_true", help="two row counts, one repetition, 64 MB")
-    args = parser.parse_args(argv)
-    rows = [int(r) for r in args.rows.split(",")]
+    args = parse(GemmFlags, argv, "python -m pdserve.bench.engine.gemm", __doc__)
+    rows = list(args.rows)
     repeats, footprint = args.repeats, args.footprint_mb * 2**20
     if args.quick:
         rows, repeats, footprint = rows[:2], 1, 64 * 2**20

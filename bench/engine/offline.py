@@ -49,7 +49,6 @@ The last line printed is machine-readable:
 
 from __future__ import annotations
 
-import argparse
 import gc
 import sys
 import time
@@ -61,12 +60,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pdserve.bench.common.entry import parse
 from pdserve.bench.common.random_model import PAD_ID, ModelSpec, save_random_model, temporary_dir
 from pdserve.bench.common.machine import machine_load
 from pdserve.bench.common.repeat import interleaved
 from pdserve.bench.common.stats import Ratio, fmt
 from pdserve.bench.engine.workload import (QUICK_MODEL, QUICK_WORKLOAD, Request, WorkloadSpec, make_warmup,
                                            make_workload, output_tokens, prompt_tokens)
+from pdserve.services.common.flags import flag
 
 if TYPE_CHECKING:
     from transformers import ContinuousBatchingConfig, PreTrainedModel
@@ -416,44 +417,46 @@ def short_lengths(result: RunResult, requests: Sequence[Request]) -> int:
 # -- main ----------------------------------------------------------------------------
 
 
-def parse_args(argv: Sequence[str] | None) -> BenchConfig:
-    parser = argparse.ArgumentParser(prog="python -m pdserve.bench.engine.offline", description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny model and 8 requests (smoke test)")
-    parser.add_argument(
-        "--workload", choices=("mixed", "parallel", "sampled", "decode"), default="mixed",
-        help="mixed: the throughput comparison with transformers; parallel: n=8 block sharing (bench/engine/parallel.py); "
-             "decode: step time at batch 1-64, fast path against --enforce-eager (bench/engine/decode.py)",
-    )
-    parser.add_argument("--enforce-eager", action="store_true", help="mixed: run ours without the decode fast path")
-    parser.add_argument("--decode-capture-sizes", default="", metavar="1,8,16",
-                        help="mixed: run ours with its decode step compiled for these batch sizes (engine/captured.py)")
-    parser.add_argument("--profile", action="store_true", help="decode: split each step with torch.profiler")
-    parser.add_argument("--steps", type=int, default=64, help="decode: timed decode steps per batch size")
-    parser.add_argument("--batches", default=None, help="decode: the batch sizes, comma-separated (1,8,16,64; "
-                                                        "1,16 with --quick)")
-    parser.add_argument("--num-requests", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--hf-batch-size", type=int, default=None, help="static batch size of HF generate (16; 4 with --quick)"
-    )
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--check-requests", type=int, default=4, help="requests re-run through unpadded HF generate")
-    parser.add_argument("--repeats", type=int, default=None, help="interleaved repetitions (3; 2 with --quick)")
-    parser.add_argument("--device", default="cpu", help="torch device of every system (cuda: the GPU mode)")
-    parser.add_argument("--gpu", action="store_true", help="GPU mode: --device cuda and 64 requests")
-    parser.add_argument("--skip-hf-generate", action="store_true")
-    parser.add_argument("--skip-hf-batch", action="store_true")
-    args = parser.parse_args(argv)
-    batches = args.batches or ("1,16" if args.quick else "1,8,16,64")
+WORKLOADS = ("mixed", "parallel", "sampled", "decode")
+
+
+@dataclass(frozen=True)
+class OfflineFlags:
+    quick: bool = flag(False, "tiny model and 8 requests (smoke test)")
+    workload: str = flag("mixed", "mixed: the throughput comparison with transformers; parallel: n=8 block sharing "
+                                  "(bench/engine/parallel.py); sampled: a step with mixed sampling settings "
+                                  "(bench/engine/sampled.py); decode: step time at batch 1-64, fast path against "
+                                  "--enforce-eager (bench/engine/decode.py)", choices=WORKLOADS)
+    enforce_eager: bool = flag(False, "mixed: run ours without the decode fast path")
+    decode_capture_sizes: str = flag("", "mixed: run ours with its decode step compiled for these batch sizes, "
+                                         "e.g. 1,8,16 (engine/captured.py)")
+    profile: bool = flag(False, "decode: split each step with torch.profiler")
+    steps: int = flag(64, "decode: timed decode steps per batch size")
+    batches: tuple[int, ...] | None = flag(None, "decode: the batch sizes, comma-separated (1,8,16,64; 1,16 with "
+                                                 "--quick)")
+    num_requests: int | None = flag(None, "requests of the workload (24; 8 with --quick; 64 with --gpu)")
+    seed: int = flag(0, "seed of the model and the workload")
+    hf_batch_size: int | None = flag(None, "static batch size of HF generate (16; 4 with --quick)")
+    max_num_batched_tokens: int = flag(2048, "ours: token budget per step; HF continuous batching's max_batch_tokens")
+    check_requests: int = flag(4, "requests re-run through unpadded HF generate")
+    repeats: int | None = flag(None, "interleaved repetitions (3; 2 with --quick)")
+    device: str = flag("cpu", "torch device of every system (cuda: the GPU mode)")
+    gpu: bool = flag(False, "GPU mode: --device cuda and 64 requests")
+    skip_hf_generate: bool = flag(False, "leave HF generate out")
+    skip_hf_batch: bool = flag(False, "leave HF continuous batching out")
+
+
+def config_from(args: OfflineFlags) -> BenchConfig:
+    batches = args.batches or ((1, 16) if args.quick else (1, 8, 16, 64))
     if args.hf_batch_size is not None and args.hf_batch_size < 1:
-        parser.error("--hf-batch-size must be >= 1")
+        raise ValueError("--hf-batch-size must be >= 1")
     model, workload = (QUICK_MODEL, QUICK_WORKLOAD) if args.quick else (ModelSpec(), WorkloadSpec())
     workload = replace(workload, seed=args.seed)
     if args.gpu:
         workload = replace(workload, num_requests=64)
     if args.num_requests is not None:
         if args.num_requests < 1:
-            parser.error("--num-requests must be >= 1")
+            raise ValueError("--num-requests must be >= 1")
         workload = replace(workload, num_requests=args.num_requests)
     return BenchConfig(
         model=model,
@@ -473,8 +476,12 @@ def parse_args(argv: Sequence[str] | None) -> BenchConfig:
         decode_capture_sizes=args.decode_capture_sizes,
         profile=args.profile,
         decode_steps=max(1, args.steps),
-        decode_batches=tuple(int(b) for b in batches.split(",")),
+        decode_batches=batches,
     )
+
+
+def parse_args(argv: Sequence[str] | None) -> BenchConfig:
+    return parse(OfflineFlags, argv, "python -m pdserve.bench.engine.offline", __doc__, config_from)
 
 
 def log(msg: str) -> None:

@@ -44,7 +44,6 @@ decode workers' Stats), D = int8 throughput / base's. With --transfer-only it is
 
 from __future__ import annotations
 
-import argparse
 import gc
 import sys
 import time
@@ -56,12 +55,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from pdserve.bench.common.entry import overridden, parse
 from pdserve.bench.common.machine import machine_load
 from pdserve.bench.engine.workload import Request, make_warmup, make_workload, output_tokens
 from pdserve.bench.quant.config import GPU, QUICK, QuantBenchConfig, Variant
 from pdserve.bench.common.random_model import FIRST_REGULAR_TOKEN, ModelSpec, save_random_model, temporary_dir
 from pdserve.bench.common.repeat import interleaved
 from pdserve.bench.common.stats import Ratio, fmt, median
+from pdserve.services.common.flags import flag
 
 # -- one engine per variant -------------------------------------------------------------
 
@@ -318,29 +319,33 @@ def last_line(report: Report | None, cluster) -> str:
            f"throughput_ratio_int8={fmt(d)}"
 
 
-def parse_args(argv: Sequence[str] | None) -> QuantBenchConfig:
-    parser = argparse.ArgumentParser(prog="python -m pdserve.bench.quant.schemes", description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny model, 2 repetitions (the smoke test)")
-    parser.add_argument("--device", default="cpu", help="cpu, or cuda: the GPU mode (bf16 base, ~1B model)")
-    parser.add_argument("--repeats", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--fp4-throughput", action="store_true", help="run fp4 through the workload on a CPU too")
-    parser.add_argument("--transfer-only", action="store_true",
-                        help="only the KV transfer parts (1P+1D clusters, engine pair); last line: C alone")
-    args = parser.parse_args(argv)
-    cuda = args.device.startswith("cuda")
+@dataclass(frozen=True)
+class QuantFlags:
+    quick: bool = flag(False, "tiny model, 2 repetitions (the smoke test)")
+    device: str = flag("cpu", "cpu, or cuda: the GPU mode (bf16 base, ~1B model)")
+    repeats: int | None = flag(None, "interleaved repetitions (3; --quick 2)")
+    seed: int = flag(0, "seed of the model and the workload")
+    fp4_throughput: bool = flag(False, "run fp4 through the workload on a CPU too")
+    transfer_only: bool = flag(False, "only the KV transfer parts (1P+1D clusters, engine pair); last line: C alone")
+
+
+def config_from(flags: QuantFlags) -> QuantBenchConfig:
+    cuda = flags.device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
-        parser.error(f"--device {args.device}: torch sees no CUDA device here (torch {torch.__version__}); "
-                     "the GPU mode needs one")
-    if not cuda and args.device != "cpu":
-        parser.error(f"--device: cpu or cuda, got {args.device!r}")
-    if args.repeats is not None and args.repeats < 1:
-        parser.error("--repeats must be >= 1")
-    base = GPU if cuda else (QUICK if args.quick else QuantBenchConfig())
-    if cuda and args.quick:
-        base = replace(QUICK, device=args.device, dtype="bfloat16")
-    return replace(base, device=args.device, repeats=args.repeats or base.repeats, seed=args.seed,
-                   fp4_throughput=args.fp4_throughput, transfer_only=args.transfer_only)
+        raise ValueError(f"--device {flags.device}: torch sees no CUDA device here (torch {torch.__version__}); "
+                         "the GPU mode needs one")
+    if not cuda and flags.device != "cpu":
+        raise ValueError(f"--device: cpu or cuda, got {flags.device!r}")
+    if flags.repeats is not None and flags.repeats < 1:
+        raise ValueError("--repeats must be >= 1")
+    base = GPU if cuda else (QUICK if flags.quick else QuantBenchConfig())
+    if cuda and flags.quick:
+        base = replace(QUICK, device=flags.device, dtype="bfloat16")
+    return overridden(base, flags)
+
+
+def parse_args(argv: Sequence[str] | None) -> QuantBenchConfig:
+    return parse(QuantFlags, argv, "python -m pdserve.bench.quant.schemes", __doc__, config_from)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -40,7 +40,6 @@ when nothing succeeded).
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import sys
@@ -49,11 +48,12 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 
 from pdserve.bench.cluster.clusters import ClusterConfig, local_cluster
-from pdserve.bench.common.entry import interrupt_on_sigterm
+from pdserve.bench.common.entry import interrupt_on_sigterm, parse
 from pdserve.bench.serving.backend import Backend, GrpcBackend
 from pdserve.bench.serving.metrics import Slo
 from pdserve.bench.serving.run import Measured, measure, table, warm_up, write_json
 from pdserve.bench.serving.workloads import KINDS, ArrivalConfig, WorkloadConfig, make_workload
+from pdserve.services.common.flags import flag
 from pdserve.services.router.client import Client
 
 BACKENDS = ("grpc", "openai", "openai-chat")
@@ -169,107 +169,112 @@ def config_dict(cfg: BenchConfig) -> dict:
 # -- command line --------------------------------------------------------------------
 
 
-def build_parser() -> argparse.ArgumentParser:
-    w, a, c, b = WorkloadConfig(), ArrivalConfig(), ClusterConfig(), BenchConfig()
-    p = argparse.ArgumentParser(prog="pdserve bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--backend", choices=BACKENDS, default=b.backend,
-                   help="grpc: pdserve's own API; openai / openai-chat: the OpenAI HTTP API's /v1/completions / "
-                        "/v1/chat/completions (default grpc)")
-    p.add_argument("--addr", help="grpc: router of a running cluster (default: start a local one)")
-    p.add_argument("--base-url", help="openai backends: base URL of a running OpenAI-compatible server, e.g. "
-                                      "http://127.0.0.1:8000/v1 (default: start a local cluster with its HTTP API)")
-    p.add_argument("--served-model-name", help="openai backends: the model id to send (default: the first one "
-                                               "/v1/models lists)")
-    p.add_argument("--api-key", default=None,
-                   help="sent as `Authorization: Bearer KEY` (default: $PDSERVE_API_KEY for grpc, $OPENAI_API_KEY "
-                        "for the openai backends, which keep it out of the process list)")
-    p.add_argument("--quick", action="store_true",
-                   help=f"{QUICK_WORKLOAD.num_requests} requests of {QUICK_WORKLOAD.output_tokens[0]} tokens, shorter "
-                        "prompts (explicit flags still win)")
-    g = p.add_argument_group("workload")
-    g.add_argument("--workload", choices=KINDS, default=w.kind)
-    g.add_argument("--num-requests", type=int, help=f"default {w.num_requests}")
-    g.add_argument("--output-tokens", type=int, nargs=2, metavar=("MIN", "MAX"),
-                   help=f"tokens generated per request, uniform (default {w.output_tokens[0]} {w.output_tokens[1]})")
-    g.add_argument("--max-tokens", type=int, help="shorthand for --output-tokens N N")
-    g.add_argument("--prompt-tokens", type=int, nargs=2, metavar=("MIN", "MAX"),
-                   help=f"random: prompt length; prefix: unique suffix length (default {w.prompt_tokens[0]} "
-                        f"{w.prompt_tokens[1]})")
-    g.add_argument("--prompt-chars", type=int, nargs=2, metavar=("MIN", "MAX"), help="text: characters per prompt")
-    g.add_argument("--prefix-count", type=int, default=w.prefix_count, help="prefix: shared prefixes")
-    g.add_argument("--prefix-tokens", type=int, help=f"prefix: tokens per shared prefix (default {w.prefix_tokens})")
-    g.add_argument("--dataset", help="sharegpt / trace: a JSONL file")
-    g.add_argument("--tokenizer", help="sharegpt conversations, openai backends (vocabulary, chat prompts' text): "
+@dataclass(frozen=True)
+class WorkloadFlags:
+    workload: str = flag("random", "what is sent (bench/serving/workloads.py)", choices=KINDS)
+    num_requests: int | None = flag(None, f"requests measured ({WorkloadConfig.num_requests}; --quick "
+                                          f"{QUICK_WORKLOAD.num_requests})")
+    output_tokens: tuple[int, int] | None = flag(None, "MIN MAX tokens generated per request, uniform "
+                                                       f"({' '.join(map(str, WorkloadConfig.output_tokens))})")
+    max_tokens: int | None = flag(None, "shorthand for --output-tokens N N")
+    prompt_tokens: tuple[int, int] | None = flag(None, "MIN MAX random: prompt length; prefix: unique suffix length "
+                                                       f"({' '.join(map(str, WorkloadConfig.prompt_tokens))})")
+    prompt_chars: tuple[int, int] | None = flag(None, "MIN MAX text: characters per prompt")
+    prefix_count: int = flag(WorkloadConfig.prefix_count, "prefix: shared prefixes")
+    prefix_tokens: int | None = flag(None, f"prefix: tokens per shared prefix ({WorkloadConfig.prefix_tokens})")
+    dataset: str | None = flag(None, "sharegpt / trace: a JSONL file")
+    tokenizer: str | None = flag(None, "sharegpt conversations, openai backends (vocabulary, chat prompts' text): "
                                        "directory with tokenizer.json (default: --model, else the embedded model)")
-    g.add_argument("--trace-block-tokens", type=int, default=w.trace_block_tokens,
-                   help="trace: tokens per hash id (512 as recorded; smaller scales prompts down)")
-    g.add_argument("--trace-speedup", type=float, default=w.trace_speedup, help="trace: replay this many times faster")
-    g.add_argument("--seed", type=int, default=w.seed)
-    g = p.add_argument_group("load")
-    g.add_argument("--request-rate", type=float, default=a.request_rate,
-                   help="requests per second (default inf: all at once)")
-    g.add_argument("--burstiness", type=float, default=a.burstiness,
-                   help="gamma shape of the arrival gaps: 1 Poisson, <1 burstier")
-    g.add_argument("--concurrency", type=int, default=a.concurrency, help="most requests in flight (0: no limit)")
-    g.add_argument("--timeout", type=float, default=b.timeout, help="deadline of each request in seconds")
-    g.add_argument("--num-warmup", type=int, default=b.num_warmup, help="unmeasured requests sent first")
-    g = p.add_argument_group("report")
-    g.add_argument("--slo", default="", help="goodput bounds, e.g. ttft:500,tpot:50 (milliseconds)")
-    g.add_argument("--json", dest="json_path", metavar="FILE", help="write the full report (per-request records too)")
-    g.add_argument("--plot", dest="plot_path", metavar="FILE.png", help="TTFT/TPOT CDFs and tokens/s over time")
-    g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                   help="progress bar on stderr (default: when stderr is a terminal)")
-    g = p.add_argument_group("own cluster (without --addr)")
-    g.add_argument("--model", default=c.model, help="model directory (default: the embedded model)")
-    g.add_argument("--prefill", type=int, default=c.prefill)
-    g.add_argument("--decode", type=int, default=c.decode)
-    g.add_argument("--mixed", type=int, default=c.mixed)
-    g.add_argument("--num-blocks", type=int, default=c.num_blocks, help="KV blocks per worker (default: sized by the worker)")
-    g.add_argument("--torch-threads", type=int, default=c.torch_threads, help="per worker")
-    g.add_argument("--worker-cpus", default=c.worker_cpus, help="pin workers to CPUs, e.g. '0;1' (see pdserve up)")
-    g.add_argument("--kv-connector", default=c.kv_connector,
-                   help="workers' KV transport: zmq | zmq_ipc | gloo | nccl | none (default: ZeroMQ tcp)")
-    g.add_argument("--no-prefix-caching", action="store_true", help="workers without a prefix cache")
-    g.add_argument("--prefill-policy", default=c.prefill_policy, help="router's prefill choice: prefix | round_robin")
-    g.add_argument("--device", default=c.device, help="workers' torch device (cuda for the GPU mode)")
-    g.add_argument("--dtype", default=c.dtype, help="workers' dtype: float32 | float16 | bfloat16")
-    g.add_argument("--startup-timeout", type=float, default=c.startup_timeout)
-    g.add_argument("--metrics", action=argparse.BooleanOptionalAction, default=c.metrics,
-                   help="Prometheus metrics in every service (--no-metrics: off, to measure their cost)")
-    return p
+    trace_block_tokens: int = flag(WorkloadConfig.trace_block_tokens, "trace: tokens per hash id (512 as recorded; "
+                                                                      "smaller scales prompts down)")
+    trace_speedup: float = flag(WorkloadConfig.trace_speedup, "trace: replay this many times faster")
+    seed: int = flag(WorkloadConfig.seed, "seed of the workload and the arrivals")
 
 
-def config_from_args(args: argparse.Namespace) -> BenchConfig:
-    base = QUICK_WORKLOAD if args.quick else WorkloadConfig()
-    output = (args.max_tokens, args.max_tokens) if args.max_tokens is not None else args.output_tokens
-    given = {
-        "num_requests": args.num_requests, "output_tokens": tuple(output) if output else None,
-        "prompt_tokens": tuple(args.prompt_tokens) if args.prompt_tokens else None,
-        "prompt_chars": tuple(args.prompt_chars) if args.prompt_chars else None,
-        "prefix_tokens": args.prefix_tokens, "path": args.dataset, "tokenizer": args.tokenizer,
-    }
-    workload = replace(base, kind=args.workload, seed=args.seed, prefix_count=args.prefix_count,
-                       trace_block_tokens=args.trace_block_tokens, trace_speedup=args.trace_speedup,
+@dataclass(frozen=True)
+class LoadFlags:
+    request_rate: float = flag(ArrivalConfig.request_rate, "requests per second (inf: all at once)")
+    burstiness: float = flag(ArrivalConfig.burstiness, "gamma shape of the arrival gaps: 1 Poisson, <1 burstier")
+    concurrency: int = flag(ArrivalConfig.concurrency, "most requests in flight (0: no limit)")
+    timeout: float = flag(BenchConfig.timeout, "deadline of each request in seconds")
+    num_warmup: int = flag(BenchConfig.num_warmup, "unmeasured requests sent first")
+
+
+@dataclass(frozen=True)
+class ReportFlags:
+    slo: str = flag("", "goodput bounds, e.g. ttft:500,tpot:50 (milliseconds)")
+    json: str | None = flag(None, "write the full report (per-request records too) to this file")
+    plot: str | None = flag(None, "TTFT/TPOT CDFs and tokens/s over time, as a PNG")
+    progress: bool | None = flag(None, "progress bar on stderr (default: when stderr is a terminal)")
+
+
+@dataclass(frozen=True)
+class OwnClusterFlags:
+    """The cluster started without --addr / --base-url."""
+
+    model: str | None = flag(ClusterConfig.model, "model directory (default: the embedded model)")
+    prefill: int = flag(ClusterConfig.prefill, "prefill workers")
+    decode: int = flag(ClusterConfig.decode, "decode workers")
+    mixed: int = flag(ClusterConfig.mixed, "mixed workers")
+    num_blocks: int | None = flag(ClusterConfig.num_blocks, "KV blocks per worker (default: sized by the worker)")
+    torch_threads: int = flag(ClusterConfig.torch_threads, "torch threads per worker")
+    worker_cpus: str = flag(ClusterConfig.worker_cpus, "pin workers to CPUs, e.g. '0;1' (see pdserve up)")
+    kv_connector: str | None = flag(ClusterConfig.kv_connector, "workers' KV transport: zmq | zmq_ipc | gloo | nccl | "
+                                                                "none (default: ZeroMQ tcp)")
+    prefix_caching: bool = flag(ClusterConfig.enable_prefix_caching, "workers with a prefix cache")
+    prefill_policy: str = flag(ClusterConfig.prefill_policy, "router's prefill choice: prefix | round_robin")
+    device: str = flag(ClusterConfig.device, "workers' torch device (cuda for the GPU mode)")
+    dtype: str = flag(ClusterConfig.dtype, "workers' dtype: float32 | float16 | bfloat16")
+    startup_timeout: float = flag(ClusterConfig.startup_timeout, "seconds for the cluster to be ready")
+    metrics: bool = flag(ClusterConfig.metrics, "Prometheus metrics in every service (--no-metrics: off, to measure "
+                                                "their cost)")
+
+
+@dataclass(frozen=True)
+class ServingFlags:
+    """`pdserve bench`'s command line: its own flags, then each block's (one level)."""
+
+    backend: str = flag("grpc", "grpc: pdserve's own API; openai / openai-chat: the OpenAI HTTP API's "
+                                "/v1/completions / /v1/chat/completions", choices=BACKENDS)
+    addr: str | None = flag(None, "grpc: router of a running cluster (default: start a local one)")
+    base_url: str | None = flag(None, "openai backends: base URL of a running OpenAI-compatible server, e.g. "
+                                      "http://127.0.0.1:8000/v1 (default: start a local cluster with its HTTP API)")
+    served_model_name: str | None = flag(None, "openai backends: the model id to send (default: the first one "
+                                               "/v1/models lists)")
+    api_key: str | None = flag(None, "sent as `Authorization: Bearer KEY` (default: $PDSERVE_API_KEY for grpc, "
+                                     "$OPENAI_API_KEY for the openai backends, which keep it out of the process list)",
+                               env=False)
+    quick: bool = flag(False, f"{QUICK_WORKLOAD.num_requests} requests of {QUICK_WORKLOAD.output_tokens[0]} tokens, "
+                              "shorter prompts (explicit flags still win)")
+    workload: WorkloadFlags = flag(WorkloadFlags(), "what is sent")
+    load: LoadFlags = flag(LoadFlags(), "when it is sent")
+    report: ReportFlags = flag(ReportFlags(), "what is written")
+    cluster: OwnClusterFlags = flag(OwnClusterFlags(), "the own cluster (without --addr)")
+
+
+def config_from(flags: ServingFlags) -> BenchConfig:
+    w, a, r, c = flags.workload, flags.load, flags.report, flags.cluster
+    base = QUICK_WORKLOAD if flags.quick else WorkloadConfig()
+    output = (w.max_tokens, w.max_tokens) if w.max_tokens is not None else w.output_tokens
+    given = {"num_requests": w.num_requests, "output_tokens": output, "prompt_tokens": w.prompt_tokens,
+             "prompt_chars": w.prompt_chars, "prefix_tokens": w.prefix_tokens, "path": w.dataset,
+             "tokenizer": w.tokenizer}
+    workload = replace(base, kind=w.workload, seed=w.seed, prefix_count=w.prefix_count,
+                       trace_block_tokens=w.trace_block_tokens, trace_speedup=w.trace_speedup,
                        **{k: v for k, v in given.items() if v is not None})
-    arrivals = ArrivalConfig(args.request_rate, args.burstiness, args.concurrency)
-    cluster = ClusterConfig(model=args.model, prefill=args.prefill, decode=args.decode, mixed=args.mixed,
-                            num_blocks=args.num_blocks, torch_threads=args.torch_threads, kv_connector=args.kv_connector,
-                            worker_cpus=args.worker_cpus, enable_prefix_caching=not args.no_prefix_caching,
-                            prefill_policy=args.prefill_policy, device=args.device, dtype=args.dtype,
-                            startup_timeout=args.startup_timeout, metrics=args.metrics)
-    return BenchConfig(workload, arrivals, Slo.parse(args.slo), cluster, args.backend, args.addr, args.base_url,
-                       args.api_key or os.environ.get(API_KEY_ENV[args.backend]) or None, args.served_model_name, args.timeout,
-                       args.num_warmup, args.progress, args.json_path, args.plot_path)
+    arrivals = ArrivalConfig(a.request_rate, a.burstiness, a.concurrency)
+    cluster = ClusterConfig(model=c.model, prefill=c.prefill, decode=c.decode, mixed=c.mixed,
+                            num_blocks=c.num_blocks, torch_threads=c.torch_threads, kv_connector=c.kv_connector,
+                            worker_cpus=c.worker_cpus, enable_prefix_caching=c.prefix_caching,
+                            prefill_policy=c.prefill_policy, device=c.device, dtype=c.dtype,
+                            startup_timeout=c.startup_timeout, metrics=c.metrics)
+    api_key = flags.api_key or os.environ.get(API_KEY_ENV[flags.backend]) or None
+    return BenchConfig(workload, arrivals, Slo.parse(r.slo), cluster, flags.backend, flags.addr, flags.base_url,
+                       api_key, flags.served_model_name, a.timeout, a.num_warmup, r.progress, r.json, r.plot)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        cfg = config_from_args(args)
-    except ValueError as e:
-        parser.error(str(e))
+    cfg = parse(ServingFlags, argv, "pdserve bench", __doc__, config_from)
     signal.signal(signal.SIGTERM, interrupt_on_sigterm)  # unwind: the cluster is stopped on the way out
     try:
         run, description = benchmark(cfg)

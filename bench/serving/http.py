@@ -51,7 +51,6 @@ medians over repetitions.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import math
 import os
@@ -61,15 +60,16 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 
+from pdserve.bench.common.entry import compare_main, overridden, parse
 from pdserve.bench.serving.backend import Backend, GrpcBackend
 from pdserve.bench.cluster.clusters import ClusterConfig, Started, local_cluster, say
-from pdserve.bench.common.entry import compare_main, overridden
 from pdserve.bench.serving.metrics import Slo
 from pdserve.bench.serving.openai_backend import OpenAiBackend
 from pdserve.bench.common.repeat import interleaved
 from pdserve.bench.common.stats import Ratio
 from pdserve.bench.serving.run import Measured, measure, table, warm_up, write_json
 from pdserve.bench.serving.workloads import BenchRequest, load_tokenizer, random_ids
+from pdserve.services.common.flags import flag
 from pdserve.services.router.client import Client
 
 SYSTEMS = ("grpc", "openai", "openai-chat")
@@ -321,33 +321,32 @@ def _problems(runs: dict[str, list[Measured]], prompts: dict[int, Prompts]) -> l
 # -- command line -----------------------------------------------------------------------------
 
 
-def parse_args(argv: Sequence[str] | None) -> tuple[HttpBenchConfig, argparse.Namespace]:
-    p = argparse.ArgumentParser(prog="python -m pdserve.bench.serving.http", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="few short requests, 2 repetitions (the smoke test)")
-    p.add_argument("--repeats", type=int)
-    p.add_argument("--num-requests", type=int, help="per repetition and system")
-    p.add_argument("--concurrency", type=int, help="requests in flight")
-    p.add_argument("--prompt-tokens", type=int, nargs=2, metavar=("MIN", "MAX"))
-    p.add_argument("--output-tokens", type=int)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--addr", help="a running cluster's router (with --base-url; its workers without a prefix cache)")
-    p.add_argument("--base-url", help="the same router's HTTP API, e.g. http://127.0.0.1:8000/v1")
-    p.add_argument("--tokenizer", help="directory with the served model's tokenizer.json (default: the embedded model)")
-    p.add_argument("--api-key", help="sent on both APIs (default $PDSERVE_API_KEY)")
-    p.add_argument("--json", dest="json_path", metavar="FILE")
-    p.add_argument("--plot", dest="plot_path", metavar="FILE.png")
-    args = p.parse_args(argv)
-    given = {"repeats": args.repeats, "num_requests": args.num_requests, "concurrency": args.concurrency,
-             "prompt_tokens": tuple(args.prompt_tokens) if args.prompt_tokens else None,
-             "output_tokens": args.output_tokens, "seed": args.seed, "addr": args.addr, "base_url": args.base_url,
-             "tokenizer": args.tokenizer, "api_key": args.api_key or os.environ.get("PDSERVE_API_KEY") or None}
-    return overridden(QUICK if args.quick else HttpBenchConfig(), given, p), args
+@dataclass(frozen=True)
+class HttpFlags:
+    """The command line; a flag left out keeps the preset's value."""
+
+    quick: bool = flag(False, "few short requests, 2 repetitions (the smoke test)")
+    repeats: int | None = flag(None, "interleaved repetitions (150)")
+    num_requests: int | None = flag(None, "per repetition and system (1)")
+    concurrency: int | None = flag(None, "requests in flight (1)")
+    prompt_tokens: tuple[int, int] | None = flag(None, "MIN MAX random prompt tokens (128 384)")
+    output_tokens: int | None = flag(None, "tokens generated per request (32)")
+    seed: int | None = flag(None, "seed of the prompts")
+    addr: str | None = flag(None, "a running cluster's router (with --base-url; its workers without a prefix cache)")
+    base_url: str | None = flag(None, "the same router's HTTP API, e.g. http://127.0.0.1:8000/v1")
+    tokenizer: str | None = flag(None, "directory with the served model's tokenizer.json (default: the embedded model)")
+    api_key: str | None = flag(None, "sent on both APIs (better: $PDSERVE_API_KEY, off the process list)")
+    json: str | None = flag(None, "write the full report (every run's records) to this file")
+    plot: str | None = flag(None, "write TTFT/TPOT CDFs to this PNG")
+
+
+def config_from(flags: HttpFlags) -> HttpBenchConfig:
+    return overridden(QUICK if flags.quick else HttpBenchConfig(), flags)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    cfg, args = parse_args(argv)
-    return compare_main("bench.serving.http", lambda: run(cfg, json_path=args.json_path, plot_path=args.plot_path))
+    cfg, flags = parse(HttpFlags, argv, "python -m pdserve.bench.serving.http", __doc__, lambda f: (config_from(f), f))
+    return compare_main("bench.serving.http", lambda: run(cfg, json_path=flags.json, plot_path=flags.plot))
 
 
 if __name__ == "__main__":

@@ -10,13 +10,15 @@ installs. bench.serving.command measures the same end to end (`--no-metrics`).
 
 from __future__ import annotations
 
-import argparse
 import sys
 import timeit
+from dataclasses import dataclass
 
 from prometheus_client import generate_latest
 
+from pdserve.bench.common.entry import parse
 from pdserve.kvtransfer.stats import KVTransferStats
+from pdserve.services.common.flags import flag
 from pdserve.services.common.metrics import Disabled, RouterMetrics, WorkerMetrics
 from pdserve.services.common.stats import WorkerStats
 
@@ -32,10 +34,13 @@ def per_call_us(fn, number: int) -> float:
     return min(timeit.repeat(fn, number=number, repeat=5)) / number * 1e6
 
 
+@dataclass(frozen=True)
+class MetricsCostFlags:
+    number: int = flag(200_000, "calls per repeat")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--number", type=int, default=200_000, help="calls per repeat")
-    args = parser.parse_args(argv)
+    args = parse(MetricsCostFlags, argv, "python -m pdserve.bench.serving.metrics_cost", __doc__)
     router, worker, off = RouterMetrics("m"), WorkerMetrics("m", "decode", "decode-0"), Disabled()
     router.watch_workers(lambda: ["prefill", "decode"])
     worker.watch(lambda: WORKER_STATS, lambda: KV_STATS)

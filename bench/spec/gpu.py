@@ -25,17 +25,18 @@ a different greedy token: bench.spec.methods reports every such difference (INCO
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from pdserve.bench.spec import methods as spec
+from pdserve.bench.common.entry import parse
+from pdserve.bench.spec import run as spec
 from pdserve.bench.cluster.clusters import GPU_MODEL
 from pdserve.bench.common.random_model import ModelSpec, save_random_model, temporary_dir
 from pdserve.engine.config import DEFAULT_MODEL
+from pdserve.services.common.flags import flag
 
 TARGET = ModelSpec(**asdict(GPU_MODEL) | {"vocab_size": 4096, "max_position_embeddings": 2048})
 TINY = ModelSpec(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
@@ -60,35 +61,43 @@ def save_truncated_draft(target: Path, draft: Path, num_layers: int) -> None:
     save_file(kept, draft / "model.safetensors", metadata={"format": "pt"})
 
 
-def bench_args(args: argparse.Namespace, target: Path, draft: Path) -> list[str]:
+@dataclass(frozen=True)
+class GpuSpecFlags:
+    """This command's own flags; bench.spec.methods's come after `--`."""
+
+    device: str = flag("cuda", "torch device of the models")
+    dtype: str | None = flag(None, "model dtype (bfloat16 on cuda, float32 on cpu)")
+    tiny: bool = flag(False, "tiny models and bench.spec.methods --quick (CPU smoke test)")
+    seed: int = flag(0, "seed of the random target")
+    json: str | None = flag(None, "write bench.spec.methods's full report here")
+    plot: str | None = flag(None, "write a PNG of acceptance by position here")
+
+
+def bench_args(args: GpuSpecFlags, target: Path, draft: Path, rest: Sequence[str]) -> list[str]:
+    """bench.spec.methods's flags for the two saved models, then `rest` (given after `--`)."""
+    dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     common = ["--model", str(target), "--draft-model", str(draft), "--tokenizer", DEFAULT_MODEL,
-              "--device", args.device, "--dtype", args.dtype]
+              "--device", args.device, "--dtype", dtype]
     if args.json:
         common += ["--json", args.json]
     if args.plot:
         common += ["--plot", args.plot]
     preset = ["--quick"] if args.tiny else ["--repeats", "2", "--max-tokens", "64"]
-    return [*preset, *common, *args.bench]
+    return [*preset, *common, *rest]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--dtype", default=None, help="bfloat16 on cuda, float32 on cpu")
-    parser.add_argument("--tiny", action="store_true", help="tiny models and bench.spec.methods --quick (CPU smoke test)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json")
-    parser.add_argument("--plot")
-    parser.add_argument("bench", nargs="*", help="after --: flags for bench.spec.methods, e.g. -- --repeats 1")
-    args = parser.parse_args(argv)
-    args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    own, rest = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    args = parse(GpuSpecFlags, own, "python -m pdserve.bench.spec.gpu", __doc__)
     shape, layers = (TINY, 1) if args.tiny else (TARGET, DRAFT_LAYERS)
     print(f"target: random Llama, {shape.total_params / 1e6:.1f}M parameters; "
           f"draft: the target's first {layers} of {shape.num_layers} layers", flush=True)
     with temporary_dir("pdserve-spec-gpu-") as tmp:
         save_random_model(shape, tmp / "target", args.seed)
         save_truncated_draft(tmp / "target", tmp / "draft", layers)
-        return spec.main(bench_args(args, tmp / "target", tmp / "draft"))
+        return spec.main(bench_args(args, tmp / "target", tmp / "draft", rest), "python -m pdserve.bench.spec.gpu --",
+                         spec.__doc__)
 
 
 if __name__ == "__main__":

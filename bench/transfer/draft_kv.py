@@ -13,16 +13,18 @@ prefill pool (the one whose time is TTFT) plus the transfer.
 
 from __future__ import annotations
 
-import argparse
 import time
+from dataclasses import dataclass
 
 import torch
 
+from pdserve.bench.common.entry import parse
 from pdserve.bench.common.repeat import interleaved
 from pdserve.bench.common.stats import Ratio, median
 from pdserve.engine.config import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL, ModelConfig
 from pdserve.engine.model_runner import BatchItem, ModelRunner, kv_bytes_per_block
 from pdserve.engine.spec.draft_model import DraftSeq
+from pdserve.services.common.flags import flag
 
 BLOCK = 16
 FIRST_TOKEN = 5  # past the special tokens
@@ -36,17 +38,20 @@ def prefill_seconds(runner: ModelRunner, length: int) -> float:
     return time.perf_counter() - started
 
 
+@dataclass(frozen=True)
+class DraftKvFlags:
+    model: str = flag(DEFAULT_MODEL, "target model directory")
+    draft_model: str = flag(DEFAULT_DRAFT_MODEL, "draft model directory")
+    lengths: tuple[int, ...] = flag((128, 512), "prompt lengths, comma-separated")
+    repeats: int = flag(7, "interleaved repetitions per length")
+    threads: int = flag(1, "torch threads")
+    wire_gbps: float = flag(2.5, "KV transfer rate, GB/s (ZeroMQ tcp loopback)")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--draft-model", default=DEFAULT_DRAFT_MODEL)
-    parser.add_argument("--lengths", default="128,512")
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--wire-gbps", type=float, default=2.5, help="KV transfer rate, GB/s (ZeroMQ tcp loopback)")
-    args = parser.parse_args(argv)
+    args = parse(DraftKvFlags, argv, "python -m pdserve.bench.transfer.draft_kv", __doc__)
     torch.set_num_threads(args.threads)
-    lengths = [int(n) for n in args.lengths.split(",")]
+    lengths = list(args.lengths)
     runners = {}
     for name, path in (("target", args.model), ("draft", args.draft_model)):
         cfg = ModelConfig.from_dir(path)

@@ -22,17 +22,19 @@ sequence batched with it.
 
 from __future__ import annotations
 
-import argparse
 import time
+from dataclasses import dataclass
 
 import torch
 
+from pdserve.bench.common.entry import parse
 from pdserve.bench.common.repeat import interleaved
 from pdserve.bench.common.stats import Ratio, median
 from pdserve.engine import SamplingParams
 from pdserve.engine.config import DEFAULT_EAGLE3_HEAD, DEFAULT_MODEL, CacheConfig, SchedulerConfig
 from pdserve.engine.engine import EngineConfig, LLMEngine
 from pdserve.engine.spec.config import SpeculativeConfig
+from pdserve.services.common.flags import flag
 
 FIRST_TOKEN = 5  # past the special tokens
 
@@ -57,16 +59,19 @@ def prefill_seconds(engine: LLMEngine, length: int, rep: int) -> float:
     return seconds
 
 
+@dataclass(frozen=True)
+class EagleKvFlags:
+    model: str = flag(DEFAULT_MODEL, "target model directory")
+    head: str = flag(DEFAULT_EAGLE3_HEAD, "EAGLE-3 head directory")
+    lengths: tuple[int, ...] = flag((128, 512), "prompt lengths, comma-separated")
+    repeats: int = flag(7, "interleaved repetitions per length")
+    threads: int = flag(1, "torch threads")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--head", default=DEFAULT_EAGLE3_HEAD)
-    parser.add_argument("--lengths", default="128,512")
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args(argv)
+    args = parse(EagleKvFlags, argv, "python -m pdserve.bench.transfer.eagle_kv", __doc__)
     torch.set_num_threads(args.threads)
-    lengths = [int(n) for n in args.lengths.split(",")]
+    lengths = list(args.lengths)
     spec = SpeculativeConfig.parse({"method": "eagle3", "num_speculative_tokens": 4, "model": args.head})
     engines = {
         name: LLMEngine(EngineConfig(model=args.model, cache=CacheConfig(num_blocks=-(-max(lengths) // 16) + 8,

@@ -51,7 +51,6 @@ median of per-repetition ratios).
 
 from __future__ import annotations
 
-import argparse
 import gc
 import multiprocessing as mp
 import random
@@ -61,12 +60,13 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 import zmq
 
+from pdserve.bench.common.entry import overridden, parse
 from pdserve.bench.common.repeat import interleaved
 from pdserve.bench.common.stats import Ratio, median
 from pdserve.bench.transfer.timing import WAIT_S, HeldPrompt, prefill_and_hold, time_ours
@@ -79,6 +79,7 @@ from pdserve.kvtransfer.nccl import TorchDistReceiver, TorchDistSender
 from pdserve.kvtransfer.plan import TransferPlan
 from pdserve.kvtransfer.wire import PageLayout
 from pdserve.kvtransfer.zmq import CurveConfig, ZmqConfig, ZmqReceiver, ZmqSender
+from pdserve.services.common.flags import flag
 from pdserve.services.worker.events import FailedEvent, FinishedEvent, RequestStream
 from pdserve.services.worker.requests import RequestTable
 
@@ -105,21 +106,23 @@ class BenchConfig:
         return -(-self.prompt_len // self.block_size)
 
 
-def parse_args(argv: Sequence[str] | None) -> BenchConfig:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="shorter prompt, fewer repetitions")
-    p.add_argument("--prompt-len", type=int, default=None)
-    p.add_argument("--reps", type=int, default=None)
-    p.add_argument("--gpu", action="store_true", help="KV caches on cuda (no gloo)")
-    args = p.parse_args(argv)
-    cfg = BenchConfig(prompt_len=1024, reps=10, overlap_reps=2) if args.quick else BenchConfig()
-    if args.gpu:
-        cfg = BenchConfig(**{**cfg.__dict__, "device": "cuda"})
-    if args.prompt_len is not None or args.reps is not None:
-        cfg = BenchConfig(**{**cfg.__dict__, **{k: v for k, v in
-                                               (("prompt_len", args.prompt_len), ("reps", args.reps)) if v is not None}})
+@dataclass(frozen=True)
+class KvTransferFlags:
+    quick: bool = flag(False, "shorter prompt (1024 tokens), fewer repetitions (10)")
+    prompt_len: int | None = flag(None, "prompt tokens (2048; --quick 1024)")
+    reps: int | None = flag(None, "timed transfers per transport (30; --quick 10)")
+    gpu: bool = flag(False, "KV caches on cuda (no gloo)")
+
+
+QUICK = BenchConfig(prompt_len=1024, reps=10, overlap_reps=2)
+
+
+def config_from(flags: KvTransferFlags) -> BenchConfig:
+    cfg = overridden(QUICK if flags.quick else BenchConfig(), flags)
+    if flags.gpu:
+        cfg = replace(cfg, device="cuda")
     if cfg.prompt_len < 2 * cfg.block_size or cfg.reps < 1:
-        raise SystemExit("prompt-len must be >= 2 blocks and reps >= 1")
+        raise ValueError(f"--prompt-len must be >= 2 blocks ({2 * cfg.block_size}) and --reps >= 1")
     return cfg
 
 
@@ -433,7 +436,7 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = print) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    cfg = parse_args(argv)
+    cfg = parse(KvTransferFlags, argv, "python -m pdserve.bench.transfer.kvtransfer", __doc__, config_from)
     print(run(cfg), flush=True)
     return 0
 
