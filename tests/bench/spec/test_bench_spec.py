@@ -48,8 +48,8 @@ def test_quick_spec_benchmark_is_lossless_and_reports_ratios(tmp_path: Path) -> 
 
 
 def test_gpu_mode_runs_on_cpu_with_tiny_models() -> None:
-    """bench/spec/gpu.py's smoke option: a tiny random target and its truncated draft."""
-    proc = run_bench(["bench/spec/gpu.py", "--device", "cpu", "--tiny", "--", "--repeats", "1",
+    """bench.spec.gpu's smoke option: a tiny random target and its truncated draft."""
+    proc = run_bench(["-m", "pdserve.bench.spec.gpu", "--device", "cpu", "--tiny", "--", "--repeats", "1",
                       "--workloads", "grounded", "--measure-payoff", "false"], timeout=300)
     assert "draft: the target's first 1 of 2 layers" in proc.stdout
     assert LAST_LINE.fullmatch(proc.stdout.strip().splitlines()[-1]), proc.stdout[-500:]
