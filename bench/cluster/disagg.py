@@ -73,7 +73,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 
-from pdserve.bench.common.entry import compare_main, overridden, parse
+from pdserve.bench.common.entry import ReportFlags, compare_entry, overridden
 from pdserve.bench.serving.backend import Backend, GrpcBackend
 from pdserve.bench.cluster.clusters import GPU_MODEL, ClusterConfig, ModelShape, Started, clusters_up, pin_process, say
 from pdserve.bench.serving.metrics import Slo, summarize
@@ -348,8 +348,7 @@ class DisaggFlags:
     worker_cpus: str | None = flag(None, "one CPU list per worker, ';'-separated ('' unpinned; 0;1)")
     aux_cpus: str | None = flag(None, "pin the router and the load generator to these CPUs")
     max_num_batched_tokens: int | None = flag(None, "every worker's token budget per step (2048)")
-    json: str | None = flag(None, "write the full report (every run's records) to this file")
-    plot: str | None = flag(None, "write TTFT/TPOT CDFs and tokens/s to this PNG")
+    report: ReportFlags = flag(ReportFlags(), "where the report is written")
 
 
 def config_from(flags: DisaggFlags) -> DisaggConfig:
@@ -359,9 +358,7 @@ def config_from(flags: DisaggFlags) -> DisaggConfig:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    cfg, flags = parse(DisaggFlags, argv, "python -m pdserve.bench.cluster.disagg", __doc__,
-                       lambda f: (config_from(f), f))
-    return compare_main("bench.cluster.disagg", lambda: run(cfg, json_path=flags.json, plot_path=flags.plot))
+    return compare_entry("bench.cluster.disagg", DisaggFlags, argv, __doc__, config_from, run)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 
-from pdserve.bench.common.entry import compare_main, overridden, parse
+from pdserve.bench.common.entry import ReportFlags, compare_entry, overridden
 from pdserve.bench.serving.backend import Backend, GrpcBackend
 from pdserve.bench.cluster.clusters import GPU_MODEL, ClusterConfig, ModelShape, clusters_up, say
 from pdserve.bench.serving.metrics import Slo
@@ -192,8 +192,7 @@ class PrefixFlags:
     cross_requests: int | None = flag(None, "requests per repetition, prefix-aware vs round-robin")
     prompt_tokens: int | None = flag(None, "tokens per prompt")
     seed: int | None = flag(None, "seed of the prompts")
-    json: str | None = flag(None, "write the full report (every run's records) to this file")
-    plot: str | None = flag(None, "write TTFT/TPOT CDFs to this PNG")
+    report: ReportFlags = flag(ReportFlags(), "where the report is written")
 
 
 def config_from(flags: PrefixFlags) -> PrefixConfig:
@@ -201,9 +200,7 @@ def config_from(flags: PrefixFlags) -> PrefixConfig:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    cfg, flags = parse(PrefixFlags, argv, "python -m pdserve.bench.cluster.prefix", __doc__,
-                       lambda f: (config_from(f), f))
-    return compare_main("bench.cluster.prefix", lambda: run(cfg, json_path=flags.json, plot_path=flags.plot))
+    return compare_entry("bench.cluster.prefix", PrefixFlags, argv, __doc__, config_from, run)
 
 
 if __name__ == "__main__":

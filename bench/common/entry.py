@@ -8,6 +8,8 @@
     compare_main(name, run)                run() -> (last line, problems), printed after
                                            the wall time; exit 0 only when nothing was
                                            inconsistent (130 interrupted, 1 failed)
+    compare_entry(name, Flags, argv, ...)  the two above for a comparison whose Flags hold
+                                           a `report: ReportFlags` block (--json, --plot)
 
 A SIGTERM unwinds like ^C, so the clusters a benchmark started are stopped on the way out.
 """
@@ -16,13 +18,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from dataclasses import dataclass
 import signal
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
-from pdserve.services.common.flags import add_flags, from_namespace
+from pdserve.services.common.flags import add_flags, flag, from_namespace
 
 C = TypeVar("C")
 F = TypeVar("F")
@@ -55,6 +58,24 @@ def overridden(preset: C, flags: Any, *, renamed: Mapping[str, str] | None = Non
         if name in fields and f.name not in skip and value is not None:
             given[name] = value
     return dataclasses.replace(preset, **given)
+
+
+@dataclass(frozen=True)
+class ReportFlags:
+    """Where a comparison writes its report: a block of its flags (--json, --plot)."""
+
+    json: str | None = flag(None, "write the full report (every run's records) to this file")
+    plot: str | None = flag(None, "write the report's figure to this PNG")
+
+
+def compare_entry(name: str, flags: type[F], argv: Sequence[str] | None, doc: str | None,
+                  config_from: Callable[[F], C], run: Callable[..., tuple[str, list[str]]]) -> int:
+    """`python -m pdserve.NAME [flags]`: its config from the flags (`flags` has a
+    `report: ReportFlags` field), then compare_main running `run(config, json_path=,
+    plot_path=)`."""
+    cfg, given = parse(flags, argv, f"python -m pdserve.{name}", doc, lambda f: (config_from(f), f))
+    report = given.report
+    return compare_main(name, lambda: run(cfg, json_path=report.json, plot_path=report.plot))
 
 
 def compare_main(name: str, run: Callable[[], tuple[str, list[str]]]) -> int:

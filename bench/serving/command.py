@@ -48,7 +48,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 
 from pdserve.bench.cluster.clusters import ClusterConfig, local_cluster
-from pdserve.bench.common.entry import interrupt_on_sigterm, parse
+from pdserve.bench.common.entry import ReportFlags, interrupt_on_sigterm, parse
 from pdserve.bench.serving.backend import Backend, GrpcBackend
 from pdserve.bench.serving.metrics import Slo
 from pdserve.bench.serving.run import Measured, measure, table, warm_up, write_json
@@ -201,10 +201,8 @@ class LoadFlags:
 
 
 @dataclass(frozen=True)
-class ReportFlags:
+class SummaryFlags:
     slo: str = flag("", "goodput bounds, e.g. ttft:500,tpot:50 (milliseconds)")
-    json: str | None = flag(None, "write the full report (per-request records too) to this file")
-    plot: str | None = flag(None, "TTFT/TPOT CDFs and tokens/s over time, as a PNG")
     progress: bool | None = flag(None, "progress bar on stderr (default: when stderr is a terminal)")
 
 
@@ -248,12 +246,14 @@ class ServingFlags:
                               "shorter prompts (explicit flags still win)")
     workload: WorkloadFlags = flag(WorkloadFlags(), "what is sent")
     load: LoadFlags = flag(LoadFlags(), "when it is sent")
-    report: ReportFlags = flag(ReportFlags(), "what is written")
+    summary: SummaryFlags = flag(SummaryFlags(), "what is reported")
+    report: ReportFlags = flag(ReportFlags(), "where the report is written: JSON (per-request records too), a PNG "
+                                             "(TTFT/TPOT CDFs, tokens/s over time)")
     cluster: OwnClusterFlags = flag(OwnClusterFlags(), "the own cluster (without --addr)")
 
 
 def config_from(flags: ServingFlags) -> BenchConfig:
-    w, a, r, c = flags.workload, flags.load, flags.report, flags.cluster
+    w, a, s, c = flags.workload, flags.load, flags.summary, flags.cluster
     base = QUICK_WORKLOAD if flags.quick else WorkloadConfig()
     output = (w.max_tokens, w.max_tokens) if w.max_tokens is not None else w.output_tokens
     given = {"num_requests": w.num_requests, "output_tokens": output, "prompt_tokens": w.prompt_tokens,
@@ -269,8 +269,9 @@ def config_from(flags: ServingFlags) -> BenchConfig:
                             prefill_policy=c.prefill_policy, device=c.device, dtype=c.dtype,
                             startup_timeout=c.startup_timeout, metrics=c.metrics)
     api_key = flags.api_key or os.environ.get(API_KEY_ENV[flags.backend]) or None
-    return BenchConfig(workload, arrivals, Slo.parse(r.slo), cluster, flags.backend, flags.addr, flags.base_url,
-                       api_key, flags.served_model_name, a.timeout, a.num_warmup, r.progress, r.json, r.plot)
+    return BenchConfig(workload, arrivals, Slo.parse(s.slo), cluster, flags.backend, flags.addr, flags.base_url,
+                       api_key, flags.served_model_name, a.timeout, a.num_warmup, s.progress, flags.report.json,
+                       flags.report.plot)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -60,7 +60,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 
-from pdserve.bench.common.entry import compare_main, overridden, parse
+from pdserve.bench.common.entry import ReportFlags, compare_entry, overridden
 from pdserve.bench.serving.backend import Backend, GrpcBackend
 from pdserve.bench.cluster.clusters import ClusterConfig, Started, local_cluster, say
 from pdserve.bench.serving.metrics import Slo
@@ -336,8 +336,7 @@ class HttpFlags:
     base_url: str | None = flag(None, "the same router's HTTP API, e.g. http://127.0.0.1:8000/v1")
     tokenizer: str | None = flag(None, "directory with the served model's tokenizer.json (default: the embedded model)")
     api_key: str | None = flag(None, "sent on both APIs (better: $PDSERVE_API_KEY, off the process list)")
-    json: str | None = flag(None, "write the full report (every run's records) to this file")
-    plot: str | None = flag(None, "write TTFT/TPOT CDFs to this PNG")
+    report: ReportFlags = flag(ReportFlags(), "where the report is written")
 
 
 def config_from(flags: HttpFlags) -> HttpBenchConfig:
@@ -345,8 +344,7 @@ def config_from(flags: HttpFlags) -> HttpBenchConfig:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    cfg, flags = parse(HttpFlags, argv, "python -m pdserve.bench.serving.http", __doc__, lambda f: (config_from(f), f))
-    return compare_main("bench.serving.http", lambda: run(cfg, json_path=flags.json, plot_path=flags.plot))
+    return compare_entry("bench.serving.http", HttpFlags, argv, __doc__, config_from, run)
 
 
 if __name__ == "__main__":

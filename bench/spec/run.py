@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from transformers.utils import logging as hf_logging
 
-from pdserve.bench.common.entry import compare_main, overridden, parse
+from pdserve.bench.common.entry import ReportFlags, compare_main, overridden, parse
 from pdserve.bench.common.machine import machine_load
 from pdserve.bench.common.repeat import rotated
 from pdserve.bench.common.stats import median
@@ -285,8 +285,7 @@ class SpecFlags:
     dtype: str | None = flag(None, "model dtype (float32)")
     threads: int | None = flag(None, "torch threads (torch's default)")
     seed: int | None = flag(None, "seed of the prompts")
-    json: str | None = flag(None, "write the full report here")
-    plot: str | None = flag(None, "write a PNG of acceptance by position here")
+    report: ReportFlags = flag(ReportFlags(), "where the report is written")
 
 
 def config_from(flags: SpecFlags) -> SpecBenchConfig:
@@ -303,4 +302,4 @@ def config_from(flags: SpecFlags) -> SpecBenchConfig:
 def main(argv: Sequence[str] | None, prog: str, doc: str | None) -> int:
     """bench.spec.methods's main (and bench.spec.gpu's, with its models' flags in front)."""
     cfg, flags = parse(SpecFlags, argv, prog, doc, lambda f: (config_from(f), f))
-    return compare_main("bench.spec.methods", lambda: run(cfg, flags.json, flags.plot))
+    return compare_main("bench.spec.methods", lambda: run(cfg, flags.report.json, flags.report.plot))
