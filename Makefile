@@ -51,7 +51,7 @@ test: $(STAMP) prometheus
 	$(PY) -m pytest -q $(PYTEST_WORKERS) tests
 
 bench: $(STAMP)
-	$(PY) -m pdserve.bench.offline
+	$(PY) -m pdserve.bench.engine.offline
 
 clean:
 	rm -rf $(VENV) build *.egg-info

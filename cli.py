@@ -259,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
                                        "alternative weight and KV dtypes side by side (reads no weights)")
     add_flags(plan, PlanConfig)
     plan.set_defaults(func=_plan)
-    # Listed here for --help; main() hands everything after `bench` to bench.serving's own parser.
+    # Listed here for --help; main() hands everything after `bench` to bench.serving.command's own parser.
     sub.add_parser("bench", add_help=False,
                    help="open-loop load generator against a router: TTFT/TPOT/ITL, goodput (pdserve bench --help)")
     return parser
@@ -267,8 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["bench"]:  # `pdserve bench` is `python -m pdserve.bench.serving`
-        from pdserve.bench.serving import main as bench
+    if argv[:1] == ["bench"]:  # `pdserve bench` is `python -m pdserve.bench.serving.command`
+        from pdserve.bench.serving.command import main as bench
 
         return bench(argv[1:])
     args = build_parser().parse_args(argv)

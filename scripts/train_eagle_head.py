@@ -33,7 +33,7 @@ windows only.
 
 The run is seeded and its step count fixed, so the same torch, Python (the corpus is its
 stdlib) and --threads give the same head. At the end it runs pdserve's engine on held-out
-free-completion prompts (bench/spec_workloads.py: functions of files the target never
+free-completion prompts (bench/spec/workloads.py: functions of files the target never
 trained on), greedy, K=4, measure_payoff off, checks that eagle3's tokens equal spec-off's,
 and prints ``eagle_acceptance_length=X draft_acceptance_length=Y ngram_acceptance_length=Z``
 (mean acceptance length = 1 + accepted / drafts); the line also goes to the head's README.md.
@@ -49,7 +49,7 @@ x 96 tokens::
 
 Longer training is what moved it (same script, one thread): 500 steps with 6 self-distilled
 windows a batch gave 2.705, 1000 steps with 7 gave 2.983; the head trained on corpus windows
-only (600 steps) 2.228. On bench.spec's free-completion workload the committed head is above
+only (600 steps) 2.228. On bench.spec.methods's free-completion workload the committed head is above
 n-gram (3.24 against 2.64: docs/benchmarks.md); on this check's prompts it is just below (the
 greedy continuations of this tiny target often loop, which prompt lookup predicts best).
 """
@@ -395,8 +395,8 @@ def save_head(cfg: HeadTrainConfig, head: Eagle3Head, keep: torch.Tensor, vocab:
 
 def held_out_prompts(target: Path, count: int) -> list[list[int]]:
     """Free-completion prompts from held-out functions (files the target never trained on),
-    as bench/spec.py's completion workload draws them (seed 0)."""
-    from pdserve.bench.spec_workloads import draw_functions, make_requests
+    as bench/spec/methods.py's completion workload draws them (seed 0)."""
+    from pdserve.bench.spec.workloads import draw_functions, make_requests
     from pdserve.engine.tokenizer import Tokenizer
 
     encode = Tokenizer(str(target)).encode

@@ -41,8 +41,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from pdserve.bench.backend import InFlight
-from pdserve.bench.workloads import random_ids
+from pdserve.bench.serving.backend import InFlight
+from pdserve.bench.serving.workloads import random_ids
 from pdserve.services.router.client import Client
 
 KINDS = ("short", "long", "n", "beam", "cancel", "tiny")

@@ -100,7 +100,7 @@ def test_launchers_and_router_import_without_torch() -> None:
     starter and load generators) and the router's modules import without it."""
     code = (
         "import sys\n"
-        "import pdserve.services.router.main, pdserve.launch.local, pdserve.bench.prefix, pdserve.bench.disagg\n"
+        "import pdserve.services.router.main, pdserve.launch.local, pdserve.bench.cluster.prefix, pdserve.bench.cluster.disagg\n"
         "from pdserve.cli import build_parser\n"
         "from pdserve.engine import SamplingParams\n"
         "build_parser()\n"

@@ -27,7 +27,7 @@ What is recorded where (one call per event, at the place it happens):
 
 Counters that the engine and the connector keep anyway are read when Prometheus
 scrapes, so the hot path pays nothing for them. `--no-metrics` replaces the
-recorder by one whose every method does nothing (what bench.serving compares).
+recorder by one whose every method does nothing (what bench.serving.command compares).
 """
 
 from __future__ import annotations

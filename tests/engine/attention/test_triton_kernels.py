@@ -4,7 +4,7 @@ Without CUDA the kernels run in Triton's interpreter, which has to be enabled
 through TRITON_INTERPRET before the kernels are *decorated* (i.e. before
 engine.attention.triton_kernels is first imported), so it is set here, at the
 top of the module. The interpreter mishandles bfloat16, so CPU runs cover
-float32 and float16 only; scripts/gpu_check_triton.py covers bf16 on a GPU.
+float32 and float16 only; tests/gpu/check_triton.py covers bf16 on a GPU.
 Shapes are kept tiny because the interpreter executes every program in Python.
 """
 

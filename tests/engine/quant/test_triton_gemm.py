@@ -4,7 +4,7 @@ dequantize-then-matmul references (engine/quant/formats.py).
 Without CUDA the kernels run in Triton's interpreter, which must be enabled before
 `triton` is first imported (tests/conftest.py sets it for the session; it is set here
 too so the file runs alone). The interpreter mishandles bfloat16, so CPU runs cover
-float32 and float16; scripts/gpu_check_quant.py covers bfloat16 and real shapes on a GPU.
+float32 and float16; tests/gpu/check_quant.py covers bfloat16 and real shapes on a GPU.
 """
 
 from __future__ import annotations

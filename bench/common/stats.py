@@ -1,0 +1,72 @@
+"""The statistics every benchmark reports, in one place: percentiles of a sample, its
+median, and a median with its range over repetitions.
+
+    percentile([..], 99)        linear interpolation between order statistics (numpy's
+                                default), nan for an empty sample
+    median([..])                percentile 50 (the middle value, or the mean of the two)
+    Ratio.of([r1, r2, r3])      median (min lo, max hi, k=3): per-repetition ratios, nan
+                                ones left out of the median and range but counted in k
+    Ratio.paired(a, b)          Ratio.of(a_i / b_i): each repetition's systems compared
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+
+def percentile(values: Iterable[float], q: float) -> float:
+    """The q-th percentile (0 <= q <= 100) with linear interpolation between order statistics."""
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile: q must be in [0, 100], got {q}")
+    ordered = sorted(values)
+    if not ordered:
+        return math.nan
+    pos = (len(ordered) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def median(values: Iterable[float]) -> float:
+    """The middle value (the mean of the two middle ones for an even count); nan when empty."""
+    return percentile(values, 50)
+
+
+@dataclass(frozen=True)
+class Ratio:
+    """The median of per-repetition ratios, with their min and max."""
+
+    median: float
+    lo: float
+    hi: float
+    k: int
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> "Ratio":
+        finite = [v for v in values if not math.isnan(v)]
+        if not finite:
+            return cls(math.nan, math.nan, math.nan, len(values))
+        return cls(median(finite), min(finite), max(finite), len(values))
+
+    @classmethod
+    def paired(cls, numerators: Sequence[float], denominators: Sequence[float]) -> "Ratio":
+        """Ratio.of(n_i / d_i): each repetition's systems against each other."""
+        if len(numerators) != len(denominators):
+            raise ValueError(f"paired: {len(numerators)} numerators, {len(denominators)} denominators")
+        return cls.of([safe_div(n, d) for n, d in zip(numerators, denominators)])
+
+    def __str__(self) -> str:
+        return f"{fmt(self.median)} (min {fmt(self.lo)}, max {fmt(self.hi)}, k={self.k})"
+
+
+def safe_div(n: float, d: float) -> float:
+    """n / d, nan when either is nan or d is 0 (a system with nothing to show)."""
+    if math.isnan(n) or math.isnan(d) or d == 0:
+        return math.nan
+    return n / d
+
+
+def fmt(x: float) -> str:
+    return "nan" if math.isnan(x) else f"{x:.3f}"
