@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.cluster(seconds=5)
+
 REPO = Path(__file__).resolve().parent.parent
 TOP_LEVEL_FOLDERS = ("engine", "services", "kvtransfer", "proto", "launch", "bench")
 

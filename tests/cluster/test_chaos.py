@@ -36,11 +36,15 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
+
 from cluster_helpers import UpProcess, metric, pid_alive, router_metrics_url, wait_for
 from load_clients import ALLOWED, LoadConfig, Record, Summary, run_clients
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.llm import DEFAULT_MODEL
 from pdserve.services.router.client import Client, collect
+
+pytestmark = pytest.mark.timed
 
 FAST = ["--num-blocks", "512", "--held-lease", "10", "--heartbeat-interval", "0.5", "--worker-timeout", "2",
         "--stats-interval", "0.5", "--restart-backoff", "0.5", "--drain-timeout", "3", "--max-num-seqs", "64",

@@ -25,6 +25,8 @@ from engine_helpers import one_thread  # noqa: F401 (an autouse fixture: one tor
 from pdserve.engine import LLM, SamplingParams
 from pdserve.services.router.client import Client, collect
 
+pytestmark = pytest.mark.cluster(seconds=45)
+
 PROMPTS = [
     "import os\n\n\ndef ",
     "class Stack:\n    def __init__(self):\n        ",

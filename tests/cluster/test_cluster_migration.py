@@ -42,6 +42,8 @@ from pdserve.services.router.client import Client
 from pdserve.services.router.config import RouterConfig
 from pdserve.services.router.main import Router
 
+pytestmark = pytest.mark.cluster(seconds=40)
+
 PROMPT = "class Stack:\n    def __init__(self):"
 MAX_TOKENS = 400
 SHORT = 200  # the newer tests' max_tokens: room for a kill or two, less time

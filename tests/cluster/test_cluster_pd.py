@@ -41,6 +41,8 @@ from pdserve.services.router.main import Router
 from pdserve.services.worker.config import WorkerConfig
 from pdserve.services.node import Worker
 
+pytestmark = pytest.mark.cluster(seconds=50)
+
 MAX_N = 4
 THRESHOLD = 64  # the router's default --local-prefill-threshold
 K = 3

@@ -34,6 +34,8 @@ from pdserve.engine import LLM, SamplingParams
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.services.router.client import Client, collect
 
+pytestmark = pytest.mark.cluster(seconds=45)
+
 COMMON = ["--num-blocks", "128", "--local-prefill-threshold", "0"]  # every prompt crosses
 CLUSTERS = {
     "fp8": ["--kv-cache-dtype", "fp8", *COMMON],

@@ -44,6 +44,9 @@ from pdserve.services.router.main import Router
 from pdserve.services.worker.config import DEFAULT_KV_CONNECTOR, WorkerConfig
 from pdserve.services.node import Worker
 
+pytestmark = pytest.mark.cluster(seconds=60)
+
+
 def long_prompt(name: str) -> str:
     """A prompt well above the local-prefill threshold, whose first block no other has
     (so no worker has any of it cached)."""

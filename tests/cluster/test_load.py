@@ -33,6 +33,8 @@ from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from pdserve.services.router.client import Client
 
+pytestmark = pytest.mark.timed
+
 CLIENTS = 200
 DURATION_S = 60.0
 WARMUP_S = 15.0

@@ -34,8 +34,8 @@ from pdserve.services.common.metrics import LATENCY_BUCKETS
 from pdserve.services.router.client import Client
 from cluster_helpers import REPO, UpProcess, wait_for
 
-pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None,
-                                reason="needs `prometheus` on PATH (make test installs Debian's package)")
+pytestmark = [pytest.mark.cluster(seconds=30), pytest.mark.skipif(shutil.which("prometheus") is None,
+                                reason="needs `prometheus` on PATH (make test installs Debian's package)")]
 
 BLOCK = 16
 LONG = (70, 150)  # prompt lengths over --local-prefill-threshold (64): prefilled on the prefill worker

@@ -18,6 +18,8 @@ from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from pdserve.services.router.client import Client, options_from_kwargs
 
+pytestmark = pytest.mark.cluster(seconds=25)
+
 INF, NAN = float("inf"), float("nan")
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 MAX_PROMPT_TOKENS = 600

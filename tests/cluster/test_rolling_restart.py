@@ -25,6 +25,8 @@ import signal
 import threading
 import time
 
+import pytest
+
 import grpc
 
 from cluster_helpers import Stream, UpProcess, metric, pid_alive, router_metrics_url, wait_for
@@ -33,6 +35,8 @@ from pdserve.engine.config import ModelConfig
 from pdserve.engine.llm import DEFAULT_MODEL
 from pdserve.services.common.keepalive import CHANNEL_OPTIONS
 from pdserve.services.router.client import Client
+
+pytestmark = pytest.mark.cluster(seconds=120)
 
 WORKER_DRAIN = 2.0  # seconds: short, so that streams are still running when it ends
 ROUTER_DRAIN = 30.0  # seconds: more than any stream of this load takes

@@ -19,6 +19,8 @@ from hf_models import build_model
 from pdserve import cli
 from pdserve.engine.memory import plan_memory
 
+pytestmark = pytest.mark.cluster(seconds=25)
+
 KV_BYTES = 3_000_000  # the KV budget of the worker and of the plan (a CPU: no device memory)
 MAX_MODEL_LEN = 256
 MEMORY_LINE = re.compile(

@@ -44,6 +44,8 @@ from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from pdserve.services.router.client import Client, collect
 
+pytestmark = pytest.mark.timed
+
 RAY_ENV = {
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # single-machine mode: Ray's addresses on loopback
     "RAY_AUTH_MODE": "token",

@@ -3,8 +3,12 @@ ports, every worker registered with each; one `ready` line per router."""
 
 from __future__ import annotations
 
+import pytest
+
 from cluster_helpers import UpProcess, list_workers
 from pdserve.services.router.client import Client, collect
+
+pytestmark = pytest.mark.cluster(seconds=25)
 
 
 def test_up_with_two_routers_prints_two_ready_lines_and_both_serve(tmp_path):

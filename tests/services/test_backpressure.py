@@ -27,6 +27,8 @@ from pdserve.services.worker.engine_loop import EngineLoop
 from pdserve.services.worker.events import FailedEvent, Failure, TokenEvent
 from pdserve.services.node import Worker
 
+pytestmark = pytest.mark.cluster(seconds=5)
+
 WRITE_TIMEOUT = 1.0
 # A client that keeps HTTP/2 flow control tight (no window growth): once it stops
 # reading, the server's writes block after about 64 KiB.

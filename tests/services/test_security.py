@@ -55,6 +55,8 @@ from pdserve.services.router.config import RouterConfig
 from pdserve.services.router.main import Router
 from pdserve.services.worker.config import WorkerConfig
 
+pytestmark = pytest.mark.cluster(seconds=35)
+
 ZMQ_CONNECTOR = "zmq"
 OPTIONS = pb.SamplingOptions(max_tokens=6, temperature=0.0)
 UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED

@@ -16,6 +16,8 @@ import pytest
 from pdserve.bench.serving.metrics import inconsistencies
 from bench_helpers import run_bench
 
+pytestmark = pytest.mark.cluster(seconds=120)
+
 
 def _runs_consistent(runs: list[dict], expected_requests: int) -> None:
     for run in runs:

@@ -9,6 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.cluster(seconds=10)
+
 REPO = Path(__file__).resolve().parents[3]
 LAST_LINE = re.compile(
     r"^ratio_vs_hf_generate=(?P<x>\S+) ratio_vs_hf_generate_batch=(?P<y>\S+) roofline_fraction=(?P<z>\S+)$"

@@ -15,6 +15,8 @@ import torch
 
 from bench_helpers import run_bench
 
+pytestmark = pytest.mark.cluster(seconds=45)
+
 LAST_LINE = re.compile(r"weight_bytes_ratio_int8=(?P<a>\S+) kv_blocks_ratio_fp8=(?P<b>\S+) "
                        r"transfer_bytes_ratio_fp8=(?P<c>\S+) throughput_ratio_int8=(?P<d>\S+)")
 

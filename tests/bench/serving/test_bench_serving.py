@@ -23,6 +23,8 @@ from bench_helpers import REPO, bench_env, run_bench
 from cluster_helpers import UpProcess
 from pdserve.bench.serving.metrics import inconsistencies
 
+pytestmark = pytest.mark.cluster(seconds=30)
+
 LAST_LINE = re.compile(r"^ttft_p50_ms=(?P<ttft>\d+\.\d{2}) tpot_p50_ms=(?P<tpot>\d+\.\d{2})$")
 
 

@@ -10,7 +10,11 @@ import math
 import re
 from pathlib import Path
 
+import pytest
+
 from bench_helpers import run_bench
+
+pytestmark = pytest.mark.cluster(seconds=10)
 
 LAST_LINE = re.compile(r"tpot_ratio_c1=(?P<x>\S+) throughput_ratio_c64=(?P<y>\S+) acceptance_length=(?P<z>\S+)")
 

@@ -7,7 +7,11 @@ from __future__ import annotations
 import math
 import re
 
+import pytest
+
 from bench_helpers import run_bench
+
+pytestmark = pytest.mark.cluster(seconds=10)
 
 
 def test_kvtransfer_quick_reports_paired_ratios() -> None:

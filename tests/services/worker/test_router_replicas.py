@@ -26,6 +26,8 @@ from pdserve.services.router.client import Client, collect
 from pdserve.services.worker.config import WorkerConfig
 from pdserve.services.worker.registration import Routers, parse_routers, resolve
 
+pytestmark = pytest.mark.cluster(seconds=30)
+
 HEARTBEAT = 0.2
 ROUTER_FLAGS = ["--port", "0", "--heartbeat-interval", str(HEARTBEAT), "--worker-timeout", "1.0"]
 

@@ -22,6 +22,8 @@ from pdserve.kvtransfer.wire import LayoutMismatch, PageLayout, new_secret
 from pdserve.services.worker.events import FailedEvent, FinishedEvent
 from pdserve.services.worker.requests import RequestTable
 
+pytestmark = pytest.mark.cluster(seconds=2)
+
 FP8 = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}  # --kv-cache-dtype -> the pages' dtype
 WAIT_S = 60.0
 

@@ -51,6 +51,8 @@ from pdserve.kvtransfer.wire import (
 from pdserve.services.worker.events import FailedEvent, FinishedEvent
 from pdserve.services.worker.requests import AWAITING_KV, RequestTable, State
 
+pytestmark = pytest.mark.cluster(seconds=10)
+
 SPAWN = mp.get_context("spawn")
 WAIT_S = 60.0  # upper bound on any single wait; tests finish far sooner
 

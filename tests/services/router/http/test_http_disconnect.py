@@ -30,6 +30,8 @@ import pytest
 from cluster_helpers import metric, wait_for
 from http_checks import HttpUp, chat_template, events
 
+pytestmark = pytest.mark.cluster(seconds=20)
+
 STREAMS_BEFORE, STREAMS_AFTER = 8, 24
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 HTTP_REQUESTS = "pdserve:http_requests_total"

@@ -42,6 +42,8 @@ from certs import CA
 from cluster_helpers import REPO, all_blocks_free, child_env, list_workers, metric, wait_for
 from http_checks import HttpUp, error_of, error_shape, events, stream_text
 
+pytestmark = pytest.mark.cluster(seconds=35)
+
 KEY_A, KEY_B = "k-http-a-" + "a" * 24, "k-http-b-" + "b" * 24
 BODY_CAP = 64 << 10
 REQUEST_TIMEOUT = 2.0  # the bare router's: what a frozen worker makes a request outlive

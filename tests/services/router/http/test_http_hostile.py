@@ -25,6 +25,8 @@ import pytest
 from cluster_helpers import wait_for
 from http_checks import HttpUp, chat_template, error_of, events, stream_text
 
+pytestmark = pytest.mark.cluster(seconds=20)
+
 BODY_CAP = 2 << 20
 MAX_PROMPT_BYTES = 1 << 20  # the router's default --max-prompt-bytes
 C, CHAT, TOKENIZE, DETOKENIZE = "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"

@@ -33,6 +33,8 @@ from pdserve.engine.tokenizer import Tokenizer
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.services.router.client import Client, collect
 
+pytestmark = pytest.mark.cluster(seconds=20)
+
 MODEL = "random-chat"
 TOKENIZER = REPO / "models" / "pdserve-tiny-code"  # its tokenizer (4096 ids) on random weights
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"

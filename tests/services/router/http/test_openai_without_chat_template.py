@@ -21,6 +21,8 @@ from cluster_helpers import UpProcess
 from pdserve.engine.config import DEFAULT_MODEL
 from pdserve.services.router.client import Client, collect
 
+pytestmark = pytest.mark.cluster(seconds=15)
+
 MODEL = "pdserve-tiny-code"
 MESSAGES = [{"role": "user", "content": "Write fib."}]
 PROMPTS = ["def fib(n):\n", "for i in range("]
