@@ -18,7 +18,8 @@ class FailureKind(enum.Enum):
 
     The engine itself fails a request as NO_ROOM or INTERNAL (`RequestOutput.failure`);
     the worker that owns the request's record adds the rest (aborts, deadlines, KV
-    transfers, shutdown)."""
+    transfers, shutdown), and its RPC handlers BLOCK_HASH_MISMATCH (a request refused
+    before it reached the engine)."""
 
     ABORTED = "aborted"  # abort() / the reader went away
     SHUTDOWN = "shutdown"  # the worker stopped (its drain grace ran out) before the request ended
@@ -26,6 +27,9 @@ class FailureKind(enum.Enum):
     TRANSFER = "transfer"  # the KV transfer reported an error
     INTERNAL = "internal"  # the engine raised while stepping
     NO_ROOM = "no_room"  # the request needs more KV blocks than the whole pool
+    # The block hashes a request carried differ from the worker's own for its prompt
+    # (engine.hashing.BlockHashMismatch): another tokenizer, block size or salt.
+    BLOCK_HASH_MISMATCH = "block_hash_mismatch"
 
     @property
     def kv_lost(self) -> bool:

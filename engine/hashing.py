@@ -12,7 +12,8 @@ process (never Python's salted `hash()`). Only full blocks get a hash.
 A prompt is hashed once per process: the router hashes it and sends the hashes with
 the request; a worker checks them once against its own computation
 (`checked_block_hashes`), then passes them down (engine requests, the KV connector)
-so nothing hashes that prompt again.
+so nothing hashes that prompt again. A prompt that grows (a request continued
+after the tokens it had sent) hashes only its new blocks (`extended_block_hashes`).
 
 A request's optional cache salt (`SamplingParams.cache_salt`, vLLM's `cache_salt`)
 is an extra key of the first block only; the chain carries it into every later
@@ -70,6 +71,21 @@ def hash_blocks(
         parent = hash_block(parent, token_ids[start : start + block_size], keys)
         hashes.append(parent)
     return hashes
+
+
+def extended_block_hashes(
+    known: Sequence[BlockHash], token_ids: Sequence[int], block_size: int, cache_salt: str | None = None,
+) -> list[BlockHash]:
+    """The hashes of every full block of `token_ids`, whose first len(known) blocks'
+    are `known` (a prefix's, e.g. a prompt's before the tokens sent after it were
+    appended): only the blocks after those are hashed. The salt is block 0's, so it
+    only matters when `known` is empty."""
+    start = len(known) * block_size
+    if start > len(token_ids):
+        raise ValueError(f"block_hashes: {len(known)} known for {len(token_ids)} tokens in blocks of {block_size}")
+    if not known:
+        return hash_blocks(token_ids, block_size, cache_salt=cache_salt)
+    return [*known, *hash_blocks(token_ids[start:], block_size, parent=known[-1])]
 
 
 def checked_block_hashes(

@@ -3,6 +3,9 @@
     Status.X  <->  grpc.StatusCode.X       (the same canonical names)
     ValueError -> INVALID_ARGUMENT, NoCapacityError -> RESOURCE_EXHAUSTED,
     TimeoutError -> DEADLINE_EXCEEDED      (status.status_of)
+    BlockHashMismatch -> FAILED_PRECONDITION, and FAILURE_KIND_BLOCK_HASH_MISMATCH in
+                         the trailing metadata (failure.py): the router fails the
+                         request by that kind, never mistaking it for another refusal
 """
 
 from __future__ import annotations
@@ -12,7 +15,9 @@ from contextlib import contextmanager
 
 import grpc
 
-from pdserve.engine.errors import NoCapacityError
+from pdserve.engine.errors import FailureKind, NoCapacityError
+from pdserve.engine.hashing import BlockHashMismatch
+from pdserve.services.common.failure import failure_metadata
 from pdserve.services.common.status import Status, status_of
 
 GRPC_CODES: dict[Status, grpc.StatusCode] = {
@@ -43,10 +48,13 @@ def status_of_rpc(code: grpc.StatusCode) -> Status:
 
 @contextmanager
 def rpc_errors(context: grpc.ServicerContext) -> Iterator[None]:
-    """Abort the RPC with the status matching an engine error raised in the block."""
+    """Abort the RPC with the status matching an engine error raised in the block
+    (a block hash mismatch names its kind in the trailing metadata too)."""
     try:
         yield
     except (ValueError, NoCapacityError, TimeoutError) as e:
+        if isinstance(e, BlockHashMismatch):
+            context.set_trailing_metadata(failure_metadata(FailureKind.BLOCK_HASH_MISMATCH))
         context.abort(GRPC_CODES[status_of(e)], str(e))
 
 

@@ -7,7 +7,12 @@
                                          back to the router, for the prefill worker
     router --Decode(id)-------> here     the reserved request's stream: waits for its
                                          KV, then decodes (services/decode/stream.py)
-    router --Decode(prompt, local_prefill)   the whole request here (no transfer)
+    router --Decode(prompt, hashes, local_prefill)   the whole request here (no
+                                         transfer); the hashes checked once, as Reserve's
+
+A mismatch of the router's hashes (another tokenizer, block size or salt) is
+FAILED_PRECONDITION with FailureKind BLOCK_HASH_MISMATCH in the trailing metadata
+(services/common/errors.py), which the router fails the request by.
 
 The reservation, its deadline (--reservation-timeout at most) and everything it
 holds live in the engine loop's request table (services/worker/requests.py).
@@ -76,9 +81,13 @@ class DecodeService:
             if request.local_prefill:
                 params = params_from_options(request.sampling, request.cache_salt)
                 first = request.first_token if request.HasField("first_token") else None
-                stream = self.loop.submit(rid, list(request.token_ids), params, CALL_TIMEOUT, first_token=first)
+                prompt = list(request.token_ids)
+                hashes = checked_block_hashes(request.block_hashes, prompt, self.config.block_size, params.cache_salt)
+                stream = self.loop.submit(rid, prompt, params, CALL_TIMEOUT, first_token=first, block_hashes=hashes)
             elif request.HasField("first_token"):
                 raise ValueError("first_token: only with local_prefill")
+            elif request.block_hashes:
+                raise ValueError("block_hashes: only with local_prefill (a reservation has its prompt's)")
             else:
                 stream = self._attach(rid, context)
         decode = DecodeStream(stream)

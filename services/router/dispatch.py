@@ -28,10 +28,15 @@
               D's KV never came (transfer failed, reservation expired): D prefills
               the prompt itself, continuing from the first token already sent
             no P left: abort the reservation, prefill on D instead
+            D or P hashes the prompt otherwise (FailureKind BLOCK_HASH_MISMATCH: another
+              tokenizer, block size or salt): the request fails (INTERNAL, naming
+              the cause), never falling back: every prompt would mismatch there
         elif the prompt should cross but no P can take it (none, draining, all at
            --max-prefill-queue): prefill on D (counted by reason)
         else:
             D.Decode(local_prefill=true) -> D's token stream
+    Every Reserve, Prefill and prompt-carrying Decode carries the job's block hashes
+    (a continuation's: its own prompt's), which each worker checks once and reuses.
     Caller gone (its Cancellation fired) or deadline: Abort on the workers.
 
 Every worker message becomes a router event (events.py) where it arrives, in
@@ -50,6 +55,7 @@ from functools import partial
 import grpc
 
 from pdserve.engine.detokenizer import Decoder
+from pdserve.engine.errors import FailureKind
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.services.common.deadline import Deadline
 from pdserve.services.common.errors import status_of_rpc
@@ -191,6 +197,7 @@ class Dispatcher:
         request = pb.DecodeRequest(
             request_id=attempt.worker_request_id, local_prefill=True, token_ids=job.prompt, sampling=job.options,
             cache_salt=job.cache_salt, first_token=first.token_id if first is not None else None,
+            block_hashes=job.block_hashes,
         )
         call = decode.stub.Decode(request, timeout=deadline.remaining())
         yield from self._stream(decode, call, attempt, cancel, first)
@@ -299,7 +306,8 @@ class Dispatcher:
         try:
             return decode.stub.Reserve(request, timeout=min(deadline.remaining(), RESERVE_TIMEOUT))
         except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.FAILED_PRECONDITION:  # no KV receiver after all, or our hashes differ
+            if e.code() == grpc.StatusCode.FAILED_PRECONDITION and failure_of(e) is not FailureKind.BLOCK_HASH_MISMATCH:
+                # No KV receiver after all: D can still prefill. (Hashes that differ fail the request: _classify.)
                 log.warning("request %s: %s cannot reserve (%s); prefilling there", job.request_id, decode.worker_id,
                             e.details())
                 return None
@@ -369,7 +377,9 @@ class Dispatcher:
         """A worker call's gRPC error as ours: the caller gone (CANCELLED), a deadline
         passed, a worker failure another worker may not have (WorkerFailed), or the
         worker's own status passed on. The details name the worker's FailureKind
-        when it told one (services/common/failure.py)."""
+        when it told one (services/common/failure.py). A worker that hashes prompts
+        otherwise (BLOCK_HASH_MISMATCH) fails the request as INTERNAL, naming the
+        causes: the cluster is misconfigured, not the request wrong."""
         code = error.code()
         kind = failure_of(error)
         details = error.details() or ""
@@ -378,6 +388,10 @@ class Dispatcher:
         if cancel.cancelled:
             _abort_quietly(worker, rid)
             return ServeError(Status.CANCELLED, GONE)
+        if kind is FailureKind.BLOCK_HASH_MISMATCH:
+            log.error("worker %s hashes prompts otherwise than this router: %s", worker.worker_id, details)
+            return ServeError(Status.INTERNAL, f"worker {worker.worker_id} and the router hash the prompt's blocks "
+                              f"differently: they differ in tokenizer, block size or cache salt ({details})")
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
             _abort_quietly(worker, rid)
             return ServeError(Status.DEADLINE_EXCEEDED, f"deadline passed ({error.details()})")

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from pdserve.engine.hashing import hash_blocks
+from pdserve.engine.hashing import extended_block_hashes
 from pdserve.services.router.events import Finished, Result, Update
 from pdserve.services.router.validate import Job
 
@@ -139,7 +139,8 @@ def one_sample(job: Job, index: int) -> Job:
 def continuation(job: Job, sent: list[int], block_size: int) -> Job:
     """The request that continues `job` after `sent` reached the client: the prompt
     plus `sent`, the output limits reduced by len(sent) (the diagram above). Its
-    block hashes are the new prompt's, salted as the original's."""
+    block hashes are the new prompt's, salted as the original's: the original's
+    extended by the blocks `sent` fills (the prompt is not hashed again)."""
     k = len(sent)
     params = job.params
     if k >= params.max_tokens:
@@ -149,7 +150,7 @@ def continuation(job: Job, sent: list[int], block_size: int) -> Job:
     min_tokens = max(0, params.min_tokens - k)
     return replace(
         job, prompt=prompt, params=replace(params, max_tokens=max_tokens, min_tokens=min_tokens, resumed_tokens=k),
-        block_hashes=tuple(hash_blocks(prompt, block_size, cache_salt=params.cache_salt)),
+        block_hashes=tuple(extended_block_hashes(job.block_hashes, prompt, block_size, params.cache_salt)),
     )
 
 

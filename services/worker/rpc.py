@@ -19,6 +19,7 @@ _FAILURE_STATUS = {
     Failure.TRANSFER: grpc.StatusCode.UNAVAILABLE,
     Failure.INTERNAL: grpc.StatusCode.INTERNAL,
     Failure.NO_ROOM: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Failure.BLOCK_HASH_MISMATCH: grpc.StatusCode.FAILED_PRECONDITION,
 }
 
 

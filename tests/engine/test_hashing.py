@@ -7,7 +7,9 @@ import sys
 
 import pytest
 
-from pdserve.engine.hashing import ROOT_HASH, BlockHashMismatch, checked_block_hashes, hash_block, hash_blocks
+from pdserve.engine.hashing import (
+    ROOT_HASH, BlockHashMismatch, checked_block_hashes, extended_block_hashes, hash_block, hash_blocks,
+)
 
 
 def test_only_full_blocks_are_hashed():
@@ -120,3 +122,54 @@ def test_the_engine_takes_a_requests_hashes_instead_of_hashing_again(monkeypatch
         request.append_token(t)
     assert len(calls) == 1 and request.block_hashes[:2] == hashes
     assert request.block_hashes == hash_blocks(request.token_ids, 16)
+
+
+def counting_hash_block(monkeypatch, *modules) -> list:
+    """Every hash_block call made through `modules` (engine.hashing's hash_blocks, the
+    engine's Request), recorded."""
+    from pdserve.engine import hashing
+
+    calls: list = []
+    real = hashing.hash_block
+    for module in modules:
+        monkeypatch.setattr(module, "hash_block", lambda *a: calls.append(a) or real(*a))
+    return calls
+
+
+def test_a_decode_engine_given_the_hashes_with_a_first_token_hashes_no_prompt_block(monkeypatch):
+    """The decode worker's local prefill after a lost transfer: the router's hashes
+    (checked by the worker) and P's first token go to add_request; the engine computes
+    the prompt without hashing one of its blocks, and caches them under those hashes."""
+    from pdserve.engine import hashing, request as request_module
+    from pdserve.engine.config import CacheConfig
+    from pdserve.engine.engine import EngineConfig, LLMEngine
+    from pdserve.engine.llm import DEFAULT_MODEL
+    from pdserve.engine.sampling_params import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model=DEFAULT_MODEL, cache=CacheConfig(num_blocks=16)))
+    bs = engine.kv.block_size
+    prompt = list(range(3, 3 + 2 * bs + 5))  # two full blocks and a partial one
+    hashes = hash_blocks(prompt, bs, cache_salt="t")
+    calls = counting_hash_block(monkeypatch, hashing, request_module)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, cache_salt="t")
+    assert engine.add_request("d", prompt, params, first_token=7, block_hashes=hashes) == []
+    while engine.has_unfinished():
+        engine.step()
+    assert not calls  # 2 * bs + 5 + 4 tokens fill no third block: nothing was hashed
+    assert set(hashes) <= set(engine.cached_block_hashes())
+    engine.check_integrity()
+
+
+def test_an_extended_prompt_hashes_only_its_new_blocks(monkeypatch):
+    from pdserve.engine import hashing
+
+    tokens = list(range(70))
+    known = hash_blocks(tokens[:20], 16, cache_salt="s")  # one full block
+    calls = counting_hash_block(monkeypatch, hashing)
+    extended = extended_block_hashes(known, tokens, 16, "s")
+    assert len(calls) == 3  # 70 tokens: four full blocks, the first one known
+    assert extended == hash_blocks(tokens, 16, cache_salt="s")
+    assert extended_block_hashes([], tokens, 16, "s") == hash_blocks(tokens, 16, cache_salt="s")
+    assert extended_block_hashes(known, tokens[:20], 16, "s") == known
+    with pytest.raises(ValueError, match="^block_hashes: 2 known for 20 tokens"):
+        extended_block_hashes(known * 2, tokens[:20], 16, "s")

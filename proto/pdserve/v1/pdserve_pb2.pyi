@@ -23,6 +23,7 @@ class FailureKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FAILURE_KIND_TRANSFER: _ClassVar[FailureKind]
     FAILURE_KIND_INTERNAL: _ClassVar[FailureKind]
     FAILURE_KIND_NO_ROOM: _ClassVar[FailureKind]
+    FAILURE_KIND_BLOCK_HASH_MISMATCH: _ClassVar[FailureKind]
 ROLE_UNSPECIFIED: Role
 ROLE_PREFILL: Role
 ROLE_DECODE: Role
@@ -34,6 +35,7 @@ FAILURE_KIND_EXPIRED: FailureKind
 FAILURE_KIND_TRANSFER: FailureKind
 FAILURE_KIND_INTERNAL: FailureKind
 FAILURE_KIND_NO_ROOM: FailureKind
+FAILURE_KIND_BLOCK_HASH_MISMATCH: FailureKind
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -250,20 +252,22 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token: _Optional[_Union[TokenLogprob, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "local_prefill", "token_ids", "sampling", "cache_salt", "first_token")
+    __slots__ = ("request_id", "local_prefill", "token_ids", "sampling", "cache_salt", "first_token", "block_hashes")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     local_prefill: bool
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingOptions
     cache_salt: str
     first_token: int
-    def __init__(self, request_id: _Optional[str] = ..., local_prefill: _Optional[bool] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., cache_salt: _Optional[str] = ..., first_token: _Optional[int] = ...) -> None: ...
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, request_id: _Optional[str] = ..., local_prefill: _Optional[bool] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., cache_salt: _Optional[str] = ..., first_token: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class SequenceDelta(_message.Message):
     __slots__ = ("index", "token_ids", "logprobs", "finish_reason", "token_logprobs")

@@ -58,20 +58,45 @@ def test_failure_of_reads_a_calls_trailing_metadata():
     assert failure_of(ValueError("not a call")) is None
 
 
+class _Context:
+    """A servicer context that records the trailing metadata and raises its abort."""
+
+    metadata = None
+
+    def set_trailing_metadata(self, metadata):
+        self.metadata = metadata
+
+    def abort(self, code, details):
+        raise RuntimeError(code, details)
+
+
 def test_a_worker_rpc_that_fails_a_request_carries_its_kind_by_name():
     from pdserve.services.worker.rpc import abort_failed
 
-    class Context:
-        metadata = None
-
-        def set_trailing_metadata(self, metadata):
-            self.metadata = metadata
-
-        def abort(self, code, details):
-            raise RuntimeError(code, details)
-
-    context = Context()
+    context = _Context()
     with pytest.raises(RuntimeError) as info:
         abort_failed(context, "r", FailureKind.EXPIRED, "reservation expired")
     assert info.value.args == (grpc.StatusCode.DEADLINE_EXCEEDED, "request 'r': reservation expired")
     assert context.metadata == ((FAILURE_METADATA, "FAILURE_KIND_EXPIRED"),)
+
+
+@pytest.mark.parametrize("failure", list(FailureKind))
+def test_every_kind_has_a_worker_status(failure: FailureKind):
+    from pdserve.services.worker.rpc import failure_status
+
+    assert isinstance(failure_status(failure), grpc.StatusCode)
+
+
+def test_a_block_hash_mismatch_carries_its_kind_and_no_other_engine_error_does():
+    from pdserve.engine.hashing import BlockHashMismatch
+    from pdserve.services.common.errors import rpc_errors
+
+    for error, code, metadata in [
+        (BlockHashMismatch("block_hashes[0]: differs"), grpc.StatusCode.FAILED_PRECONDITION,
+         ((FAILURE_METADATA, "FAILURE_KIND_BLOCK_HASH_MISMATCH"),)),
+        (ValueError("block_hashes[0]: 1 bytes"), grpc.StatusCode.INVALID_ARGUMENT, None),
+    ]:
+        context = _Context()
+        with pytest.raises(RuntimeError) as info, rpc_errors(context):
+            raise error
+        assert info.value.args == (code, str(error)) and context.metadata == metadata

@@ -7,6 +7,9 @@ real ones.
     FakeWorker("d1", decode=[message, message, FAIL])   a Decode stream: its messages,
                                                         then (FAIL) UNAVAILABLE
     FakeWorker("p1", role=PREFILL, first=(7, -0.5))     Prefill answers that first token
+    FakeWorker("d1", reserve=refusal(...))              Reserve fails with that error (a
+                                                        refusal, in a script or as `first`,
+                                                        fails that call likewise)
 """
 
 from __future__ import annotations
@@ -16,8 +19,10 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from pdserve.engine.errors import FailureKind
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.services.common.convert import ROLE_NAMES
+from pdserve.services.common.failure import failure_metadata
 
 DECODE = next(code for code, name in ROLE_NAMES.items() if name == "decode")
 PREFILL = next(code for code, name in ROLE_NAMES.items() if name == "prefill")
@@ -40,7 +45,15 @@ class FakeRpcError(grpc.RpcError):
         return self._metadata
 
 
-def _error(step: str) -> FakeRpcError:
+def refusal(code: grpc.StatusCode, details: str, kind: FailureKind | None = None) -> FakeRpcError:
+    """A worker's failed call as its RPC handler ends it: a status, and the FailureKind
+    in the trailing metadata when it names one."""
+    return FakeRpcError(code, details, failure_metadata(kind) if kind is not None else ())
+
+
+def _error(step: str | FakeRpcError) -> FakeRpcError:
+    if isinstance(step, FakeRpcError):
+        return step
     code = grpc.StatusCode.RESOURCE_EXHAUSTED if step == BUSY else grpc.StatusCode.UNAVAILABLE
     return FakeRpcError(code, f"scripted {step}")
 
@@ -54,7 +67,7 @@ class FakeCall:
 
     def __iter__(self):
         for step in self.script:
-            if isinstance(step, str):
+            if isinstance(step, (str, FakeRpcError)):
                 raise _error(step)
             if self.cancelled:
                 raise FakeRpcError(grpc.StatusCode.CANCELLED, "cancelled")
@@ -69,7 +82,7 @@ class _Future:
         self.answer = answer
 
     def result(self):
-        if isinstance(self.answer, str):
+        if isinstance(self.answer, (str, FakeRpcError)):
             raise _error(self.answer)
         return self.answer
 
@@ -83,12 +96,14 @@ class FakeStub:
 
     def Decode(self, request: pb.DecodeRequest, timeout: float | None = None) -> FakeCall:
         self.worker.requests.append(request)
-        if isinstance(self.worker.decode, str):
+        if isinstance(self.worker.decode, (str, FakeRpcError)):
             raise _error(self.worker.decode)
         return FakeCall(self.worker.decode)
 
     def Reserve(self, request: pb.ReserveRequest, timeout: float | None = None) -> pb.ReserveResponse:
         self.worker.requests.append(request)
+        if self.worker.reserve is not None:
+            raise self.worker.reserve
         return pb.ReserveResponse(transfer_plan=b"plan")
 
     @property
@@ -108,6 +123,8 @@ class _Prefill:
         self.worker.requests.append(request)
         if self.worker.first is None:
             return _Future(FAIL)
+        if isinstance(self.worker.first, FakeRpcError):
+            return _Future(self.worker.first)
         token_id, logprob = self.worker.first
         return _Future(pb.PrefillResponse(first_token=pb.TokenLogprob(token_id=token_id, logprob=logprob)))
 
@@ -117,10 +134,12 @@ class FakeWorker:
     """A WorkerHandle as the dispatcher reads one (registry.py)."""
 
     worker_id: str
-    decode: Sequence | str = ()  # Decode's script (a str: the call itself fails so)
+    decode: Sequence | str | FakeRpcError = ()  # Decode's script (a str or an error: the call itself fails so)
     role_code: int = DECODE
     kv: bool = False  # it moves KV (a decode worker reserves, a prefill worker ships)
-    first: tuple[int, float] | None = None  # Prefill's first token and its logprob (None: it fails)
+    # Prefill's first token and its logprob (None: it fails UNAVAILABLE; an error: so)
+    first: tuple[int, float] | FakeRpcError | None = None
+    reserve: FakeRpcError | None = None  # Reserve fails so (None: it answers a plan)
     dropped: bool = False
     cached: set = field(default_factory=set)
     requests: list = field(default_factory=list)  # every request it was sent, in order

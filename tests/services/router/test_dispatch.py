@@ -4,9 +4,12 @@ processes: tests/services/test_services_pd.py, tests/cluster/test_cluster_migrat
 
 from __future__ import annotations
 
+import grpc
 import pytest
 
-from fake_workers import BUSY, FAIL, PREFILL, FakeRegistry, FakeWorker, final, message, tokens
+from fake_workers import BUSY, FAIL, PREFILL, FakeRegistry, FakeRpcError, FakeWorker, final, message, refusal, tokens
+from pdserve.engine.errors import FailureKind
+from pdserve.engine.hashing import hash_blocks
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.services.common.deadline import Deadline
 from pdserve.services.common.metrics import Disabled
@@ -133,3 +136,99 @@ def test_parallel_samples_continue_one_by_one_after_a_mid_stream_failure():
     results = updates[-1].end.results
     assert [(r.index, r.finish_reason) for r in results] == [(0, "stop"), (1, "length")]
     assert results[1].cumulative_logprob == -1.0 + -0.25
+
+
+# -- block hashes: sent with every prompt, a mismatch fails the request ---------------------
+
+def mismatch() -> FakeRpcError:
+    """What a worker answers when the router's hashes are not its own (rpc_errors)."""
+    return refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                   "block_hashes[0]: differs from this worker's hash of the same prompt block: the sender and this "
+                   "worker differ in tokenizer, block size (16 here) or cache salt", FailureKind.BLOCK_HASH_MISMATCH)
+
+
+def assert_clear_mismatch(info: pytest.ExceptionInfo, worker: str) -> None:
+    error = info.value
+    assert error.status is Status.INTERNAL, error
+    assert f"worker {worker} and the router hash the prompt's blocks differently" in error.message
+    assert "tokenizer, block size or cache salt" in error.message and "FAILURE_KIND_BLOCK_HASH_MISMATCH" in error.message
+
+
+def test_every_prompt_a_worker_is_sent_carries_the_jobs_block_hashes():
+    the_job = job(max_tokens=2)
+    assert the_job.block_hashes == tuple(hash_blocks(PROMPT, BLOCK))  # one full block
+    decode = FakeWorker("d1", decode=[final((0, "length", -1.0), deltas=[tokens(0, [8], [-1.0])])], kv=True)
+    prefill = FakeWorker("p1", role_code=PREFILL, kv=True, first=(7, -0.5))
+    run(FakeRegistry([decode], [prefill]), the_job)
+    reserve, attach = decode.requests
+    (prefilled,) = prefill.requests
+    assert tuple(reserve.block_hashes) == tuple(prefilled.block_hashes) == the_job.block_hashes
+    assert not attach.block_hashes  # a reservation's Decode carries no prompt
+    local = FakeWorker("d2", decode=[final((0, "length", -1.0), deltas=[tokens(0, [8], [-1.0])])])
+    run(FakeRegistry([local]), the_job)
+    assert tuple(local.decodes()[0].block_hashes) == the_job.block_hashes
+
+
+def test_a_continuation_and_a_kv_fallback_carry_their_prompts_hashes():
+    sent_first = list(range(5, 17))  # with the prompt's 20 tokens: two full blocks
+    first = FakeWorker("d1", decode=[message(tokens(0, sent_first, [-0.5] * 12)), FAIL])
+    second = FakeWorker("d2", decode=[final((0, "length", -1.0), deltas=[tokens(0, [9], [-1.0])])])
+    run(FakeRegistry([first, second]), job(max_tokens=16, temperature=0.0))
+    (continued,) = second.decodes()
+    assert len(continued.block_hashes) == 2
+    assert tuple(continued.block_hashes) == tuple(hash_blocks(PROMPT + tuple(sent_first), BLOCK))
+    # D's KV never comes after P's first token: D prefills the prompt itself.
+    long_prompt = tuple(range(100, 132))  # two full blocks
+    the_job = VALIDATOR.validate(Request(token_ids=long_prompt, sampling=SamplingParams(max_tokens=4)))
+    lost = refusal(grpc.StatusCode.UNAVAILABLE, "KV transfer failed", FailureKind.TRANSFER)
+    kv_less = FakeWorker("d3", kv=True)
+    scripts = [[lost], [final((0, "length", -1.0), deltas=[tokens(0, [9], [-1.0])])]]  # attach, then fallback
+    decode_call = kv_less.stub.Decode
+
+    def next_script(request, timeout=None):
+        kv_less.decode = scripts.pop(0)
+        return decode_call(request, timeout)
+
+    kv_less.stub.Decode = next_script
+    prefill = FakeWorker("p1", role_code=PREFILL, kv=True, first=(7, -0.5))
+    assert sent(run(FakeRegistry([kv_less], [prefill]), the_job)) == [7, 9]
+    attach, fallback = kv_less.decodes()
+    assert fallback.local_prefill and fallback.first_token == 7
+    assert not attach.block_hashes and len(fallback.block_hashes) == 2
+    assert tuple(fallback.block_hashes) == the_job.block_hashes == tuple(hash_blocks(long_prompt, BLOCK))
+
+
+def test_a_reserve_that_answers_a_hash_mismatch_fails_the_request_instead_of_prefilling_there():
+    decode = FakeWorker("d1", decode=[final((0, "length", -1.0), deltas=[tokens(0, [8], [-1.0])])], kv=True,
+                        reserve=mismatch())
+    other = FakeWorker("d2", decode=[final((0, "length", -1.0), deltas=[tokens(0, [8], [-1.0])])], kv=True)
+    prefill = FakeWorker("p1", role_code=PREFILL, kv=True, first=(7, -0.5))
+    with pytest.raises(ServeError) as info:
+        run(FakeRegistry([decode, other], [prefill]), job(max_tokens=2))
+    assert_clear_mismatch(info, "d1")
+    assert not decode.decodes() and not prefill.requests and not other.requests  # no fallback, no retry
+
+
+def test_any_other_failed_precondition_from_reserve_still_prefills_on_the_decode_worker():
+    no_receiver = refusal(grpc.StatusCode.FAILED_PRECONDITION, "Reserve: this worker has no KV receiver")
+    decode = FakeWorker("d1", decode=[final((0, "length", -1.0), deltas=[tokens(0, [8], [-1.0])])], kv=True,
+                        reserve=no_receiver)
+    prefill = FakeWorker("p1", role_code=PREFILL, kv=True, first=(7, -0.5))
+    updates = run(FakeRegistry([decode], [prefill]), job(max_tokens=1))
+    assert sent(updates) == [8] and decode.decodes()[0].local_prefill and not prefill.requests
+
+
+def test_a_prefill_or_local_decode_that_answers_a_hash_mismatch_fails_the_request():
+    decode = FakeWorker("d1", kv=True)
+    prefill = FakeWorker("p1", role_code=PREFILL, kv=True, first=mismatch())
+    with pytest.raises(ServeError) as info:
+        run(FakeRegistry([decode], [prefill]), job(max_tokens=2))
+    assert_clear_mismatch(info, "p1")
+    (reserve, attach) = decode.requests
+    assert decode.aborted == [reserve.request_id]  # the reservation is freed
+    local = FakeWorker("d1", decode=[mismatch()])
+    other = FakeWorker("d2", decode=[final((0, "length", -1.0), deltas=[tokens(0, [8], [-1.0])])])
+    with pytest.raises(ServeError) as info:
+        run(FakeRegistry([local, other]), job(max_tokens=2))
+    assert_clear_mismatch(info, "d1")
+    assert not other.requests

@@ -50,6 +50,19 @@ def test_the_continuation_prompts_with_what_was_sent_and_asks_for_the_rest():
     assert original.prompt == PROMPT and original.options.max_tokens == 50
 
 
+def test_the_continuation_hashes_only_the_blocks_the_sent_tokens_fill(monkeypatch):
+    from pdserve.engine import hashing
+
+    original = job(max_tokens=50)
+    calls = []
+    real = hashing.hash_block
+    monkeypatch.setattr(hashing, "hash_block", lambda *a: calls.append(a) or real(*a))
+    cont = continuation(original, list(range(12)), BLOCK)  # 32 tokens: the original's block and one more
+    assert len(calls) == 1 and cont.block_hashes[:1] == original.block_hashes
+    monkeypatch.undo()
+    assert cont.block_hashes == tuple(hash_blocks(cont.prompt, BLOCK, cache_salt="s"))
+
+
 def test_min_tokens_never_goes_below_zero_and_max_tokens_counts_from_the_default():
     original = job(min_tokens=2)  # max_tokens unset: the engine's default (16)
     cont = continuation(original, list(range(5)), BLOCK)
