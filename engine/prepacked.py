@@ -56,8 +56,12 @@ def bucket_rows(rows: int) -> int:
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether prepacking applies: a CPU with oneDNN, fp32 or bf16 weights."""
-    return device.type == "cpu" and dtype in DTYPES and torch.backends.mkldnn.is_available()
+    """Whether prepacking applies: a CPU with oneDNN, fp32 weights, or bf16 weights on
+    a CPU whose oneDNN has a bf16 path (AVX-512 BW/VL/DQ or AVX-NE-CONVERT: an AVX2-only
+    CPU refuses to pack bf16, so those engines keep plain linears)."""
+    if device.type != "cpu" or dtype not in DTYPES or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class PackedWeight(OpaqueBase):

@@ -69,12 +69,25 @@ def test_row_counts_reach_onednn_as_a_few_buckets():
     assert len(buckets) <= 20 and max(buckets) == MAX_CHUNK_ROWS
 
 
+@pytest.mark.skipif(not available(torch.device("cpu"), torch.bfloat16), reason="this CPU's oneDNN packs no bf16")
 def test_bf16_prepacked_matches_f_linear():
     gen = torch.Generator().manual_seed(1)
     weight = torch.randn(512, 512, generator=gen).bfloat16()
     x = torch.randn(4, 512, generator=gen).bfloat16()
     torch.testing.assert_close(PrepackedLinear(weight, None)(x).float(), F.linear(x, weight).float(),
                                rtol=1e-2, atol=1e-1)
+
+
+def test_a_bf16_engine_runs_on_every_cpu_packing_only_where_onednn_has_a_bf16_path(tmp_path):
+    """An AVX2-only CPU's oneDNN refuses to pack bf16 weights: such an engine keeps
+    plain linears instead of failing to load."""
+    build_model(tmp_path, "llama", seed=3, **PACKABLE)
+    bf16 = LLM(model=str(tmp_path), dtype="bfloat16", num_blocks=32)
+    packs = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    assert (bf16.engine.runner.prepacked > 0) == packs
+    out = bf16.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4
+    assert not available(torch.device("cpu"), torch.float16)
 
 
 def test_only_large_plain_linears_are_packed():
