@@ -2,7 +2,7 @@
 
 torch's `F.linear` on a CPU reads the weights of a decode-sized GEMM (1-64 rows) at
 a third to a half of the memory's bandwidth (12.6 GB/s at one row against 32 GB/s
-read on this machine kind; `python -m pdserve.bench.gemm`). The same GEMM through
+read on this machine kind; `python -m pdserve.bench.engine.gemm`). The same GEMM through
 oneDNN, with the weight reordered once into oneDNN's blocked layout, reads at 22-26
 GB/s, and is faster at prefill sizes too (1.2x at 512 rows), so a prepacked layer
 replaces the plain one for every step, not only for decode.
@@ -29,14 +29,14 @@ from torch._library.opaque_object import get_opaque_type_name, register_opaque_t
 from torch._opaque_base import OpaqueBase
 
 # The row count oneDNN picks the packed layout for: layouts packed for 1 row run 1.5x
-# slower at 16 rows, ones packed for a few dozen lose little at 1 row (bench.gemm).
+# slower at 16 rows, ones packed for a few dozen lose little at 1 row (bench.engine.gemm).
 PACK_FOR_ROWS = 64
 # Smaller weights stay plain: a oneDNN call costs ~17-22 us however small its GEMM,
 # F.linear 3-6 us, and they break even near 256K weights (a 512 x 512 layer).
 MIN_PACKED_WEIGHTS = 2**18
 # oneDNN reads a packed weight ~15% faster for 4 rows than for 1 (its one-row kernel is
-# another, slower one: bench.gemm), so fewer rows are padded with zeros to this many
-# (a decode step at batch 1: 21.5 -> 19.3 ms on bench.offline's model).
+# another, slower one: bench.engine.gemm), so fewer rows are padded with zeros to this many
+# (a decode step at batch 1: 21.5 -> 19.3 ms on bench.engine.offline's model).
 MIN_ROWS = 4
 # oneDNN keeps state per input shape, and memory grows without bound when the row
 # count takes many values (RSS 0.2 -> 13 GB over a few thousand calls of 1-2048 rows:

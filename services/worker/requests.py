@@ -38,7 +38,7 @@ again:
 
 No other lifecycle or deadline exists: a transfer has none of its own.
 
-Engine thread only (services/worker/engine_loop.py runs it; bench/kvtransfer.py
+Engine thread only (services/worker/engine_loop.py runs it; bench/transfer/kvtransfer.py
 drives one by hand): nothing here is locked, except what other threads read
 (`num_unattached`, a plain int). A transfer's progress fields are the receiver
 thread's, under its inbox's lock; this module never reads them, it only holds the
