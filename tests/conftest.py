@@ -1,4 +1,6 @@
+import ast
 import os
+from pathlib import Path
 
 import pytest
 
@@ -40,26 +42,43 @@ def _rank(item: pytest.Item) -> tuple[int, float]:
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
-        return
-    for item in items:
-        # The controller schedules by node id alone, so the unit's name rides on the id
-        # (as pytest-xdist's own --dist loadgroup does with xdist_group).
-        if item.get_closest_marker("timed") is not None:
-            item._nodeid = f"{item.nodeid}@{TIMED_UNIT}"
-    items.sort(key=_rank)  # the order the controller hands the units out in; stable: each file keeps its order
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # the order the controller hands the units out in
+        items.sort(key=_rank)  # stable: each file keeps its order
+
+
+def marked_timed(path: Path) -> bool:
+    """Whether the test file at `path` marks all its tests `timed` (its module-level
+    `pytestmark`). The controller reads it from the file: it never collects, and sees
+    node ids only."""
+    tree = ast.parse(path.read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "pytestmark" for t in node.targets):
+            return any(isinstance(n, ast.Attribute) and n.attr == TIMED_UNIT for n in ast.walk(node.value))
+    return False
+
+
+def unit_of(path: str, root: Path, timed: dict[str, bool]) -> str:
+    """The unit of work of the test file at `path` (from `root`): TIMED_UNIT for every
+    file marked timed, else the file itself. `timed` caches each file's answer."""
+    if path not in timed:
+        timed[path] = path.endswith(".py") and marked_timed(root / path)
+    return TIMED_UNIT if timed[path] else path
 
 
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, known only where it is installed
 def pytest_xdist_make_scheduler(config, log):
-    """--dist loadfile, with the `timed` tests as one unit."""
+    """--dist loadfile, with the files marked `timed` as one unit."""
     from xdist.scheduler import LoadFileScheduling
 
+    root = config.rootpath
+
     class Scheduling(LoadFileScheduling):
+        def __init__(self, config, log=None) -> None:
+            super().__init__(config, log)
+            self.timed: dict[str, bool] = {}  # a test file's path -> whether it is marked timed
+
         def _split_scope(self, nodeid: str) -> str:
-            if nodeid.endswith(f"@{TIMED_UNIT}"):
-                return TIMED_UNIT
-            return super()._split_scope(nodeid)
+            return unit_of(super()._split_scope(nodeid), root, self.timed)
 
     if config.getvalue("dist") == "loadfile":
         return Scheduling(config, log)
