@@ -1,8 +1,8 @@
-import ast
 import os
-from pathlib import Path
 
 import pytest
+
+from xdist_units import rank, unit_of  # tests/ is on sys.path for its conftest
 
 # Triton runs on a CPU only in interpreter mode, and the variable must be set
 # before triton is first imported anywhere in the test session.
@@ -28,41 +28,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 #      (N: about what the file takes in `make test`, --durations), so that the workers
 #      finish together. Two of those side by side slow each other past their share of
 #      the cores (Ray's most), hence this order.
-# Plain `pytest` runs keep the files in their order.
-TIMED_UNIT = "timed"
-
-
-def _rank(item: pytest.Item) -> tuple[int, float]:
-    if item.get_closest_marker("timed") is not None:
-        return (0, 0.0)
-    cluster = item.get_closest_marker("cluster")
-    if cluster is None:
-        return (1, 0.0)
-    return (2, -float(cluster.kwargs.get("seconds", 0)))
+# Plain `pytest` runs keep the files in their order (tests/xdist_units.py).
 
 
 def pytest_collection_modifyitems(config, items) -> None:
     if os.environ.get("PYTEST_XDIST_WORKER"):  # the order the controller hands the units out in
-        items.sort(key=_rank)  # stable: each file keeps its order
-
-
-def marked_timed(path: Path) -> bool:
-    """Whether the test file at `path` marks all its tests `timed` (its module-level
-    `pytestmark`). The controller reads it from the file: it never collects, and sees
-    node ids only."""
-    tree = ast.parse(path.read_text())
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "pytestmark" for t in node.targets):
-            return any(isinstance(n, ast.Attribute) and n.attr == TIMED_UNIT for n in ast.walk(node.value))
-    return False
-
-
-def unit_of(path: str, root: Path, timed: dict[str, bool]) -> str:
-    """The unit of work of the test file at `path` (from `root`): TIMED_UNIT for every
-    file marked timed, else the file itself. `timed` caches each file's answer."""
-    if path not in timed:
-        timed[path] = path.endswith(".py") and marked_timed(root / path)
-    return TIMED_UNIT if timed[path] else path
+        items.sort(key=rank)  # stable: each file keeps its order
 
 
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, known only where it is installed
