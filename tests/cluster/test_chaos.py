@@ -36,6 +36,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import pytest
 
 from cluster_helpers import UpProcess, metric, pid_alive, router_metrics_url, wait_for
@@ -107,6 +108,17 @@ def describe(records: list[Record]) -> str:
     return ", ".join(f"{k} x{v}" for k, v in sorted(counts.items())) or "none"
 
 
+def registered(up: UpProcess, registry: str) -> list[str] | None:
+    """The workers registered with the router at `registry`; None while it refuses
+    connections (the killed router's restart may still be starting on a loaded machine)."""
+    try:
+        return sorted(w.worker_id for w in up.list_workers(registry))
+    except grpc.RpcError as e:
+        if e.code() != grpc.StatusCode.UNAVAILABLE:
+            raise
+        return None
+
+
 def dark_seconds(records: tuple[Record, ...], until: float) -> tuple[float, float, float]:
     """The longest time without a successful completion, from the first one until
     `until`; with where it began, and when the first success came."""
@@ -170,8 +182,8 @@ def test_kill_prefill_decode_and_router_under_load(tmp_path):
         assert dark < DARK_LIMIT, f"{dark:.2f}s without a successful completion from t={dark_at - start:.1f}s"
 
         for _, registry in up.routers:  # the restarted ones joined both routers again
-            wait_for(lambda: sorted(w.worker_id for w in up.list_workers(registry)) == WORKERS, 30,
-                     f"every worker registered with {registry}", step=0.5)
+            wait_for(lambda: registered(up, registry) == WORKERS, 60, f"every worker registered with {registry}",
+                     step=0.5)
         up.wait_every_block_free()
     finally:
         code, restarted = up.stop_and_restarts()
