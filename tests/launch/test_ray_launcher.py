@@ -117,8 +117,10 @@ def up(ray_cluster, tmp_path_factory):
     env = child_env()
     env.pop("RAY_AUTH_MODE")  # as a user's shell: only the token is there (Ray turns the mode on for `auto`)
     launcher = UpProcess(
+        # --admission-timeout: a stream whose only decode actor was killed waits for Ray's
+        # restart of it (a worker's start, seconds on a loaded machine; 5 s by default).
         ["--launcher", "ray", "--address", "auto", "--routers", "2", "--prefill", "1", "--decode", "1",
-         "--num-blocks", "256", "--drain-grace", "60"],
+         "--num-blocks", "256", "--drain-grace", "60", "--admission-timeout", "60"],
         tmp_path_factory.mktemp("ray-up") / "up.log", env=env,
     )
     try:
