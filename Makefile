@@ -35,8 +35,9 @@ ifeq ($(and $(PROMETHEUS),$(PROMTOOL)),)
 endif
 
 # The suite on two pytest-xdist workers (one per core), each test file one unit of work
-# (its module's cluster started once), in the order tests/conftest.py gives: 12.2 min from
-# a fresh clone, install included (docs/benchmarks.md, "make test wall time").
+# (its module's cluster started once), in the order tests/conftest.py derives from the
+# files' markers: 16.6-17.5 min from a fresh clone on an AVX2 machine, install included
+# (docs/benchmarks.md, "make test wall time").
 # `make test TEST_WORKERS=1` runs it in one process.
 TEST_WORKERS ?= 2
 ifeq ($(TEST_WORKERS),1)
