@@ -6,16 +6,21 @@
       .encode(text)         ids                               (text prompts: the router, LLM)
       .render_chat(msgs)    a chat template's text            (the HTTP API)
 
-Encoding and chat templates are transformers' own (`AutoTokenizer`), loaded on first
-use: its import costs ~2 s of CPU, and a worker, which only decodes, never needs it.
+Chat templates are transformers' own (`AutoTokenizer`), loaded on first use (or by
+`load(chat=True)`): its import costs ~4 s of CPU with torch's, and a worker, which
+only decodes, or a router that serves no chat, never needs it.
 Decoding uses the `tokenizers` library directly when the directory's tokenizer is
 transformers' generic one (`tokenizer_class` TokenizersBackend or
 PreTrainedTokenizerFast, with a tokenizer.json), where transformers' decode is
 exactly the backend's: `tokenizer.json` as it is, plus the named special tokens of
 tokenizer_config.json added as special ones (what transformers adds on load, so
 `skip_special_tokens` skips the same ids), and its clean-up of spaces, which it
-skips for BPE models, only when asked. Any other tokenizer decodes through
-transformers too. tests/engine/test_tokenizer.py holds the two to agreement.
+skips for BPE models, only when asked. Encoding does too when, besides, nothing in
+tokenizer_config.json changes how transformers encodes (only the keys in
+`PLAIN_KEYS`, each special token a plain string) and tokenizer.json asks for no
+truncation or padding: transformers' encode is then the backend's. Any other
+tokenizer decodes and encodes through transformers. tests/engine/test_tokenizer.py
+holds the two to agreement.
 """
 
 from __future__ import annotations
@@ -29,6 +34,11 @@ from typing import Any
 GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 NAMED_SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 LIST_SPECIAL = ("extra_special_tokens", "additional_special_tokens")
+# tokenizer_config.json keys that leave transformers' encode the backend's own (any other,
+# e.g. add_bos_token, add_prefix_space or split_special_tokens, changes it)
+PLAIN_KEYS = frozenset({"backend", "tokenizer_class", "clean_up_tokenization_spaces", "model_max_length",
+                        "chat_template", "padding_side", "truncation_side", "model_input_names",
+                        *NAMED_SPECIAL, *LIST_SPECIAL})
 
 
 class Tokenizer:
@@ -36,11 +46,13 @@ class Tokenizer:
         self.model_dir = str(model_dir)
         self._lock = threading.Lock()
         self._hf: Any = None
-        self._decoder = _direct_decoder(Path(model_dir))
+        self._decoder, self._encoder = _direct_backend(Path(model_dir))
         if self._decoder is None:
             self._transformers()  # decoding needs it: load now, not on the first request
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self._encoder is not None:
+            return self._encoder.encode(text, add_special_tokens=add_special_tokens).ids
         return list(self._transformers().encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, token_ids: list[int]) -> str:
@@ -54,9 +66,11 @@ class Tokenizer:
             return self._decoder.decode([token_id], skip_special_tokens=False)
         return self._transformers().decode([token_id], skip_special_tokens=False)
 
-    def load(self) -> None:
-        """Load transformers' tokenizer now (a server that encodes: before its first request)."""
-        self._transformers()
+    def load(self, chat: bool = False) -> None:
+        """Load now what encoding (and with `chat`, rendering chat templates) needs: a
+        server's, before its first request. Transformers' tokenizer only where it is used."""
+        if chat or self._encoder is None:
+            self._transformers()
 
     @property
     def chat_template(self) -> str | None:
@@ -91,33 +105,43 @@ class Tokenizer:
             return self._hf
 
 
-def _direct_decoder(model_dir: Path) -> Any:
-    """The `tokenizers` backend that decodes as transformers would, or None when this
-    directory's tokenizer is not transformers' generic one (see the module docstring)."""
+def _direct_backend(model_dir: Path) -> tuple[Any, Any]:
+    """The `tokenizers` backend that decodes as transformers would (or None when this
+    directory's tokenizer is not transformers' generic one), and the same backend again
+    where it encodes as transformers would too (else None); see the module docstring."""
     path, config_path = model_dir / "tokenizer.json", model_dir / "tokenizer_config.json"
     if not path.is_file() or not config_path.is_file() or (model_dir / "special_tokens_map.json").exists():
-        return None
+        return None, None
     try:
         config = json.loads(config_path.read_text())
     except (OSError, ValueError):
-        return None
+        return None, None
     if config.get("tokenizer_class") not in GENERIC_CLASSES or "added_tokens_decoder" in config:
-        return None
+        return None, None
     from tokenizers import AddedToken
     from tokenizers import Tokenizer as Backend
 
     backend = Backend.from_file(str(path))
     if config.get("clean_up_tokenization_spaces") and type(backend.model).__name__ != "BPE":
-        return None  # transformers' clean-up applies: leave it to transformers
+        return None, None  # transformers' clean-up applies: leave it to transformers
     special: list[str] = []
     for name in NAMED_SPECIAL:
         special += _token_contents(config.get(name))
     for name in LIST_SPECIAL:
-        values = config.get(name) or ()
-        for value in values.values() if isinstance(values, dict) else values:
+        for value in _listed(config.get(name)):
             special += _token_contents(value)
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
-    return backend
+    plain = (set(config) <= PLAIN_KEYS and backend.truncation is None and backend.padding is None
+             and all(isinstance(config.get(name), (str, type(None))) for name in NAMED_SPECIAL)
+             and all(isinstance(t, str) for name in LIST_SPECIAL for t in _listed(config.get(name))))
+    return backend, backend if plain else None
+
+
+def _listed(values: Any) -> list[Any]:
+    """A list of special tokens as tokenizer_config.json gives it (a list, or a dict of them)."""
+    if not values:
+        return []
+    return list(values.values()) if isinstance(values, dict) else list(values)
 
 
 def _token_contents(value: Any) -> list[str]:

@@ -80,7 +80,26 @@ def validate(obj: Obj, version: str = K8S_LATEST) -> None:
     if obj["apiVersion"].startswith("monitoring.coreos.com/"):
         validate_custom_resource(obj, version)
     else:
-        kubernetes_validate.validate(obj, version, strict=True)
+        builtin_validator(obj["kind"], obj["apiVersion"], version).validate(obj)
+
+
+@functools.cache
+def builtin_validator(kind: str, api_version: str, version: str) -> jsonschema.Draft202012Validator:
+    """kubernetes-validate's strict schema of `kind` at `api_version` for Kubernetes
+    `version`, as its `validate(obj, version, strict=True)` builds it, but once: it reads
+    the definitions (megabytes of JSON) again on every call."""
+    major_minor = ".".join(version.split(".")[:2])
+    schema_version = [v for v in kubernetes_validate.utils.all_versions()
+                      if kubernetes_validate.utils.major_minor(v) <= major_minor][-1]
+    folder = importlib.resources.files("kubernetes_validate") / "kubernetes-json-schema" / f"v{schema_version}-local-strict"
+    group_version = re.sub(r"^([^./]*)(?:\.[^/]*)?/", r"\1-", api_version)  # rbac.authorization.k8s.io/v1 -> rbac-v1
+    path = folder / f"{kind.lower()}-{group_version}.json"
+    if not path.is_file():
+        raise kubernetes_validate.SchemaNotFoundError(version=major_minor, kind=kind, api_version=api_version)
+    schema = json.loads(path.read_text())
+    registry = Resource.from_contents(json.loads((folder / "_definitions.json").read_text())) @ (
+        Resource.from_contents(schema) @ Registry())
+    return jsonschema.Draft202012Validator(schema, registry=registry)
 
 
 def validate_custom_resource(obj: Obj, version: str = K8S_LATEST) -> None:

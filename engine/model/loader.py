@@ -21,9 +21,11 @@ import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.model import registry
@@ -34,6 +36,7 @@ from pdserve.engine.quant.checkpoint import CheckpointFormat
 from pdserve.engine.quant.config import WeightScheme
 
 log = logging.getLogger(__name__)
+M = TypeVar("M", bound=nn.Module)
 
 _KV_SCALES = ("self_attn.k_scale", "self_attn.v_scale")
 # Older compressed-tensors checkpoints name them after the projection's output.
@@ -74,7 +77,14 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_
         model = model_cls(cfg, rope, rope_local).to(dtype)
         if scheme is not None and not online:
             quant_apply.replace_linears(model, scheme, dtype)
-    return model if device.type == "meta" else model.to_empty(device=device)
+    return model if device.type == "meta" else materialize(model, device)
+
+
+def materialize(module: M, device: torch.device) -> M:
+    """`module` (built on the meta device) with uninitialized tensors on `device`, as
+    `Module.to_empty` gives, but without its `empty_like` of meta tensors, which imports
+    sympy: ~2 s of CPU in every worker process."""
+    return module._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
 
 
 def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int,

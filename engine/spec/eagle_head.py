@@ -39,7 +39,7 @@ from torch import nn
 from pdserve.engine.attention.base import AttentionBackend, AttentionMetadata
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.model.llama import MLP, RMSNorm
-from pdserve.engine.model.loader import iter_tensors
+from pdserve.engine.model.loader import iter_tensors, materialize
 from pdserve.engine.model.rope import RotaryEmbedding, apply_rotary
 
 KEY = "speculative_config.model"
@@ -192,7 +192,7 @@ def load_head(spec: HeadSpec, head_dir: str | Path, dtype: torch.dtype, device: 
     rope = RotaryEmbedding(spec.cfg.rope, spec.cfg.head_dim, max_positions, device)
     with torch.device("meta"):
         head = EagleHead(spec, rope, fc_bias=any(name == "fc.bias" for name, _ in tensors)).to(dtype)
-    head = head.to_empty(device=device)
+    head = materialize(head, device)
     params = dict(head.named_parameters()) | dict(head.named_buffers())
     if spec.kind == "eagle3":
         params["d2t"].zero_()  # a full draft vocabulary maps each id to itself

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import types
 import typing
@@ -95,9 +96,16 @@ class _TriState(argparse.Action):
             setattr(namespace, self.dest, True if values is None else values)
 
 
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    """`cls`'s resolved field types: resolving a module's string annotations evaluates
+    each (tens of ms a class), and every flag of every block asks for them."""
+    return typing.get_type_hints(cls)
+
+
 def _block(cls: type, f: dataclasses.Field) -> type | None:
     """The dataclass of a field that is a block of flags, else None."""
-    kind = _base_type(typing.get_type_hints(cls)[f.name])
+    kind = _base_type(_hints(cls)[f.name])
     return kind if dataclasses.is_dataclass(kind) else None
 
 
@@ -128,7 +136,7 @@ def _parse(kind: type, text: str, name: str) -> Any:
 
 def add_flags(parser: argparse.ArgumentParser, cls: type, skip: Iterable[str] = ()) -> set[str]:
     """Add one flag per field of `cls` not in `skip`; returns the names added."""
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     added = set()
     for f in _cli_fields(cls):
         block = _block(cls, f)
@@ -221,7 +229,7 @@ def to_argv(config: Any, skip: Iterable[str] = ()) -> list[str]:
         if isinstance(value, bool):
             argv.append(option_name(f.name) if value else "--no-" + f.name.replace("_", "-"))
         elif isinstance(value, tuple):
-            shape = _tuple_shape(_base_type(typing.get_type_hints(type(config))[f.name]))
+            shape = _tuple_shape(_base_type(_hints(type(config))[f.name]))
             if shape is not None and shape[1] is None:
                 argv += [option_name(f.name), ",".join(map(str, value))]
             else:

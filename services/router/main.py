@@ -56,7 +56,9 @@ class Router:
                              config.max_logprobs, config.max_prompt_bytes, config.max_prompt_tokens)
         tokenizer = Tokenizer(config.model) if has_tokenizer(config.model) else None
         if tokenizer is not None:
-            tokenizer.load()  # the router encodes text prompts: not on the first request's time
+            # the router encodes text prompts (and renders chats, with the HTTP API on):
+            # not on the first request's time
+            tokenizer.load(chat=config.http_port is not None)
         self.auth = ClusterAuth(config.credentials)
         self.api_keys = ApiKeys(config.api_keys_file) if config.api_keys_file else None
         self.metrics = router_metrics(config.metrics, config.model_name)

@@ -1,8 +1,9 @@
-"""engine/tokenizer.py decodes with the `tokenizers` library where transformers' generic
-tokenizer would decode the same: held to transformers' own `decode` on the embedded
-model and on tokenizer directories built to differ (special tokens named only in
-tokenizer_config.json, extra special tokens, clean-up asked of a BPE model); any
-other tokenizer class decodes through transformers itself."""
+"""engine/tokenizer.py decodes (and encodes) with the `tokenizers` library where
+transformers' generic tokenizer would decode (and encode) the same: held to
+transformers' own `decode` and `encode` on the embedded model and on tokenizer
+directories built to differ (special tokens named only in tokenizer_config.json,
+extra special tokens, clean-up asked of a BPE model, settings that change encoding);
+any other tokenizer class goes through transformers itself."""
 
 from __future__ import annotations
 
@@ -42,15 +43,21 @@ def _agree(model_dir: Path | str) -> Tokenizer:
         assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True), ids
     for i in range(vocab):
         assert ours.token_text(i) == theirs.decode([i], skip_special_tokens=False), i
-    for text in TEXTS:
-        assert ours.encode(text) == list(theirs.encode(text))
-        assert ours.encode(text, add_special_tokens=False) == list(theirs.encode(text, add_special_tokens=False))
+    texts = TEXTS + [theirs.decode(ids, skip_special_tokens=False) for ids in samples[len(TEXTS):len(TEXTS) + 200]]
+    specials = [t for t in theirs.all_special_tokens if t]
+    texts += [f"{rng.choice(TEXTS)}{rng.choice(specials)} {rng.choice(TEXTS)}" for _ in range(50)]
+    texts += ["", " ", "\n\n", "\t x", "A" * 300]
+    for text in texts:
+        assert ours.encode(text) == list(theirs.encode(text)), text
+        assert ours.encode(text, add_special_tokens=False) == list(theirs.encode(text, add_special_tokens=False)), text
     return ours
 
 
-def test_the_embedded_model_decodes_as_transformers_without_loading_it() -> None:
+def test_the_embedded_model_decodes_and_encodes_as_transformers_without_loading_it() -> None:
     tok = _agree(DEFAULT_MODEL)
-    assert tok._decoder is not None  # the direct path was taken
+    assert tok._decoder is not None and tok._encoder is not None  # the direct paths were taken
+    tok.load()  # what a router without chat loads: still not transformers
+    assert tok._hf is None
 
 
 @pytest.mark.parametrize("changes", [
@@ -61,6 +68,16 @@ def test_the_embedded_model_decodes_as_transformers_without_loading_it() -> None
 def test_special_tokens_named_only_in_the_config_are_skipped_alike(tmp_path: Path, changes: dict) -> None:
     tok = _agree(_copy(tmp_path, changes))
     assert tok._decoder is not None
+    # a special token given with its flags (lstrip, ...) may split text otherwise: transformers encodes
+    assert (tok._encoder is None) == isinstance(changes.get("sep_token"), dict)
+
+
+@pytest.mark.parametrize("changes", [
+    {"add_bos_token": True}, {"add_eos_token": True}, {"add_prefix_space": True}, {"split_special_tokens": True},
+])
+def test_settings_that_change_encoding_leave_it_to_transformers(tmp_path: Path, changes: dict) -> None:
+    tok = _agree(_copy(tmp_path, changes))
+    assert tok._decoder is not None and tok._encoder is None
 
 
 @pytest.mark.parametrize("changes", [{"tokenizer_class": "LlamaTokenizer"}, {"added_tokens_decoder": {}}])
