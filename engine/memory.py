@@ -42,6 +42,8 @@ class MemoryPlan:
     num_blocks: int
     block_size: int
     max_model_len: int
+    host_tier_bytes: int = 0  # the KV tiers below the device pool (engine/offload/), 0: off
+    disk_tier_bytes: int = 0
 
     @property
     def blocks_per_sequence(self) -> int:
@@ -59,7 +61,12 @@ class MemoryPlan:
         return (f"memory: weights {self.weight_bytes} bytes ({self.weight_scheme}), activation peak "
                 f"{self.activation_peak_bytes} bytes, kv {self.kv_cache_dtype} {self.kv_bytes_per_token} bytes/token, "
                 f"{self.num_blocks} blocks of {self.block_size} ({self.kv_cache_bytes} bytes), max concurrency "
-                f"{self.max_concurrency} at max_model_len {self.max_model_len}")
+                f"{self.max_concurrency} at max_model_len {self.max_model_len}" + self._tiers())
+
+    def _tiers(self) -> str:
+        if not (self.host_tier_bytes or self.disk_tier_bytes):
+            return ""
+        return f"; kv offload: host tier {self.host_tier_bytes} bytes, disk tier {self.disk_tier_bytes} bytes"
 
 
 def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: torch.dtype) -> int:
