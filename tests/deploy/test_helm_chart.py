@@ -247,6 +247,12 @@ NOT_RENDERED = {
     # the chart gives every worker one cluster key (--kv-curve-cluster-key) instead.
     "kv_curve_cert": "the chart's workers use --kv-curve-cluster-key",
     "kv_curve_authorized": "the chart's workers use --kv-curve-cluster-key",
+    # The KV tiers' flags (engine/offload/): the chart's host-memory budget per pool and
+    # disk-tier volume come with issue 36's deployment part; until then not rendered.
+    **{name: "issue 36: the chart's KV tier values are still to come" for name in (
+        "kv_offload_host_bytes", "kv_offload_dir", "kv_offload_disk_bytes", "kv_offload_persist",
+        "kv_offload_policy", "kv_offload_disk_policy", "kv_offload_queue_depth", "kv_offload_deadline",
+        "kv_offload_onload_timeout", "kv_offload_fsync")},
 }
 ROUTER_NOT_RENDERED = {"kv_curve_cluster_key": "the router has no KV channel"}
 
