@@ -47,4 +47,6 @@ class BlockCopier:
         self._stream.synchronize()
 
     def to_device(self, src: torch.Tensor, block_id: int) -> None:
-        as_bytes(self.kv_cache[:, block_id]).copy_(as_bytes(src), non_blocking=src.is_pinned())
+        """Synchronous: the source (a host slot, a file's buffer) may be reused at return."""
+        dst = as_bytes(self.kv_cache[:, block_id])
+        dst.copy_(as_bytes(src).reshape(dst.shape))

@@ -33,6 +33,7 @@ one admission may spend on it.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 
@@ -45,6 +46,8 @@ from pdserve.engine.offload.host import HostTier
 from pdserve.engine.offload.layout import KVLayout
 from pdserve.engine.offload.offloader import Offloader
 from pdserve.engine.offload.stats import OffloadCounters, OffloadStats
+
+log = logging.getLogger(__name__)
 
 HOST, DISK = "host", "disk"
 
@@ -147,7 +150,8 @@ class LowerTiers:
                 if data is not None:
                     self.copier.to_device(torch.frombuffer(data, dtype=torch.uint8), block.block_id)
                     return True
-        except Exception:  # recompute is always the fallback
+        except Exception as exc:  # recompute is always the fallback
+            log.warning("kv offload: copying a block up failed (%s: %s): recomputed instead", type(exc).__name__, exc)
             return False
         return False
 
