@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pdserve.engine.offload.config import check_offload
+from pdserve.engine.offload.config import check_offload_fields
 from pdserve.engine.model.registry import SUPPORTED_ARCHITECTURES, Family, family, resolve_architecture  # noqa: F401
 from pdserve.engine.quant.config import QUANTIZATION_METHODS, parse_kv_cache_dtype
 from pdserve.engine.spec.config import SpeculativeConfig
@@ -394,8 +394,4 @@ class EngineConfig:
             raise ValueError(f"max_n: must be >= 1, got {self.max_n}")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs: must be >= 0, got {self.max_logprobs}")
-        check_offload(host_bytes=self.kv_offload_host_bytes, directory=self.kv_offload_dir,
-                      disk_bytes=self.kv_offload_disk_bytes, persist=self.kv_offload_persist,
-                      policy=self.kv_offload_policy, disk_policy=self.kv_offload_disk_policy,
-                      queue_depth=self.kv_offload_queue_depth, deadline=self.kv_offload_deadline,
-                      onload_timeout=self.kv_offload_onload_timeout)
+        check_offload_fields(self)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 from pdserve.engine.offload.policy import POLICIES
 
@@ -27,6 +28,16 @@ def physical_memory() -> int | None:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return None
+
+
+def check_offload_fields(c: Any) -> None:
+    """`check_offload` on a config holding the kv_offload_* fields (EngineConfig, the
+    worker's config): raise ValueError naming the flag."""
+    check_offload(host_bytes=c.kv_offload_host_bytes, directory=c.kv_offload_dir,
+                  disk_bytes=c.kv_offload_disk_bytes, persist=c.kv_offload_persist,
+                  policy=c.kv_offload_policy, disk_policy=c.kv_offload_disk_policy,
+                  queue_depth=c.kv_offload_queue_depth, deadline=c.kv_offload_deadline,
+                  onload_timeout=c.kv_offload_onload_timeout)
 
 
 def check_offload(*, host_bytes: int, directory: str | None, disk_bytes: int, persist: bool, policy: str,

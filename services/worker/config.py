@@ -10,7 +10,7 @@ from pathlib import Path
 from pdserve.engine.config import (
     DEFAULT_MAX_LOGPROBS, DEFAULT_MAX_N, DEFAULT_MODEL, CacheConfig, EngineConfig, SchedulerConfig,
 )
-from pdserve.engine.offload.config import check_offload
+from pdserve.engine.offload.config import check_offload_fields
 from pdserve.engine.quant.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS, parse_kv_cache_dtype
 from pdserve.engine.spec.config import EAGLE_METHODS, SpeculativeConfig
 from pdserve.services.common.credentials import ClusterCredentials
@@ -156,11 +156,7 @@ class WorkerConfig:
         check(self.drain_timeout >= 0, "drain_timeout", "must be >= 0", self.drain_timeout)
         if self.speculative_config is not None:
             SpeculativeConfig.parse(self.speculative_config)  # raises ValueError naming speculative_config.<key>
-        check_offload(host_bytes=self.kv_offload_host_bytes, directory=self.kv_offload_dir,
-                      disk_bytes=self.kv_offload_disk_bytes, persist=self.kv_offload_persist,
-                      policy=self.kv_offload_policy, disk_policy=self.kv_offload_disk_policy,
-                      queue_depth=self.kv_offload_queue_depth, deadline=self.kv_offload_deadline,
-                      onload_timeout=self.kv_offload_onload_timeout)  # raises ValueError naming the flag
+        check_offload_fields(self)  # raises ValueError naming the flag
 
     @property
     def speculative(self) -> SpeculativeConfig | None:
