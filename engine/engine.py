@@ -129,8 +129,8 @@ class LLMEngine:
         if not config.kv_offload:
             return None
         if self.draft_runner is not None or self.eagle_head is not None:
-            raise ValueError("kv_offload_host_bytes: the KV tiers do not hold a draft model's or EAGLE head's KV; "
-                             "use them without speculative decoding, or with the ngram method")
+            raise ValueError("kv_offload_host_bytes, kv_offload_dir: the KV tiers do not hold a draft model's or "
+                             "EAGLE head's KV; use them without speculative decoding, or with the ngram method")
         tiers = build_tiers(config, self.runner.kv_cache, self.kv_format)
         if tiers is not None:
             weakref.finalize(self, tiers.close)  # the worker thread ends with the engine
@@ -140,7 +140,8 @@ class LLMEngine:
         return tiers
 
     def close(self) -> None:
-        """Stop the tiers' worker (queued copies down are dropped); idempotent. The
+        """Stop the tiers' worker (queued copies down are dropped; with a persistent
+        disk tier the host tier's blocks are written to disk first); idempotent. The
         engine must not step afterwards."""
         if self.offload is not None:
             self.offload.close()

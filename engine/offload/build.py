@@ -55,4 +55,5 @@ def build_tiers(config: EngineConfig, kv_cache, kv_format: str) -> LowerTiers | 
     log.info("kv offload: host tier %d blocks (%d bytes, %s), disk tier %s; layout %s",
              slots, slots * layout.block_bytes, config.kv_offload_policy,
              f"{config.kv_offload_disk_bytes} bytes in {config.kv_offload_dir}" if disk else "off", layout.digest)
-    return LowerTiers(copier, layout, host, disk, offloader, counters, config.kv_offload_onload_timeout)
+    return LowerTiers(copier, layout, host, disk, offloader, counters, config.kv_offload_onload_timeout,
+                      persist=config.kv_offload_persist)

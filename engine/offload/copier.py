@@ -21,6 +21,11 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8)
 
 
+def as_view(t: torch.Tensor) -> memoryview:
+    """A host tensor's bytes (for a file), without a copy when it is contiguous."""
+    return memoryview(as_bytes(t.contiguous()).reshape(-1).numpy())
+
+
 class BlockCopier:
     def __init__(self, kv_cache: torch.Tensor) -> None:
         self.kv_cache = kv_cache

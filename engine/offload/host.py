@@ -126,6 +126,12 @@ class HostTier:
         with self._lock:
             self._entries[block_hash].readers -= 1
 
+    def ready_blocks(self) -> list[tuple[bytes, tuple[int, ...], int]]:
+        """(hash, tokens, slot) of every ready block, least valuable first (by policy order
+        where it keeps one)."""
+        with self._lock:
+            return [(h, e.token_ids, e.slot) for h, e in self._entries.items() if e.ready]
+
     def _evictable(self, key: object) -> bool:
         entry = self._entries.get(key)  # type: ignore[call-overload]
         return entry is not None and entry.ready and entry.readers == 0

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from pdserve.engine.offload.copier import BlockCopier, as_bytes
+from pdserve.engine.offload.copier import BlockCopier, as_view
 from pdserve.engine.offload.disk import DiskTier
 from pdserve.engine.offload.host import HostTier
 from pdserve.engine.offload.stats import OffloadCounters
@@ -179,7 +179,7 @@ class Offloader:
             assert self.disk is not None and self._staging is not None
             self.copier.to_host(job.block_id, self._staging, job.ready)
             self._release_device(job)
-            if self.disk.write(job.block_hash, job.token_ids, _bytes(self._staging)):
+            if self.disk.write(job.block_hash, job.token_ids, as_view(self._staging)):
                 self.counters.observe_offload(self.clock() - job.queued_at)
             return
         got = self.host.begin_write(job.block_hash, job.token_ids)
@@ -199,7 +199,7 @@ class Offloader:
         self._release_device(job)
         self.counters.observe_offload(self.clock() - job.queued_at)
         if demote and victim is not None and self.disk is not None and self._staging is not None:
-            self.disk.write(victim.block_hash, victim.token_ids, _bytes(self._staging))
+            self.disk.write(victim.block_hash, victim.token_ids, as_view(self._staging))
 
     def _release_device(self, job: _Job) -> None:
         """The device block has been read: the pool may reuse it (while a disk write goes on)."""
@@ -208,6 +208,3 @@ class Offloader:
                 del self._jobs[job.block_id]
             self._cond.notify_all()
 
-
-def _bytes(t: torch.Tensor) -> memoryview:
-    return memoryview(as_bytes(t.contiguous()).reshape(-1).numpy())

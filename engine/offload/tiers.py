@@ -40,7 +40,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from pdserve.engine.block_pool import Block, BlockPool
-from pdserve.engine.offload.copier import BlockCopier
+from pdserve.engine.offload.copier import BlockCopier, as_view
 from pdserve.engine.offload.disk import DiskTier
 from pdserve.engine.offload.host import HostTier
 from pdserve.engine.offload.layout import KVLayout
@@ -55,7 +55,7 @@ HOST, DISK = "host", "disk"
 class LowerTiers:
     def __init__(self, copier: BlockCopier, layout: KVLayout, host: HostTier | None, disk: DiskTier | None,
                  offloader: Offloader, counters: OffloadCounters, onload_timeout: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, persist: bool = False) -> None:
         self.copier = copier
         self.layout = layout
         self.host = host
@@ -64,6 +64,8 @@ class LowerTiers:
         self.counters = counters
         self.onload_timeout = onload_timeout
         self.clock = clock
+        self.persist = persist
+        self._closed = False
 
     # -- the pool's observer (engine/block_pool.py: PoolObserver) ----------------------------------
 
@@ -184,8 +186,24 @@ class LowerTiers:
         """Wait for every queued copy down (tests; a shutdown that wants them kept)."""
         return self.offloader.flush(timeout)
 
-    def close(self) -> None:
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop the worker (queued copies are dropped); with a persistent disk tier,
+        first write the host tier's blocks down to it (within `timeout`), so that a
+        restarted engine finds them. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.persist and self.host is not None and self.disk is not None:
+            self.offloader.flush(timeout)
+            self._spill(self.host, self.disk, self.clock() + timeout)
         self.offloader.close()
+
+    def _spill(self, host: HostTier, disk: DiskTier, give_up: float) -> None:
+        for block_hash, tokens, slot in host.ready_blocks():
+            if self.clock() > give_up or not disk.writable:
+                return
+            if not disk.contains(block_hash, tokens):
+                disk.write(block_hash, tokens, as_view(host.store[slot]))
 
     def check_integrity(self, idle: bool = True) -> None:
         self.offloader.check_integrity()

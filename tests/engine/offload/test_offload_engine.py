@@ -233,3 +233,35 @@ def test_tiers_off_without_a_prefix_cache(model_dir: str) -> None:
                                                                     enable_prefix_caching=False),
                                  kv_offload_host_bytes=HOST_BYTES))
     assert eng.offload is None and eng.stats().kv_offload.host is None
+
+
+def test_persist_keeps_the_host_tiers_blocks_too(model_dir: str, baseline, tmp_path: Path) -> None:
+    """Host and disk tiers with persist: closing writes the host tier's blocks down, so a
+    restarted engine (host tier empty) finds them on disk."""
+    offload = dict(kv_offload_host_bytes=HOST_BYTES, kv_offload_dir=str(tmp_path), kv_offload_disk_bytes=DISK_BYTES,
+                   kv_offload_persist=True)
+    first = engine(model_dir, **offload)
+    requests = workload()
+    run(first, requests[:NUM_PREFIXES])
+    assert first.stats().kv_offload.disk.used_blocks == 0  # nothing evicted from the host tier yet
+    first.close()
+    again = engine(model_dir, **offload)
+    later = requests[NUM_PREFIXES:2 * NUM_PREFIXES]
+    assert run(again, later) == {rid: baseline[rid] for rid, _, _ in later}
+    assert again.stats().kv_offload.disk.hits >= PREFIX_BLOCKS * NUM_PREFIXES
+    check_idle(again)
+    again.close()
+
+
+def test_fp8_pages_move_as_stored(model_dir: str, tmp_path: Path) -> None:
+    """FP8 KV: blocks go down and come back as stored (bytes, never converted)."""
+    plain = engine(model_dir, kv_cache_dtype="fp8")
+    off = run(plain, workload(rounds=2))
+    host_bytes = 4 * plain.memory.kv_bytes_per_block  # a few blocks: most go on to disk
+    eng = engine(model_dir, kv_cache_dtype="fp8", kv_offload_host_bytes=host_bytes, kv_offload_dir=str(tmp_path),
+                 kv_offload_disk_bytes=DISK_BYTES)
+    assert run(eng, workload(rounds=2)) == off
+    stats = eng.stats().kv_offload
+    assert stats.host.stored > 0 and stats.disk.hits > 0
+    check_idle(eng)
+    eng.close()
