@@ -40,6 +40,7 @@ from pdserve.engine.memory import MemoryPlan
 from pdserve.engine.model_runner import BatchItem, ModelRunner, kv_bytes_per_block
 from pdserve.engine.offload.build import build_tiers
 from pdserve.engine.offload.stats import OffloadStats
+from pdserve.engine.offload.tiers import LowerTiers
 from pdserve.engine.output import OutputProcessor, TokenDelta, TokenHook
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.request import Request
@@ -121,7 +122,7 @@ class LLMEngine:
             else "fast: nothing to prepack here")
         log.info("engine on %s: %d torch threads, %s CPUs allowed; %s", device, torch.get_num_threads(), allowed, path)
 
-    def _offload(self):
+    def _offload(self) -> LowerTiers | None:
         """The tiers below the device pool (engine/offload/), or None. Not with a draft
         model or an EAGLE head: their KV pools are not offloaded, so a block copied up
         would pair the target's KV with a stale draft's."""

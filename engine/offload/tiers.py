@@ -33,8 +33,10 @@ one admission may spend on it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 
 import torch
@@ -160,27 +162,19 @@ class LowerTiers:
     # -- accounting -------------------------------------------------------------------------------
 
     def stats(self) -> OffloadStats:
-        c = self.counters
+        counted = {f.name: getattr(self.counters, f.name) for f in dataclasses.fields(OffloadStats)
+                   if hasattr(self.counters, f.name)}
         return OffloadStats(
             host=self.host.stats() if self.host is not None else None,
             disk=self.disk.stats() if self.disk is not None else None,
             queue_depth=self.offloader.queue_depth, queue_capacity=self.offloader.depth,
-            offloads=c.offloads, offloads_dropped=c.offloads_dropped, offloads_cancelled=c.offloads_cancelled,
-            offloads_expired=c.offloads_expired, onloaded_blocks=c.onloaded_blocks, onload_failures=c.onload_failures,
-            corrupt_files=c.corrupt_files, foreign_files=c.foreign_files, disk_write_errors=c.disk_write_errors,
-            disk_writes_disabled=self.disk is not None and not self.disk.writable,
-            offload_seconds_sum=c.offload_seconds_sum, offload_seconds_count=c.offload_seconds_count,
-            onload_seconds_sum=c.onload_seconds_sum, onload_seconds_count=c.onload_seconds_count,
+            disk_writes_disabled=self.disk is not None and not self.disk.writable, **counted,
         )
 
     def take_latency_samples(self) -> tuple[list[float], list[float]]:
         """Offload and onload latencies (seconds) observed since the last call, each
         handed over once (for histograms)."""
-        c = self.counters
-        offload, onload = list(c.offload_samples), list(c.onload_samples)
-        c.offload_samples.clear()
-        c.onload_samples.clear()
-        return offload, onload
+        return _take(self.counters.offload_samples), _take(self.counters.onload_samples)
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait for every queued copy down (tests; a shutdown that wants them kept)."""
@@ -211,3 +205,11 @@ class LowerTiers:
             self.host.check_integrity(idle)
         if self.disk is not None:
             self.disk.check_integrity()
+
+
+def _take(samples: deque[float]) -> list[float]:
+    """Every sample now in `samples`, removed (popleft: safe beside the worker's appends)."""
+    out = []
+    while samples:
+        out.append(samples.popleft())
+    return out

@@ -70,3 +70,12 @@ def test_a_sound_setting_passes(tmp_path: Path) -> None:
     cfg = make(kv_offload_host_bytes=1 << 20, kv_offload_dir=str(tmp_path / "new"), kv_offload_disk_bytes=1 << 20,
                kv_offload_persist=True, kv_offload_policy="arc")
     assert cfg.kv_offload
+
+
+def test_a_draft_model_with_tiers_is_refused_at_start() -> None:
+    from pdserve.engine.config import DEFAULT_DRAFT_MODEL
+    from pdserve.engine.engine import LLMEngine
+
+    with pytest.raises(ValueError, match="kv_offload_host_bytes, kv_offload_dir: .*draft model"):
+        LLMEngine(make(kv_offload_host_bytes=1 << 20, speculative={
+            "method": "draft_model", "model": DEFAULT_DRAFT_MODEL, "num_speculative_tokens": 2}))

@@ -265,3 +265,25 @@ def test_fp8_pages_move_as_stored(model_dir: str, tmp_path: Path) -> None:
     assert stats.host.stored > 0 and stats.disk.hits > 0
     check_idle(eng)
     eng.close()
+
+
+def test_latency_samples_are_handed_over_once(model_dir: str) -> None:
+    eng = engine(model_dir, kv_offload_host_bytes=HOST_BYTES)
+    run(eng, workload(rounds=2))
+    offload, onload = eng.offload.take_latency_samples()
+    stats = eng.stats().kv_offload
+    assert len(offload) == stats.offload_seconds_count > 0 and len(onload) == stats.onload_seconds_count > 0
+    assert all(s >= 0 for s in offload + onload)
+    assert eng.offload.take_latency_samples() == ([], [])
+    eng.close()
+
+
+def test_ngram_speculation_with_tiers(model_dir: str, baseline) -> None:
+    """The ngram proposer keeps no KV: tiers and speculation together, tokens unchanged."""
+    eng = engine(model_dir, kv_offload_host_bytes=HOST_BYTES,
+                 speculative={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3,
+                              "prompt_lookup_min": 1})
+    assert run(eng, workload()) == baseline
+    assert eng.stats().kv_offload.host.hits > 0
+    check_idle(eng)
+    eng.close()
