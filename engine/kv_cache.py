@@ -77,9 +77,13 @@ class KVCacheManager:
 
     def _onload(self, request: Request, hits: list[Block], max_blocks: int) -> int:
         """Blocks after `hits` copied up from the lower tiers into the pool's cache (the
-        hits are held meanwhile, so the onload's allocation cannot take them)."""
+        hits are held meanwhile, so the onload's allocation cannot take them). The
+        first block is looked for alone: a new prompt costs one lookup, not a slicing
+        of every block's tokens."""
         assert self.lower is not None
         start = len(hits)
+        if not self.lower.locate(request.block_hashes[start : start + 1], self._token_blocks(request, start, start + 1)):
+            return 0
         return self.lower.onload(self.pool, request.block_hashes[start:max_blocks],
                                  self._token_blocks(request, start, max_blocks), hits)
 

@@ -287,3 +287,14 @@ def test_ngram_speculation_with_tiers(model_dir: str, baseline) -> None:
     assert eng.stats().kv_offload.host.hits > 0
     check_idle(eng)
     eng.close()
+
+
+def test_a_plan_counts_the_tiers_as_the_engine_does(model_dir: str, tmp_path: Path) -> None:
+    from pdserve.engine.memory import plan_memory
+
+    eng = engine(model_dir, kv_offload_host_bytes=HOST_BYTES + 100, kv_offload_dir=str(tmp_path),
+                 kv_offload_disk_bytes=DISK_BYTES)
+    plan = plan_memory(model_dir, block_size=BLOCK, num_blocks=DEVICE_BLOCKS, kv_offload_host_bytes=HOST_BYTES + 100,
+                       kv_offload_disk_bytes=DISK_BYTES)
+    assert (plan.host_tier_bytes, plan.disk_tier_bytes) == (eng.memory.host_tier_bytes, eng.memory.disk_tier_bytes)
+    eng.close()
