@@ -33,6 +33,7 @@ from pdserve.engine.core import EngineCore
 from pdserve.engine.disagg import NoCapacityError, RemoteKV, Reservation
 from pdserve.engine.export import ExportSlice, LayerHook
 from pdserve.engine.group import SequenceGroup
+from pdserve.engine.hashing import hash_blocks
 from pdserve.engine.kv_cache import KVCacheManager
 from pdserve.engine.kv_events import KvEventLog
 from pdserve.engine import memory
@@ -395,6 +396,15 @@ class LLMEngine:
         """Whether `step()` has anything to run (reservations waiting for remote KV and
         held exported blocks do not count: they only change through calls)."""
         return self.scheduler.num_unfinished > 0
+
+    def prefix_tiers(self, prompt_token_ids: Sequence[int], block_hashes: Sequence[bytes] = (),
+                     cache_salt: str | None = None) -> list[str]:
+        """The tier of each block of the longest cached prefix of a prompt ("device",
+        "host", "disk"; as a lookup at admission would find it, the last prompt token
+        left to compute); nothing is moved or counted. `block_hashes`: the prompt's,
+        if the caller has them (else hashed here)."""
+        hashes = block_hashes or hash_blocks(prompt_token_ids, self.config.cache.block_size, cache_salt=cache_salt)
+        return self.kv.prefix_tiers(hashes, prompt_token_ids)
 
     def cached_block_hashes(self) -> list[bytes]:
         """Hashes of the blocks whose KV this worker's prefix cache holds right now."""

@@ -87,14 +87,25 @@ class KVCacheManager:
         return self.lower.onload(self.pool, request.block_hashes[start:max_blocks],
                                  self._token_blocks(request, start, max_blocks), hits)
 
-    def lower_tiers_of(self, request: Request) -> list[str]:
-        """Where each prompt block after the device pool's hits sits below it ("host",
-        "disk"), for the services' reservations and KV events; nothing is moved."""
-        if self.lower is None or not self.pool.enable_caching:
+    def prefix_tiers(self, block_hashes: Sequence[bytes], token_ids: Sequence[int]) -> list[str]:
+        """Where each block of the longest run found from the start of these tokens sits:
+        "device", then "host" or "disk" (engine/offload/tiers.py); nothing is moved or
+        counted. For the services: a reservation's, a KV event's or the router's view
+        of what a prefix would cost."""
+        if not self.pool.enable_caching:
             return []
-        max_blocks = min((request.num_tokens - 1) // self.block_size, len(request.block_hashes))
-        start = len(self._device_hits(request, [], max_blocks))
-        return self.lower.locate(request.block_hashes[start:max_blocks], self._token_blocks(request, start, max_blocks))
+        bs = self.block_size
+        max_blocks = min((len(token_ids) - 1) // bs, len(block_hashes))
+        found: list[str] = []
+        for i in range(max_blocks):
+            if self.pool.lookup(block_hashes[i], token_ids[i * bs : (i + 1) * bs]) is None:
+                break
+            found.append("device")
+        if self.lower is not None:
+            start = len(found)
+            blocks = [token_ids[i * bs : (i + 1) * bs] for i in range(start, max_blocks)]
+            found += self.lower.locate(block_hashes[start:max_blocks], blocks)
+        return found
 
     def record_lookup(self, request: Request, num_hit: int) -> None:
         """Count one prefix-cache lookup of `request` that found `num_hit` tokens (and,

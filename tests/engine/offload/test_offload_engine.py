@@ -298,3 +298,18 @@ def test_a_plan_counts_the_tiers_as_the_engine_does(model_dir: str, tmp_path: Pa
                        kv_offload_disk_bytes=DISK_BYTES)
     assert (plan.host_tier_bytes, plan.disk_tier_bytes) == (eng.memory.host_tier_bytes, eng.memory.disk_tier_bytes)
     eng.close()
+
+
+def test_prefix_tiers_say_where_each_block_sits(model_dir: str, tmp_path: Path) -> None:
+    eng = engine(model_dir, kv_offload_host_bytes=HOST_BYTES)
+    requests = workload(rounds=1)
+    run(eng, requests)
+    first, last = requests[0][1], requests[-1][1]
+    before = eng.stats().kv_offload
+    assert eng.prefix_tiers(first) == ["host"] * PREFIX_BLOCKS  # evicted from the pool by the later prompts
+    assert eng.stats().kv_offload == before  # nothing moved or counted
+    tiers = eng.prefix_tiers(last)
+    assert tiers[0] == "device" and set(tiers) <= {"device", "host"} and len(tiers) == (len(last) - 1) // BLOCK
+    assert eng.prefix_tiers([9] * 30) == []
+    eng.close()
+    assert engine(model_dir).prefix_tiers(first) == []  # tiers off: the pool alone, which lost it
