@@ -97,6 +97,8 @@ class LLMEngine:
         self.speculator = self._speculator(num_blocks)
         self.offload = self._offload()
         self.pool = BlockPool(num_blocks, config.cache.enable_prefix_caching, observer=self.offload)
+        if self.offload is not None:  # KV events name the tier a block sits in
+            self.offload.watch(self.pool.events.tier_changed)
         self.kv = KVCacheManager(self.pool, block_size, lower=self.offload)
         self.scheduler = Scheduler(sched, self.kv)
         self.sampler = Sampler(config.seed)

@@ -32,7 +32,7 @@ from pdserve.engine.offload import blockfile
 from pdserve.engine.offload.blockfile import CorruptBlockFile, ForeignBlockFile
 from pdserve.engine.offload.layout import KVLayout
 from pdserve.engine.offload.policy import EvictionPolicy
-from pdserve.engine.offload.stats import OffloadCounters, TierCounters, TierStats
+from pdserve.engine.offload.stats import Changed, OffloadCounters, TierCounters, TierStats, unwatched
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,7 @@ class DiskTier:
         self._index: dict[bytes, _File] = {}
         self._used = 0
         self._lock = threading.Lock()
+        self._changed: Changed = unwatched
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -119,6 +120,14 @@ class DiskTier:
             log.warning("kv offload: cannot read %s at start (%s): ignored", path, exc)
         return None
 
+    def watch(self, changed: Changed) -> None:
+        """Tell `changed(tier, hash, stored)` each block indexed here or dropped (KV
+        events, engine/kv_events.py), starting with those here now (a persistent tier's)."""
+        with self._lock:
+            self._changed = changed
+            for block_hash in self._index:
+                changed(self.name, block_hash, True)
+
     # -- writing (the offload worker) ---------------------------------------------------------
 
     def contains(self, block_hash: bytes, token_ids: Sequence[int] | None = None) -> bool:
@@ -149,6 +158,7 @@ class DiskTier:
             return False
         with self._lock:
             self._index[block_hash] = _File(tuple(token_ids), size)
+            self._changed(self.name, block_hash, True)
             self._used += size
             self.policy.insert(block_hash)
             self.counters.stored += 1
@@ -177,6 +187,7 @@ class DiskTier:
     def _drop(self, block_hash: bytes) -> None:
         entry = self._index.pop(block_hash, None)
         if entry is not None:
+            self._changed(self.name, block_hash, False)
             self._used -= entry.size
             self._path(block_hash).unlink(missing_ok=True)
 
@@ -221,6 +232,7 @@ class DiskTier:
         """Out of the index and the policy; the file is left where it is (lock held)."""
         entry = self._index.pop(block_hash, None)
         if entry is not None:
+            self._changed(self.name, block_hash, False)
             self._used -= entry.size
         self.policy.remove(block_hash)
         self.counters.misses += 1

@@ -22,7 +22,7 @@ import torch
 
 from pdserve.engine.offload.layout import KVLayout
 from pdserve.engine.offload.policy import EvictionPolicy
-from pdserve.engine.offload.stats import TierCounters, TierStats
+from pdserve.engine.offload.stats import Changed, TierCounters, TierStats, unwatched
 
 
 @dataclass
@@ -57,6 +57,16 @@ class HostTier:
         self._entries: dict[bytes, _Entry] = {}
         self._free = list(range(num_slots - 1, -1, -1))  # a stack: slot 0 first
         self._lock = threading.Lock()
+        self._changed: Changed = unwatched
+
+    def watch(self, changed: Changed) -> None:
+        """Tell `changed(tier, hash, stored)` each block that becomes servable here or
+        leaves (KV events, engine/kv_events.py), starting with those here now."""
+        with self._lock:
+            self._changed = changed
+            for block_hash, entry in self._entries.items():
+                if entry.ready:
+                    changed(self.name, block_hash, True)
 
     # -- writing (the offload worker) ---------------------------------------------------------
 
@@ -76,6 +86,7 @@ class HostTier:
                 if key is None:
                     return None
                 old = self._entries.pop(key)  # type: ignore[arg-type]
+                self._changed(self.name, key, False)  # type: ignore[arg-type]
                 self.policy.evicted(key)
                 self.counters.evicted += 1
                 slot = old.slot
@@ -92,6 +103,7 @@ class HostTier:
                 self._free.append(entry.slot)
                 return
             entry.ready = True
+            self._changed(self.name, block_hash, True)
             self.policy.insert(block_hash)
             self.counters.stored += 1
             self.counters.bytes_written += self.layout.block_bytes

@@ -12,9 +12,17 @@ observation over once, for a histogram.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 MAX_SAMPLES = 4096  # latency observations kept until taken (older ones are dropped)
+# changed(tier, block_hash, stored): a tier's block became servable (True) or left it
+# (False); how the KV event log follows the tiers (engine/kv_events.py: tier_changed)
+Changed = Callable[[str, bytes, bool], None]
+
+
+def unwatched(tier: str, block_hash: bytes, stored: bool) -> None:
+    """No one follows this tier's changes."""
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ from pdserve.engine.offload.disk import DiskTier
 from pdserve.engine.offload.host import HostTier
 from pdserve.engine.offload.layout import KVLayout
 from pdserve.engine.offload.offloader import Offloader
-from pdserve.engine.offload.stats import OffloadCounters, OffloadStats
+from pdserve.engine.offload.stats import Changed, OffloadCounters, OffloadStats
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +68,13 @@ class LowerTiers:
         self.clock = clock
         self.persist = persist
         self._closed = False
+
+    def watch(self, changed: Changed) -> None:
+        """Follow every tier's blocks (stored, dropped) with `changed(tier, hash,
+        stored)`: the engine's KV event log, so KV events name the tier."""
+        for tier in (self.host, self.disk):
+            if tier is not None:
+                tier.watch(changed)
 
     # -- the pool's observer (engine/block_pool.py: PoolObserver) ----------------------------------
 
