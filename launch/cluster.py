@@ -217,12 +217,21 @@ def render_worker(
     per worker (PER_WORKER). `index` counts the workers started before this one (it
     picks the worker's CPUs from --worker-cpus). The settings a pair's KV pages
     depend on (--quantization, --kv-cache-dtype, --block-size, --dtype) are the
-    template's, the same for every role."""
+    template's, the same for every role. KV tiers (--kv-offload-*): each worker gets
+    the template's host-memory budget, and its own subdirectory of --kv-offload-dir
+    (named by its worker id, so a restarted worker finds its blocks again; two workers
+    never share one)."""
     cpus = spec.launch.cpu_lists
     return replace(spec.worker, role=role, port=0, metrics_port=0, router=router, worker_id=worker_id,
                    kv_connector=kv_connector(spec.worker, role), credentials=credentials.for_role(role),
                    speculative_config=speculative_config(spec.worker, role),
-                   cpu_affinity=cpus[index % len(cpus)] if cpus else spec.worker.cpu_affinity)
+                   cpu_affinity=cpus[index % len(cpus)] if cpus else spec.worker.cpu_affinity,
+                   kv_offload_dir=worker_tier_dir(spec.worker.kv_offload_dir, worker_id))
+
+
+def worker_tier_dir(template: str | None, worker_id: str) -> str | None:
+    """A worker's disk KV tier: its own subdirectory of the template's --kv-offload-dir."""
+    return None if template is None else os.path.join(template, worker_id)
 
 
 def is_wildcard(host: str) -> bool:
