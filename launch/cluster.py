@@ -69,6 +69,7 @@ from typing import IO, TYPE_CHECKING
 
 import grpc
 
+from pdserve.engine.offload.config import physical_memory
 from pdserve.engine.spec.config import EAGLE_METHODS
 from pdserve.launch.credentials import LaunchCredentials, generate
 from pdserve.launch.supervise import Backoff
@@ -146,6 +147,16 @@ class ClusterSpec:
     router: RouterConfig
     worker: WorkerConfig  # template: PER_WORKER fields are set for each worker
     launch: LaunchConfig = LaunchConfig()
+
+    def __post_init__(self) -> None:
+        """Workers on this machine (--launcher local) share its memory: their host KV tiers
+        together must fit it (each worker checks only its own)."""
+        workers = self.launch.prefill + self.launch.decode + self.launch.mixed
+        memory = physical_memory()
+        total = workers * self.worker.kv_offload_host_bytes
+        check(self.launch.launcher != "local" or memory is None or total <= memory, "kv_offload_host_bytes",
+              f"{workers} workers on this machine x {self.worker.kv_offload_host_bytes} bytes = {total} bytes is "
+              f"more than its memory ({memory} bytes)", self.worker.kv_offload_host_bytes)
 
     @property
     def router_drain_timeout(self) -> float:

@@ -96,6 +96,18 @@ def test_up_gives_every_worker_the_kv_tiers_and_a_disk_directory_of_its_own(tmp_
     assert config.kv_offload_dir is None and not config.engine_config().kv_offload  # tiers off
 
 
+def test_up_refuses_host_tiers_that_together_exceed_this_machine():
+    """Each worker checks its own tier against the machine; `pdserve up --launcher local`
+    starts them all on it, so their sum must fit too."""
+    from pdserve.engine.offload.config import physical_memory
+
+    memory = physical_memory()
+    share = str(memory // 3)
+    up_spec("--kv-offload-host-bytes", share)  # two workers: two thirds of it
+    with pytest.raises(ValueError, match=r"^kv_offload_host_bytes: 4 workers on this machine x "):
+        up_spec("--prefill", "2", "--decode", "2", "--kv-offload-host-bytes", share)
+
+
 def test_each_router_gets_ports_of_its_own(tmp_path):
     """`pdserve up --routers N` with fixed ports: router i on --port + 2i (its Registry
     beside it), --http-port and --metrics-port + i; 0 stays any free port."""
