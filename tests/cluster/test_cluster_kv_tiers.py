@@ -2,8 +2,8 @@
 decode worker whose device pools hold about two prompts and a host tier each; prompts
 that share long prefixes come back after others evicted them from the pools, so their
 blocks come back from the host tiers. Greedy tokens equal a tiers-off engine's, the
-host tier's hit counter moves on both workers' /metrics, and every block is free at
-the end."""
+host tier's hit counter moves on both workers' /metrics, every block is free at the
+end, and each worker's start-up memory line names its tier."""
 
 from __future__ import annotations
 
@@ -57,3 +57,8 @@ def test_prefixes_come_back_from_the_host_tiers_with_the_same_tokens(cluster):
     assert hits[pb.ROLE_DECODE] > 0, hits  # its reservations found the prefixes below its pool: not shipped again
     assert hits[pb.ROLE_PREFILL] > 0, hits  # its lookups did too: not recomputed
     cluster.wait_every_block_free()
+
+
+def test_each_workers_memory_line_names_its_host_tier(cluster):
+    memory_lines = [line for line in cluster.log_path.read_text().splitlines() if " memory: weights " in line]
+    assert len(memory_lines) == 2 and all("; kv offload: host tier " in line for line in memory_lines), memory_lines
