@@ -10,6 +10,11 @@ prefix-cache entry; a freed block that holds cached KV goes to the tail (kept as
 long as possible), a freed block without a hash goes to the head (nothing is lost
 by reusing it first). A cache hit on a free block takes it out of the queue.
 
+An observer (the tiers below the pool, engine/offload/tiers.py) is told when a cached
+block joins the free queue (`released`: its KV is final, it may be copied down) and
+just before any block is reused by allocation (`evicting`: a copy out of it must not
+be in flight once it is overwritten).
+
 Every hash that enters the cache (`cache`) or leaves it (eviction on allocation,
 `reset_cache`) is recorded in `events` (engine/kv_events.py), which the owner flushes
 into numbered batches for the router; with caching off nothing is ever recorded.
@@ -20,6 +25,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from pdserve.engine.hashing import BlockHash
 from pdserve.engine.kv_events import KvEventLog
@@ -34,8 +40,15 @@ class Block:
     token_ids: tuple[int, ...] | None = None
 
 
+class PoolObserver(Protocol):
+    def released(self, block: Block) -> None: ...
+
+    def evicting(self, block: Block) -> None: ...
+
+
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True, events: KvEventLog | None = None) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True, events: KvEventLog | None = None,
+                 observer: PoolObserver | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks: must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -44,6 +57,7 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._cached: dict[BlockHash, Block] = {}
+        self.observer = observer
 
     @property
     def num_free_blocks(self) -> int:
@@ -77,6 +91,8 @@ class BlockPool:
         out = []
         for _ in range(n):
             _, block = self._free.popitem(last=False)
+            if self.observer is not None:
+                self.observer.evicting(block)
             self._evict(block)
             block.ref_cnt = 1
             out.append(block)
@@ -92,6 +108,8 @@ class BlockPool:
                 self._free[block.block_id] = block
                 if block.block_hash is None:
                     self._free.move_to_end(block.block_id, last=False)
+                elif self.observer is not None:
+                    self.observer.released(block)
 
     def cache(self, block: Block, block_hash: BlockHash, token_ids: Sequence[int]) -> None:
         """Register a full, computed block under its hash (first writer wins)."""

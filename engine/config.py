@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pdserve.engine.offload.config import check_offload_fields
 from pdserve.engine.model.registry import SUPPORTED_ARCHITECTURES, Family, family, resolve_architecture  # noqa: F401
 from pdserve.engine.quant.config import QUANTIZATION_METHODS, parse_kv_cache_dtype
 from pdserve.engine.spec.config import SpeculativeConfig
@@ -361,6 +362,24 @@ class EngineConfig:
     # vLLM's cudagraph_capture_sizes): a step of n sequences runs in the smallest one
     # >= n. A CPU only; each size costs seconds of start-up, so none by default.
     decode_capture_sizes: tuple[int, ...] = ()
+    # The KV hierarchy below the device pool (engine/offload/; all off by default):
+    # a host-memory tier of this many bytes, and a disk tier in a directory, with its
+    # own byte budget; see engine/offload/config.py for each field.
+    kv_offload_host_bytes: int = 0
+    kv_offload_dir: str | None = None
+    kv_offload_disk_bytes: int = 0
+    kv_offload_persist: bool = False
+    kv_offload_policy: str = "lru"
+    kv_offload_disk_policy: str | None = None
+    kv_offload_queue_depth: int = 256
+    kv_offload_deadline: float = 5.0
+    kv_offload_onload_timeout: float = 2.0
+    kv_offload_fsync: bool = False
+
+    @property
+    def kv_offload(self) -> bool:
+        """Whether any tier below the device pool is asked for."""
+        return bool(self.kv_offload_host_bytes) or self.kv_offload_dir is not None
 
     def __post_init__(self) -> None:
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
@@ -375,3 +394,4 @@ class EngineConfig:
             raise ValueError(f"max_n: must be >= 1, got {self.max_n}")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs: must be >= 0, got {self.max_logprobs}")
+        check_offload_fields(self)

@@ -19,8 +19,10 @@ blocks by reference and copy the partial last block.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -31,11 +33,15 @@ from pdserve.engine.core import EngineCore
 from pdserve.engine.disagg import NoCapacityError, RemoteKV, Reservation
 from pdserve.engine.export import ExportSlice, LayerHook
 from pdserve.engine.group import SequenceGroup
+from pdserve.engine.hashing import hash_blocks
 from pdserve.engine.kv_cache import KVCacheManager
 from pdserve.engine.kv_events import KvEventLog
 from pdserve.engine import memory
 from pdserve.engine.memory import MemoryPlan
 from pdserve.engine.model_runner import BatchItem, ModelRunner, kv_bytes_per_block
+from pdserve.engine.offload.build import build_tiers
+from pdserve.engine.offload.stats import OffloadStats
+from pdserve.engine.offload.tiers import LowerTiers
 from pdserve.engine.output import OutputProcessor, TokenDelta, TokenHook
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.request import Request
@@ -89,8 +95,11 @@ class LLMEngine:
         num_blocks = self.memory.num_blocks
         self.runner.allocate_kv_cache(num_blocks)
         self.speculator = self._speculator(num_blocks)
-        self.pool = BlockPool(num_blocks, config.cache.enable_prefix_caching)
-        self.kv = KVCacheManager(self.pool, block_size)
+        self.offload = self._offload()
+        self.pool = BlockPool(num_blocks, config.cache.enable_prefix_caching, observer=self.offload)
+        if self.offload is not None:  # KV events name the tier a block sits in
+            self.offload.watch(self.pool.events.tier_changed)
+        self.kv = KVCacheManager(self.pool, block_size, lower=self.offload)
         self.scheduler = Scheduler(sched, self.kv)
         self.sampler = Sampler(config.seed)
         self.tokenizer = Tokenizer(config.model) if has_tokenizer(config.model) else None
@@ -115,6 +124,31 @@ class LLMEngine:
             else f"fast: {runner.prepacked} linear layers prepacked for oneDNN" if runner.prepacked
             else "fast: nothing to prepack here")
         log.info("engine on %s: %d torch threads, %s CPUs allowed; %s", device, torch.get_num_threads(), allowed, path)
+
+    def _offload(self) -> LowerTiers | None:
+        """The tiers below the device pool (engine/offload/), or None. Not with a draft
+        model or an EAGLE head: their KV pools are not offloaded, so a block copied up
+        would pair the target's KV with a stale draft's."""
+        config = self.config
+        if not config.kv_offload:
+            return None
+        if self.draft_runner is not None or self.eagle_head is not None:
+            raise ValueError("kv_offload_host_bytes, kv_offload_dir: the KV tiers do not hold a draft model's or "
+                             "EAGLE head's KV; use them without speculative decoding, or with the ngram method")
+        tiers = build_tiers(config, self.runner.kv_cache, self.kv_format)
+        if tiers is not None:
+            weakref.finalize(self, tiers.close)  # the worker thread ends with the engine
+            host = tiers.host.num_slots * tiers.layout.block_bytes if tiers.host is not None else 0
+            self.memory = dataclasses.replace(self.memory, host_tier_bytes=host,
+                                              disk_tier_bytes=config.kv_offload_disk_bytes if tiers.disk else 0)
+        return tiers
+
+    def close(self) -> None:
+        """Stop the tiers' worker (queued copies down are dropped; with a persistent
+        disk tier the host tier's blocks are written to disk first); idempotent. The
+        engine must not step afterwards."""
+        if self.offload is not None:
+            self.offload.close()
 
     def _plan_memory(self, dtype: torch.dtype, device: torch.device) -> MemoryPlan:
         """Weights as loaded, the activation peak (measured on a GPU), the KV budget and blocks."""
@@ -347,6 +381,7 @@ class LLMEngine:
             num_held_blocks=sum(len(self.kv.req_blocks.get(rid, ())) for rid in self.core.held),
             spec_decode=self.speculator.stats() if self.speculator is not None else SpecStats(),
             kv_fragmentation=self.kv.fragmentation(),
+            kv_offload=self.offload.stats() if self.offload is not None else OffloadStats(),
         )
 
     @property
@@ -364,6 +399,15 @@ class LLMEngine:
         held exported blocks do not count: they only change through calls)."""
         return self.scheduler.num_unfinished > 0
 
+    def prefix_tiers(self, prompt_token_ids: Sequence[int], block_hashes: Sequence[bytes] = (),
+                     cache_salt: str | None = None) -> list[str]:
+        """The tier of each block of the longest cached prefix of a prompt ("device",
+        "host", "disk"; as a lookup at admission would find it, the last prompt token
+        left to compute); nothing is moved or counted. `block_hashes`: the prompt's,
+        if the caller has them (else hashed here)."""
+        hashes = block_hashes or hash_blocks(prompt_token_ids, self.config.cache.block_size, cache_salt=cache_salt)
+        return self.kv.prefix_tiers(hashes, prompt_token_ids)
+
     def cached_block_hashes(self) -> list[bytes]:
         """Hashes of the blocks whose KV this worker's prefix cache holds right now."""
         return [b.block_hash for b in self.pool.blocks if b.block_hash is not None]
@@ -377,6 +421,8 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()
+        if self.offload is not None:
+            self.offload.check_integrity(idle=False)
         self.scheduler.check_integrity()
         self.core.check_integrity()
         for request in self.scheduler.running:

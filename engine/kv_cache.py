@@ -8,19 +8,37 @@
 always computed, since its logits are needed); `allocate_slots` takes references on
 those blocks and allocates the rest, or returns False and changes nothing;
 `cache_full_blocks` registers newly computed full blocks under their hashes;
+with tiers below the pool (`lower`, engine/offload/tiers.py), a lookup that misses
+the pool first asks them to copy the next blocks up into the pool's cache, then goes
+on finding them there, as device hits;
 `fragmentation` is the share of allocated slots that hold no token.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Protocol
+
 from pdserve.engine.block_pool import Block, BlockPool
 from pdserve.engine.request import Request
 
 
+class LowerTiers(Protocol):
+    """The tiers below the pool, as a lookup sees them (engine/offload/tiers.py)."""
+
+    def locate(self, hashes: Sequence[bytes], token_blocks: Sequence[Sequence[int]]) -> list[str]: ...
+
+    def onload(self, pool: BlockPool, hashes: Sequence[bytes], token_blocks: Sequence[Sequence[int]],
+               hold: Sequence[Block] = ()) -> int: ...
+
+    def count_miss(self) -> None: ...
+
+
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, block_size: int) -> None:
+    def __init__(self, pool: BlockPool, block_size: int, lower: LowerTiers | None = None) -> None:
         self.pool = pool
         self.block_size = block_size
+        self.lower = lower
         self.req_blocks: dict[str, list[Block]] = {}
         self._requests: dict[str, Request] = {}  # the holder of each req_blocks entry (for fragmentation)
         self._num_cached: dict[str, int] = {}
@@ -32,23 +50,72 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[list[Block], int]:
         """Longest run of cached blocks from the start of the request, and its token count.
-        Counts nothing: the caller that uses the result calls `record_lookup` once."""
+        Counts nothing in the pool (the caller that uses the result calls `record_lookup`
+        once); blocks copied up from a lower tier count as that tier's hits."""
         if not self.pool.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0  # prompt logprobs need every prompt position computed
-        max_blocks = (request.num_tokens - 1) // self.block_size
+        max_blocks = min((request.num_tokens - 1) // self.block_size, len(request.block_hashes))
+        hits = self._device_hits(request, [], max_blocks)
+        if self.lower is not None and len(hits) < max_blocks and self._onload(request, hits, max_blocks):
+            hits = self._device_hits(request, hits, max_blocks)
+        return hits, len(hits) * self.block_size
+
+    def _device_hits(self, request: Request, hits: list[Block], max_blocks: int) -> list[Block]:
+        """`hits` extended by the cached blocks that follow them, up to `max_blocks`."""
         bs = self.block_size
-        hits: list[Block] = []
-        for i, block_hash in enumerate(request.block_hashes[:max_blocks]):
-            block = self.pool.lookup(block_hash, request.token_ids[i * bs : (i + 1) * bs])
+        hits = list(hits)
+        for i in range(len(hits), max_blocks):
+            block = self.pool.lookup(request.block_hashes[i], request.token_ids[i * bs : (i + 1) * bs])
             if block is None:
                 break
             hits.append(block)
-        return hits, len(hits) * bs
+        return hits
+
+    def _token_blocks(self, request: Request, start: int, end: int) -> list[list[int]]:
+        bs = self.block_size
+        return [request.token_ids[i * bs : (i + 1) * bs] for i in range(start, end)]
+
+    def _onload(self, request: Request, hits: list[Block], max_blocks: int) -> int:
+        """Blocks after `hits` copied up from the lower tiers into the pool's cache (the
+        hits are held meanwhile, so the onload's allocation cannot take them). The
+        first block is looked for alone: a new prompt costs one lookup, not a slicing
+        of every block's tokens."""
+        assert self.lower is not None
+        start = len(hits)
+        if not self.lower.locate(request.block_hashes[start : start + 1], self._token_blocks(request, start, start + 1)):
+            return 0
+        return self.lower.onload(self.pool, request.block_hashes[start:max_blocks],
+                                 self._token_blocks(request, start, max_blocks), hits)
+
+    def prefix_tiers(self, block_hashes: Sequence[bytes], token_ids: Sequence[int]) -> list[str]:
+        """Where each block of the longest run found from the start of these tokens sits:
+        "device", then "host" or "disk" (engine/offload/tiers.py); nothing is moved or
+        counted. For the services: a reservation's, a KV event's or the router's view
+        of what a prefix would cost."""
+        if not self.pool.enable_caching:
+            return []
+        bs = self.block_size
+        max_blocks = min((len(token_ids) - 1) // bs, len(block_hashes))
+        found: list[str] = []
+        for i in range(max_blocks):
+            if self.pool.lookup(block_hashes[i], token_ids[i * bs : (i + 1) * bs]) is None:
+                break
+            found.append("device")
+        if self.lower is not None:
+            start = len(found)
+            blocks = [token_ids[i * bs : (i + 1) * bs] for i in range(start, max_blocks)]
+            found += self.lower.locate(block_hashes[start:max_blocks], blocks)
+        return found
 
     def record_lookup(self, request: Request, num_hit: int) -> None:
-        """Count one prefix-cache lookup of `request` that found `num_hit` tokens."""
+        """Count one prefix-cache lookup of `request` that found `num_hit` tokens (and,
+        when it stopped short of the most it could find, a miss in every lower tier)."""
         self.prefix_cache_queries += request.num_tokens
         self.prefix_cache_hits += num_hit
+        max_blocks = min((request.num_tokens - 1) // self.block_size, len(request.block_hashes))
+        looked = self.pool.enable_caching and request.sampling_params.prompt_logprobs is None
+        if self.lower is not None and looked and num_hit < max_blocks * self.block_size:
+            self.lower.count_miss()
 
     def allocate_slots(self, request: Request, num_new_tokens: int, computed: list[Block] | None = None) -> bool:
         """Make room for `num_new_tokens` more tokens after the computed ones."""

@@ -17,6 +17,14 @@ Invariants:
   - `hashes` (what a snapshot returns) is the cache as of the last flushed batch.
 Recording costs a dict operation on the engine thread and takes no lock; the lock is
 taken once per flush and by subscribers.
+
+With KV tiers below the pool (engine/offload/), the tiers' own changes ride in the same
+batches, per tier (`lower`: host, disk): a hash stored into the host tier, dropped
+from the disk tier... The offload worker records them from its own thread
+(`tier_changed`, under a small lock of their own); the same cancelling and snapshot
+rules hold per tier. The device pool's changes stay in `stored` / `removed`, so a
+worker without tiers sends exactly what it sent before. A block may sit in several
+tiers at once (copied down, still cached in the pool): a reader ranks them.
 """
 
 from __future__ import annotations
@@ -30,17 +38,40 @@ from dataclasses import dataclass
 from pdserve.engine.hashing import BlockHash
 
 DEFAULT_CAPACITY = 1024  # batches kept for subscribers that fall behind
+DEVICE = "device"  # the pool's tier; the lower ones are named by engine/offload (host, disk)
+
+
+@dataclass(frozen=True)
+class TierChanges:
+    """One lower tier's changes in a batch (a snapshot: its whole content, in `stored`)."""
+
+    tier: str
+    stored: tuple[BlockHash, ...]
+    removed: tuple[BlockHash, ...] = ()
 
 
 @dataclass(frozen=True)
 class KvEventBatch:
     """Changes to the cache since batch `seq - 1`; with `snapshot`, the whole cache as
-    of `seq` (in `stored`): replace, do not apply."""
+    of `seq` (in `stored`, and per lower tier in `lower`): replace, do not apply."""
 
     seq: int
     stored: tuple[BlockHash, ...]
     removed: tuple[BlockHash, ...] = ()
     snapshot: bool = False
+    lower: tuple[TierChanges, ...] = ()  # only from an engine with KV tiers
+
+
+def _split(pending: dict[BlockHash, bool]) -> tuple[tuple[BlockHash, ...], tuple[BlockHash, ...]]:
+    return tuple(h for h, s in pending.items() if s), tuple(h for h, s in pending.items() if not s)
+
+
+def _record(pending: dict[BlockHash, bool], block_hash: BlockHash, stored: bool) -> None:
+    """Note a change; the opposite change still pending cancels out instead."""
+    if pending.get(block_hash) is (not stored):
+        del pending[block_hash]
+    else:
+        pending[block_hash] = stored
 
 
 class KvEventLog:
@@ -54,36 +85,47 @@ class KvEventLog:
         self._hashes: set[BlockHash] = set()
         self._seq = 0
         self._closed = False
+        self._tier_lock = threading.Lock()  # the lower tiers record from the offload worker's thread
+        self._tier_pending: dict[str, dict[BlockHash, bool]] = {}
+        self._tier_hashes: dict[str, set[BlockHash]] = {}  # per lower tier, as of the last batch
 
     # -- engine thread ---------------------------------------------------------------
 
     def stored(self, block_hash: BlockHash) -> None:
-        if self._pending.get(block_hash) is False:  # evicted and stored again: no change
-            del self._pending[block_hash]
-        else:
-            self._pending[block_hash] = True
+        _record(self._pending, block_hash, True)
 
     def removed(self, block_hash: BlockHash) -> None:
-        if self._pending.get(block_hash) is True:  # stored and evicted again: no change
-            del self._pending[block_hash]
-        else:
-            self._pending[block_hash] = False
+        _record(self._pending, block_hash, False)
 
     def flush(self) -> int | None:
         """Publish what changed since the last flush as one batch; its seq, or None
         when nothing changed."""
-        if not self._pending:
+        with self._tier_lock:
+            tiers, self._tier_pending = self._tier_pending, {}
+        lower = tuple(TierChanges(tier, *_split(pending)) for tier, pending in tiers.items() if pending)
+        if not self._pending and not lower:
             return None
-        stored = tuple(h for h, s in self._pending.items() if s)
-        removed = tuple(h for h, s in self._pending.items() if not s)
+        stored, removed = _split(self._pending)
         self._pending.clear()
         with self._cond:
             self._seq += 1
-            self._batches.append(KvEventBatch(self._seq, stored, removed))
+            self._batches.append(KvEventBatch(self._seq, stored, removed, lower=lower))
             self._hashes.difference_update(removed)
             self._hashes.update(stored)
+            for changes in lower:
+                held = self._tier_hashes.setdefault(changes.tier, set())
+                held.difference_update(changes.removed)
+                held.update(changes.stored)
             self._cond.notify_all()
             return self._seq
+
+    # -- the lower tiers (any thread) ---------------------------------------------------
+
+    def tier_changed(self, tier: str, block_hash: BlockHash, stored: bool) -> None:
+        """The lower tier `tier` stored (or dropped) `block_hash`; published with the
+        next flush."""
+        with self._tier_lock:
+            _record(self._tier_pending.setdefault(tier, {}), block_hash, stored)
 
     # -- any thread ------------------------------------------------------------------
 
@@ -104,7 +146,8 @@ class KvEventLog:
                 first = self._batches[0].seq if self._batches else self._seq + 1
                 if seq + 1 >= first:
                     return list(itertools.islice(self._batches, seq + 1 - first, None))
-            return [KvEventBatch(self._seq, tuple(self._hashes), snapshot=True)]
+            lower = tuple(TierChanges(tier, tuple(held)) for tier, held in self._tier_hashes.items())
+            return [KvEventBatch(self._seq, tuple(self._hashes), snapshot=True, lower=lower)]
 
     def wait(self, seq: int, timeout: float) -> bool:
         """Block until a batch after `seq` is published, the log is closed, or

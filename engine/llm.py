@@ -37,6 +37,11 @@ class LLM:
         gpu_memory_utilization: float = 0.9,
         enforce_eager: bool = False,
         decode_capture_sizes: Sequence[int] | str = (),
+        kv_offload_host_bytes: int = 0,
+        kv_offload_dir: str | None = None,
+        kv_offload_disk_bytes: int = 0,
+        kv_offload_persist: bool = False,
+        kv_offload_policy: str = "lru",
     ) -> None:
         self.engine = LLMEngine(
             EngineConfig(
@@ -56,6 +61,9 @@ class LLM:
                 gpu_memory_utilization=gpu_memory_utilization,
                 enforce_eager=enforce_eager,
                 decode_capture_sizes=decode_capture_sizes,  # type: ignore[arg-type]  # parsed by EngineConfig
+                kv_offload_host_bytes=kv_offload_host_bytes, kv_offload_dir=kv_offload_dir,
+                kv_offload_disk_bytes=kv_offload_disk_bytes, kv_offload_persist=kv_offload_persist,
+                kv_offload_policy=kv_offload_policy,
             )
         )
         self.model_dir = model

@@ -42,6 +42,8 @@ class MemoryPlan:
     num_blocks: int
     block_size: int
     max_model_len: int
+    host_tier_bytes: int = 0  # the KV tiers below the device pool (engine/offload/), 0: off
+    disk_tier_bytes: int = 0
 
     @property
     def blocks_per_sequence(self) -> int:
@@ -59,7 +61,12 @@ class MemoryPlan:
         return (f"memory: weights {self.weight_bytes} bytes ({self.weight_scheme}), activation peak "
                 f"{self.activation_peak_bytes} bytes, kv {self.kv_cache_dtype} {self.kv_bytes_per_token} bytes/token, "
                 f"{self.num_blocks} blocks of {self.block_size} ({self.kv_cache_bytes} bytes), max concurrency "
-                f"{self.max_concurrency} at max_model_len {self.max_model_len}")
+                f"{self.max_concurrency} at max_model_len {self.max_model_len}" + self._tiers())
+
+    def _tiers(self) -> str:
+        if not (self.host_tier_bytes or self.disk_tier_bytes):
+            return ""
+        return f"; kv offload: host tier {self.host_tier_bytes} bytes, disk tier {self.disk_tier_bytes} bytes"
 
 
 def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: torch.dtype) -> int:
@@ -125,10 +132,14 @@ def plan_memory(
     gpu_memory_utilization: float = 0.9,
     device: str = "cpu",
     enforce_eager: bool = False,
+    kv_offload_host_bytes: int = 0,
+    kv_offload_disk_bytes: int = 0,
 ) -> MemoryPlan:
     """What a worker started with these settings would allocate (no weights are read);
     on a CPU without `enforce_eager`, with the tied LM head's prepacked copy (captured
-    decode steps share the weights: engine/captured.py)."""
+    decode steps share the weights: engine/captured.py). The KV tiers below the device
+    pool (engine/offload/): the host tier holds whole blocks of its bytes, the disk
+    tier's budget is taken as given."""
     import torch
 
     from pdserve.engine import prepacked
@@ -153,6 +164,8 @@ def plan_memory(
                        gpu_memory_utilization=gpu_memory_utilization, weight_bytes=weights,
                        activation_bytes=activations, per_block=per_token * block_size)
     blocks = count_blocks(budget, num_blocks, per_token * block_size, max_num_seqs, max_len, block_size)
+    per_block = per_token * block_size
     return MemoryPlan(weights, scheme.label if scheme else str(torch_dtype).removeprefix("torch."), activations,
-                      str(kv_dtype).removeprefix("torch."), per_token, per_token * block_size,
-                      blocks * per_token * block_size, blocks, block_size, max_len)
+                      str(kv_dtype).removeprefix("torch."), per_token, per_block, blocks * per_block, blocks,
+                      block_size, max_len, host_tier_bytes=kv_offload_host_bytes // per_block * per_block,
+                      disk_tier_bytes=kv_offload_disk_bytes)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.engine.offload.stats import OffloadStats, TierStats  # noqa: F401  (TierStats: its fields)
 from pdserve.engine.spec.speculator import SpecStats
 
 
@@ -30,3 +31,7 @@ class EngineStats:
     num_held_blocks: int  # the blocks those hold
     spec_decode: SpecStats = SpecStats()  # all zero without speculative decoding
     kv_fragmentation: float = 0.0  # allocated KV slots holding no token / allocated slots, 0..1
+    # The tiers below the device pool (engine/offload/stats.py): per tier (host, disk:
+    # TierStats) hits, misses, bytes, usage; the offload queue, dropped / cancelled /
+    # expired copies, corrupt and foreign disk files, latency sums. All zero when off.
+    kv_offload: OffloadStats = OffloadStats()

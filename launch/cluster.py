@@ -69,6 +69,7 @@ from typing import IO, TYPE_CHECKING
 
 import grpc
 
+from pdserve.engine.offload.config import physical_memory
 from pdserve.engine.spec.config import EAGLE_METHODS
 from pdserve.launch.credentials import LaunchCredentials, generate
 from pdserve.launch.supervise import Backoff
@@ -147,6 +148,16 @@ class ClusterSpec:
     worker: WorkerConfig  # template: PER_WORKER fields are set for each worker
     launch: LaunchConfig = LaunchConfig()
 
+    def __post_init__(self) -> None:
+        """Workers on this machine (--launcher local) share its memory: their host KV tiers
+        together must fit it (each worker checks only its own)."""
+        workers = self.launch.prefill + self.launch.decode + self.launch.mixed
+        memory = physical_memory()
+        total = workers * self.worker.kv_offload_host_bytes
+        check(self.launch.launcher != "local" or memory is None or total <= memory, "kv_offload_host_bytes",
+              f"{workers} workers on this machine x {self.worker.kv_offload_host_bytes} bytes = {total} bytes is "
+              f"more than its memory ({memory} bytes)", self.worker.kv_offload_host_bytes)
+
     @property
     def router_drain_timeout(self) -> float:
         """The routers' --drain-timeout: --router-drain-timeout where given, else the
@@ -217,12 +228,21 @@ def render_worker(
     per worker (PER_WORKER). `index` counts the workers started before this one (it
     picks the worker's CPUs from --worker-cpus). The settings a pair's KV pages
     depend on (--quantization, --kv-cache-dtype, --block-size, --dtype) are the
-    template's, the same for every role."""
+    template's, the same for every role. KV tiers (--kv-offload-*): each worker gets
+    the template's host-memory budget, and its own subdirectory of --kv-offload-dir
+    (named by its worker id, so a restarted worker finds its blocks again; two workers
+    never share one)."""
     cpus = spec.launch.cpu_lists
     return replace(spec.worker, role=role, port=0, metrics_port=0, router=router, worker_id=worker_id,
                    kv_connector=kv_connector(spec.worker, role), credentials=credentials.for_role(role),
                    speculative_config=speculative_config(spec.worker, role),
-                   cpu_affinity=cpus[index % len(cpus)] if cpus else spec.worker.cpu_affinity)
+                   cpu_affinity=cpus[index % len(cpus)] if cpus else spec.worker.cpu_affinity,
+                   kv_offload_dir=worker_tier_dir(spec.worker.kv_offload_dir, worker_id))
+
+
+def worker_tier_dir(template: str | None, worker_id: str) -> str | None:
+    """A worker's disk KV tier: its own subdirectory of the template's --kv-offload-dir."""
+    return None if template is None else os.path.join(template, worker_id)
 
 
 def is_wildcard(host: str) -> bool:

@@ -2,7 +2,8 @@
 storage choices side by side, without reading a weight.
 
     pdserve plan --model DIR --gpu-memory 80 --max-model-len 8192 --concurrency 256 \\
-        [--quantization int8] [--kv-cache-dtype fp8] [--prompt-len 2048 --output-len 512]
+        [--quantization int8] [--kv-cache-dtype fp8] [--prompt-len 2048 --output-len 512] \\
+        [--kv-offload-host-bytes B] [--kv-offload-disk-bytes B]
 
     choices      weights: as given, and unquantized (when --quantization is given)
                  KV: as given, auto, fp8_e4m3, fp8_e5m2
@@ -18,7 +19,10 @@ weight bytes, KV bytes per token, blocks and max concurrency at start (`memory: 
 Sequences are `--prompt-len + --output-len` tokens long when given, else
 --max-model-len; a worker holds as many as its blocks fit, at most --max-num-seqs. What a
 request ships is whole KV pages of its prompt, none cached on the decode worker (what
-`pdserve:kv_transfer_bytes` counts).
+`pdserve:kv_transfer_bytes` counts). The KV tiers below the device pool (as the
+workers' --kv-offload-host-bytes, --kv-offload-disk-bytes) are each worker's bytes
+beside its device memory: the host tier whole blocks of a row's size (as a worker
+allocates it), shown per row, and in the worker's memory line alike.
 """
 
 from __future__ import annotations
@@ -53,6 +57,8 @@ class PlanConfig:
     block_size: int = flag(16, "KV cache block size in tokens")
     max_num_batched_tokens: int = flag(2048, "token budget of one engine step (sets the activation peak)")
     max_num_seqs: int = flag(256, "most sequences in a worker's batch")
+    kv_offload_host_bytes: int = flag(0, "host-memory KV tier of one worker (the workers' flag; 0: none)")
+    kv_offload_disk_bytes: int = flag(0, "disk KV tier of one worker (the workers' flag; 0: none)")
     json: bool = flag(False, "print the rows as one JSON list instead of a table")
 
     def __post_init__(self) -> None:
@@ -71,6 +77,8 @@ class PlanConfig:
               "--prompt-len and --output-len go together", self.prompt_len)
         check(self.prompt_len is None or self.prompt_len >= 1, "prompt_len", "must be >= 1", self.prompt_len)
         check(self.output_len is None or self.output_len >= 0, "output_len", "must be >= 0", self.output_len)
+        for name in ("kv_offload_host_bytes", "kv_offload_disk_bytes"):
+            check(getattr(self, name) >= 0, name, "must be >= 0 bytes", getattr(self, name))
         for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "block_size"):
             value = getattr(self, name)
             check(value is None or value >= 1, name, "must be >= 1", value)
@@ -121,6 +129,7 @@ def plan_row(config: PlanConfig, quantization: str | None, kv_cache_dtype: str, 
             kv_cache_memory=config.kv_cache_memory, device_memory=config.device_memory,
             gpu_memory_utilization=config.gpu_memory_utilization,
             device="cpu" if config.device_memory is None else "cuda",
+            kv_offload_host_bytes=config.kv_offload_host_bytes, kv_offload_disk_bytes=config.kv_offload_disk_bytes,
         )
     except ValueError as e:  # no room for one block, a scheme the checkpoint refuses, ...
         return Row(quantization, kv_cache_dtype, given, None, 0, 0, None, None, str(e))
@@ -162,6 +171,18 @@ def budget_text(config: PlanConfig) -> str:
     return "a CPU worker's default (1 GiB; give --gpu-memory or --kv-cache-memory)"
 
 
+def tiers_text(config: PlanConfig) -> list[str]:
+    """The KV tiers' line (none without them)."""
+    if not (config.kv_offload_host_bytes or config.kv_offload_disk_bytes):
+        return []
+    return [f"KV tiers per worker, beside the device's: host memory {human(config.kv_offload_host_bytes)} "
+            f"(--kv-offload-host-bytes), disk {human(config.kv_offload_disk_bytes)} (--kv-offload-disk-bytes)"]
+
+
+def header(config: PlanConfig) -> tuple[str, ...]:
+    return HEADER + (("host tier",) if config.kv_offload_host_bytes else ())
+
+
 HEADER = ("", "weights", "KV cache", "weight bytes", "KV/token", "blocks", "seqs/worker", "workers", "ships/request")
 
 
@@ -173,24 +194,29 @@ def table(config: PlanConfig, rows: list[Row]) -> str:
              f"max-model-len {first.max_model_len}, activation peak {human(first.activation_peak_bytes)} "
              "(an estimate: a GPU worker measures its own)",
              f"KV budget per worker: {budget_text(config)}",
+             *tiers_text(config),
              f"load: {config.concurrency} concurrent sequences of {length}", ""]
-    cells = [HEADER]
+    head = header(config)
+    cells = [head]
     for r in rows:
         mark = "*" if r.given else ""
         kv = r.kv_cache_dtype if r.plan is None else f"{r.kv_cache_dtype} ({r.plan.kv_cache_dtype})"
         if r.plan is None:
-            cells.append((mark, r.quantization or config.dtype, kv, "does not fit", "", "", "", "", ""))
+            cells.append((mark, r.quantization or config.dtype, kv, "does not fit", *[""] * (len(head) - 4)))
             continue
+        host = (f"{r.plan.host_tier_bytes // r.plan.kv_bytes_per_block} blocks",) if len(head) > len(HEADER) else ()
         cells.append((mark, r.plan.weight_scheme, kv, human(r.plan.weight_bytes), human(r.plan.kv_bytes_per_token),
                       str(r.plan.num_blocks), str(r.sequences_per_worker),
-                      str(r.workers) if r.workers is not None else "none fits", human(r.kv_bytes_shipped)))
-    widths = [max(len(c[i]) for c in cells) for i in range(len(HEADER))]
+                      str(r.workers) if r.workers is not None else "none fits", human(r.kv_bytes_shipped), *host))
+    widths = [max(len(c[i]) for c in cells) for i in range(len(head))]
     lines += ["  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(cell, widths))).rstrip()
               for cell in cells]
     lines += ["", "* the flags given",
               "seqs/worker: sequences one worker's KV blocks hold (at most --max-num-seqs)",
               "workers: decode (or mixed) workers the load needs",
               "ships/request: the KV pages of one prompt, prefill -> decode (with --prompt-len)"]
+    if len(head) > len(HEADER):
+        lines.append("host tier: blocks of this row's size the host-memory tier keeps below the device pool")
     lines += [f"{r.quantization or config.dtype} + {r.kv_cache_dtype}: {r.error}" for r in rows if r.error]
     return "\n".join(lines)
 

@@ -32,7 +32,10 @@ anywhere.
 `--ray-{prefill,decode}-accelerator-type H100` adds Ray's accelerator-type
 requirement. Each worker gets `--ray-gpus-per-worker` GPUs (default: 1 with
 `--device cuda`, else 0), in a STRICT_PACK placement group (all on one node) whose
-first bundle holds the actor; the others wait for tensor-parallel ranks.
+first bundle holds the actor; the others wait for tensor-parallel ranks. A worker
+with a host KV tier (--kv-offload-host-bytes) reserves that much of Ray's `memory` in
+its first bundle, so Ray places it where the memory is; with --kv-offload-dir, each
+worker keeps its disk tier in a subdirectory named by its worker id (render_worker).
 
 Connection: `--address auto` joins the cluster `ray start` started on this machine,
 `--address HOST:PORT` any cluster's GCS; without it a one-machine cluster is started
@@ -226,12 +229,13 @@ class RayCluster(Cluster):
     # -- workers --------------------------------------------------------------------------
 
     def _start_worker(self, worker_id: str, config: WorkerConfig) -> None:
-        bundles = self.bundles[worker_id] = self.ray_config.bundles(config.role, config.device)
+        bundles = self.bundles[worker_id] = self.ray_config.bundles(config.role, config.device,
+                                                                    config.kv_offload_host_bytes)
         group = placement_group(bundles, strategy="STRICT_PACK", name=f"pdserve-{worker_id}")
         first = bundles[0]
         resource = self.ray_config.resource(config.role)
         actor = RemoteWorker.options(
-            num_cpus=first["CPU"], num_gpus=first.get("GPU", 0),
+            num_cpus=first["CPU"], num_gpus=first.get("GPU", 0), memory=first.get("memory"),
             resources={resource: 1} if resource else {},
             accelerator_type=self.ray_config.accelerator_type(config.role),
             max_restarts=self.ray_config.ray_max_restarts,

@@ -38,10 +38,13 @@ class RayConfig:
     def accelerator_type(self, role: str) -> str | None:
         return self.ray_prefill_accelerator_type if role == "prefill" else self.ray_decode_accelerator_type
 
-    def bundles(self, role: str, device: str) -> list[dict[str, float]]:
+    def bundles(self, role: str, device: str, host_tier_bytes: int = 0) -> list[dict[str, float]]:
         """The placement group of one worker: bundle 0 holds the actor (its CPUs, its
-        first GPU, its pool's resource), one more bundle per further GPU."""
+        first GPU, its pool's resource, the host memory of its KV tier as Ray's
+        `memory`), one more bundle per further GPU."""
         first: dict[str, float] = {"CPU": self.ray_cpus_per_worker}
+        if host_tier_bytes:
+            first["memory"] = host_tier_bytes
         if self.resource(role):
             first[self.resource(role)] = 1
         if self.accelerator_type(role):

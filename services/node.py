@@ -51,6 +51,13 @@ class Worker:
         self.config = config
         self.auth = ClusterAuth(config.credentials)
         self.engine = LLMEngine(config.engine_config())
+        try:
+            self._build(config)
+        except BaseException:
+            self.engine.close()  # the KV tiers' worker thread (and a persistent tier's spill)
+            raise
+
+    def _build(self, config: WorkerConfig) -> None:
         if config.role == "prefill" and config.speculative_config is not None and self.engine.speculator is None:
             log.info("prefill worker %s: --speculative-config is not used here (only decoding speculates; an "
                      "EAGLE head would run here to hand its state over)", config.id)
@@ -63,7 +70,7 @@ class Worker:
                                                      self.engine.model_config.vocab_size)
         self.loop = EngineLoop(self.engine, connector=self.connector, held_lease=config.held_lease,
                                metrics=self.metrics)
-        self.metrics.watch(self.loop.snapshot, self.connector.stats)
+        self.metrics.watch(self.loop.snapshot, self.connector.stats, self.engine.offload)
         prefill = PrefillService(self.loop, config) if config.role != "decode" else None
         decode = DecodeService(self.loop, config) if config.role != "prefill" else None
         self.decode = decode
@@ -144,6 +151,7 @@ class Worker:
             self.routers.stop()
         self.engine.kv_events.close()  # ends KvEvents streams, which would hold server.stop for its grace
         self.loop.close()  # and the KV connector
+        self.engine.close()  # the KV tiers, once the engine thread is done with them
         self.server.stop(grace)
         if self.decode is not None:
             self.decode.write_guard.close()

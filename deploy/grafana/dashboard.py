@@ -149,6 +149,38 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                             Query(f"sum by (worker) (pdserve:num_requests_reserved{{{SEL},role=~\"decode|mixed\"}})",
                                   "reservations {{worker}}"))),
     )),
+    ("KV tiers below the device pool (workers with --kv-offload-host-bytes / --kv-offload-dir)", (
+        PanelSpec("KV tier hit rate", "Blocks a prefix lookup missed in the device pool and found in the tier / "
+                  "blocks looked up there, per tier.",
+                  "percentunit", (Query(f"sum by (tier) (rate(pdserve:kv_offload_tiering_block_hits_total{{{SEL}}}[{RATE}])) / "
+                                        f"(sum by (tier) (rate(pdserve:kv_offload_tiering_block_hits_total{{{SEL}}}[{RATE}])) + "
+                                        f"sum by (tier) (rate(pdserve:kv_offload_tiering_block_misses_total{{{SEL}}}[{RATE}])))",
+                                        "{{tier}}"),), has_data=False),
+        PanelSpec("KV tier hits and misses", "Blocks per second found (copied up) and not found in each tier.",
+                  "short", (rate_by("kv_offload_tiering_block_hits_total", "tier", "hits {{tier}}"),
+                            rate_by("kv_offload_tiering_block_misses_total", "tier", "misses {{tier}}")), has_data=False),
+        PanelSpec("KV tier bandwidth", "Bytes per second written into (offload) and read from (onload) each tier.",
+                  "Bps", (rate_by("kv_offload_tiering_write_bytes_total", "tier", "write {{tier}}"),
+                          rate_by("kv_offload_tiering_read_bytes_total", "tier", "read {{tier}}")), has_data=False),
+        PanelSpec("KV tier usage per worker", "Fraction of each tier's blocks in use, per worker.",
+                  "percentunit", (Query(f"max by (worker, tier) (pdserve:kv_offload_cache_usage_perc{{{SEL}}})",
+                                        "{{worker}} {{tier}}"),), has_data=False),
+        PanelSpec("KV offload and onload latency", "A block's copy down (queued to written) and a request's copy up "
+                  "(before its first step): p50/p99.",
+                  "s", tuple(Query(q.expr, f"{kind} {q.legend}") for kind, metric in
+                             (("offload", "kv_offload_seconds"), ("onload", "kv_onload_seconds"))
+                             for q in quantiles(metric) if "p90" not in q.legend), has_data=False),
+        PanelSpec("KV offload queue", "Copies down waiting per worker, and blocks per second not copied down, by "
+                  "reason (queue_full: dropped, never waited for).",
+                  "short", (Query(f"max by (worker) (pdserve:kv_offload_queue_depth{{{SEL}}})", "queued {{worker}}"),
+                            rate_by("kv_offload_stores_skipped_total", "reason", "skipped {{reason}}")), has_data=False),
+        PanelSpec("KV tier faults", "Disk files found corrupt (deleted, recomputed), writes the disk refused, and "
+                  "copies up that failed (recomputed), per second.",
+                  "short", (rate_by("kv_offload_corrupt_files_total", "worker", "corrupt files {{worker}}"),
+                            rate_by("kv_offload_disk_write_errors_total", "worker", "disk write errors {{worker}}"),
+                            rate_by("kv_offload_onload_failures_total", "worker", "onload failures {{worker}}")),
+                  has_data=False),
+    )),
     ("Scheduler", (
         PanelSpec("Running and waiting per pool", "Sequences in the running batch and waiting to be scheduled.",
                   "short", (Query(f"sum by (role) (pdserve:num_requests_running{{{SEL}}})", "running {{role}}"),

@@ -24,6 +24,9 @@ What is recorded where (one call per event, at the place it happens):
                                              (running, waiting, KV usage and fragmentation,
                                              prefix cache, preemptions, speculative
                                              decoding) and the KV connector's counters
+             scrape time, with KV tiers      engine.stats().kv_offload per tier (`tier`:
+                                             host | disk) and the offload/onload latencies
+                                             the tiers kept since the last scrape
 
 Counters that the engine and the connector keep anyway are read when Prometheus
 scrapes, so the hot path pays nothing for them. `--no-metrics` replaces the
@@ -50,6 +53,8 @@ from pdserve.engine.outputs import RequestTimes
 from pdserve.services.common.convert import ROLES
 
 if TYPE_CHECKING:
+    from pdserve.engine.offload.stats import OffloadStats
+    from pdserve.engine.offload.tiers import LowerTiers
     from pdserve.engine.spec.speculator import SpecStats
     from pdserve.kvtransfer.stats import KVTransferStats
     from pdserve.services.common.stats import WorkerStats
@@ -149,6 +154,32 @@ METRICS: Mapping[str, Spec] = types.MappingProxyType({
     "num_held_blocks": Spec("gauge_family", "Prefill: KV blocks held for shipping"),
     "num_requests_reserved": Spec("gauge_family", "Decode: reservations waiting for their KV"),
     "reservations_expired": Spec("counter", "Decode: reservations whose KV did not arrive in time"),
+    # -- KV tiers below the device pool (workers with --kv-offload-host-bytes / --kv-offload-dir;
+    #    vLLM's kv_offload_* names where it has one) ---------------------------------------------
+    "kv_offload_tiering_block_hits": Spec(
+        "counter_family", "Blocks a prefix lookup missed in the device pool and found in this tier (copied up)",
+        ("tier",)),
+    "kv_offload_tiering_block_misses": Spec(
+        "counter_family", "Blocks a prefix lookup looked for in this tier and did not find", ("tier",)),
+    "kv_offload_tiering_write_bytes": Spec("counter_family", "KV bytes written into this tier", ("tier",)),
+    "kv_offload_tiering_read_bytes": Spec("counter_family", "KV bytes read from this tier (copied up)", ("tier",)),
+    "kv_offload_cache_usage_perc": Spec("gauge_family", "Fraction of this tier's blocks in use (1 = full)", ("tier",)),
+    "kv_offload_cache_capacity_bytes": Spec("gauge_family", "This tier's capacity in bytes", ("tier",)),
+    "kv_offload_blocks": Spec(
+        "counter_family", "Blocks copied between the device pool and the tiers below it: store (down), load (up)",
+        ("direction",)),
+    "kv_offload_stores_skipped": Spec(
+        "counter_family", "Blocks not copied down, by reason: queue_full (dropped, never waited for), cancelled "
+                          "(the device block was reused first), expired (past the queue's deadline)", ("reason",)),
+    "kv_offload_queue_depth": Spec("gauge_family", "Copies down waiting for the offload worker"),
+    "kv_offload_onload_failures": Spec(
+        "counter_family", "Copies up that failed or ran past their deadline (the blocks were recomputed)"),
+    "kv_offload_corrupt_files": Spec(
+        "counter_family", "Disk tier files found truncated, corrupted or replaced (deleted, never served)"),
+    "kv_offload_disk_write_errors": Spec(
+        "counter_family", "Writes the disk refused (full, read-only): offload to disk stopped, serving goes on"),
+    "kv_offload_seconds": Spec("histogram", "A block's copy down: queued to written into the tier below"),
+    "kv_onload_seconds": Spec("histogram", "A request's blocks copied up from the tiers below before its first step"),
     # -- backpressure (router and decode workers) -------------------------------------------
     "stream_write_cutoffs": Spec(
         "counter", "Streams cut off because one message waited longer than --stream-write-timeout to be written "
@@ -184,6 +215,21 @@ SPEC_COUNTERS = {
     "num_drafts": "spec_decode_num_drafts", "num_draft_tokens": "spec_decode_num_draft_tokens",
     "num_accepted_tokens": "spec_decode_num_accepted_tokens",
     "num_unspeculated_requests": "spec_decode_num_unspeculated_requests",
+}
+# TierStats field -> metric (one series per tier, `tier` label), read at scrape time
+TIER_FAMILIES = {
+    "hits": "kv_offload_tiering_block_hits", "misses": "kv_offload_tiering_block_misses",
+    "bytes_written": "kv_offload_tiering_write_bytes", "bytes_read": "kv_offload_tiering_read_bytes",
+    "usage": "kv_offload_cache_usage_perc", "capacity_bytes": "kv_offload_cache_capacity_bytes",
+}
+# OffloadStats field -> (metric, value of its extra label or None), read at scrape time
+OFFLOAD_FAMILIES = {
+    "offloads": ("kv_offload_blocks", "store"), "onloaded_blocks": ("kv_offload_blocks", "load"),
+    "offloads_dropped": ("kv_offload_stores_skipped", "queue_full"),
+    "offloads_cancelled": ("kv_offload_stores_skipped", "cancelled"),
+    "offloads_expired": ("kv_offload_stores_skipped", "expired"),
+    "queue_depth": ("kv_offload_queue_depth", None), "onload_failures": ("kv_offload_onload_failures", None),
+    "corrupt_files": ("kv_offload_corrupt_files", None), "disk_write_errors": ("kv_offload_disk_write_errors", None),
 }
 _FAMILY = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}
 
@@ -383,9 +429,12 @@ class WorkerMetrics(_Recorder):
         self._transfer = self.child("kv_transfer_seconds")
         self._expired = self.child("reservations_expired")
 
-    def watch(self, snapshot: Callable[[], WorkerStats], kv_stats: Callable[[], KVTransferStats]) -> None:
+    def watch(self, snapshot: Callable[[], WorkerStats], kv_stats: Callable[[], KVTransferStats],
+              tiers: LowerTiers | None = None) -> None:
         """Report the engine's stats (as of the loop's last iteration) and the KV
-        connector's counters at scrape time."""
+        connector's counters at scrape time; with KV tiers (`tiers`: the engine's
+        `offload`), their counters and the latencies observed since the last scrape."""
+        offload = _OffloadLatencies(self, tiers) if tiers is not None else None
 
         def collect() -> Iterator[Metric]:
             stats = snapshot()
@@ -396,8 +445,27 @@ class WorkerMetrics(_Recorder):
                     family.add_metric(list(self.base), float(values[field]))
                     yield family
             yield from self._spec_families(stats.spec_decode)
+            if offload is not None:
+                yield from self._offload_families(stats.kv_offload)
+                yield from offload.collect()
 
         self.collect_with(collect)
+
+    def _offload_families(self, stats: OffloadStats) -> Iterator[Metric]:
+        families: dict[str, Metric] = {}
+
+        def add(name: str, labels: tuple[str, ...], value: float) -> None:
+            if name not in families:
+                families[name] = self.family(name)
+            families[name].add_metric([*self.base, *labels], value)
+
+        for tier, tier_stats in (("host", stats.host), ("disk", stats.disk)):
+            if tier_stats is not None:
+                for field, name in TIER_FAMILIES.items():
+                    add(name, (tier,), float(getattr(tier_stats, field)))
+        for field, (name, label) in OFFLOAD_FAMILIES.items():
+            add(name, (label,) if label is not None else (), float(getattr(stats, field)))
+        yield from families.values()
 
     def _spec_families(self, spec: SpecStats) -> Iterator[Metric]:
         for field, name in SPEC_COUNTERS.items():
@@ -431,6 +499,28 @@ class WorkerMetrics(_Recorder):
     def kv_sent(self, seconds: Iterable[float]) -> None:
         for s in seconds:
             self._transfer.observe(s)
+
+
+class _OffloadLatencies:
+    """The tiers' latency histograms: the samples the tiers kept since the last scrape
+    (`take_latency_samples`, each handed over once) are observed when Prometheus
+    scrapes, so neither the engine thread nor the offload worker touches a histogram."""
+
+    def __init__(self, metrics: WorkerMetrics, tiers: LowerTiers) -> None:
+        self.tiers = tiers
+        spec = METRICS["kv_offload_seconds"]
+        self._lock = threading.Lock()  # two scrapes at once must not observe a sample twice or lose one
+        self._families = {name: Histogram(full_name(name), METRICS[name].doc, BASE_LABELS, registry=None,
+                                          buckets=spec.buckets) for name in ("kv_offload_seconds", "kv_onload_seconds")}
+        self._children = [family.labels(*metrics.base) for family in self._families.values()]
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            for child, samples in zip(self._children, self.tiers.take_latency_samples()):
+                for seconds in samples:
+                    child.observe(seconds)
+            metrics = [m for family in self._families.values() for m in family.collect()]
+        yield from metrics
 
 
 class Disabled:

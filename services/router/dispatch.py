@@ -207,7 +207,9 @@ class Dispatcher:
         asked next): D takes KV, and the part of the prompt D lacks is long enough."""
         if not decode.info.kv_endpoint or job.params.prompt_logprobs is not None:
             return False
-        cached = policy.cached_prefix_tokens(job.block_hashes, decode.cached, self.config.block_size)
+        # D's reservation counts the blocks in any of its tiers as present
+        cached = policy.cached_prefix_tokens(job.block_hashes, decode.cached, self.config.block_size,
+                                             *decode.cached_lower)
         return not policy.prefill_locally(len(job.prompt), cached, self.config.local_prefill_threshold)
 
     # -- the P/D seam ---------------------------------------------------------------------

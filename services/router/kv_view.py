@@ -3,6 +3,8 @@
     worker (KvEvents stream)                router (one KvSubscriber thread per worker)
     snapshot seq=S [parts]   ------------>  view := the snapshot          (a resync)
     delta seq=S+1 {stored, removed} ----->  view += stored, -= removed
+              {lower: host/disk changes} -> the same, per lower tier (workers with
+                                            KV tiers: the router weighs a hit by tier)
     delta seq=S+3            ------------>  gap: cancel, subscribe again from nothing
     stream breaks (restart, network) ---->  subscribe again after a backoff, from
                                             (epoch, seq): the worker resumes or, if
@@ -30,16 +32,21 @@ log = logging.getLogger(__name__)
 RETRY_MIN = 0.1  # seconds before subscribing again after a broken stream, doubling
 RETRY_MAX = 2.0
 STREAM_LIFETIME = 300.0  # each subscription's deadline; the next one resumes where it ended
+_NONE: frozenset[bytes] = frozenset()
 
 
 class KvView:
-    """One worker's cached block hashes as of batch `seq` of `epoch`."""
+    """One worker's cached block hashes as of batch `seq` of `epoch`: `hashes` in its
+    device pool, `lower[tier]` in each tier below it (pb.KV_TIER_HOST, KV_TIER_DISK;
+    none for a worker without KV tiers)."""
 
     def __init__(self) -> None:
         self.hashes: set[bytes] = set()
+        self.lower: dict[int, set[bytes]] = {}
         self.seq = 0
         self.epoch = ""
         self._incoming: set[bytes] | None = None  # a snapshot arriving in parts
+        self._incoming_lower: dict[int, set[bytes]] = {}
         self._incoming_seq = 0
 
     def apply(self, batch: pb.KvEventBatch) -> bool:
@@ -47,24 +54,34 @@ class KvView:
         follow what was applied before: the caller must resync."""
         if batch.snapshot:
             if self._incoming is None:
-                self._incoming, self._incoming_seq = set(), batch.seq
+                self._incoming, self._incoming_lower, self._incoming_seq = set(), {}, batch.seq
             elif batch.seq != self._incoming_seq:
                 return False
             self._incoming.update(batch.stored)
+            for changes in batch.lower:
+                self._incoming_lower.setdefault(changes.tier, set()).update(changes.stored)
             if not batch.more:
-                self.hashes, self._incoming = self._incoming, None
+                self.hashes, self.lower, self._incoming = self._incoming, self._incoming_lower, None
                 self.seq, self.epoch = batch.seq, batch.epoch
             return True
         if self._incoming is not None or batch.epoch != self.epoch or batch.seq != self.seq + 1:
             return False
         self.hashes.difference_update(batch.removed)
         self.hashes.update(batch.stored)
+        for changes in batch.lower:
+            held = self.lower.setdefault(changes.tier, set())
+            held.difference_update(changes.removed)
+            held.update(changes.stored)
         self.seq = batch.seq
         return True
 
+    def tier(self, tier: int) -> set[bytes]:
+        """The hashes in lower tier `tier` (empty: none, or no such tier)."""
+        return self.lower.get(tier, _NONE)
+
     def forget_position(self) -> None:
         """Ask for a snapshot next time (the hashes stay until it comes)."""
-        self.seq, self.epoch, self._incoming = 0, "", None
+        self.seq, self.epoch, self._incoming, self._incoming_lower = 0, "", None, {}
 
 
 class KvSubscriber:

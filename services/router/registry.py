@@ -63,6 +63,12 @@ class WorkerHandle:
         return self.kv.hashes
 
     @property
+    def cached_lower(self) -> tuple[set[bytes], ...]:
+        """Block hashes in the worker's KV tiers below its pool (host, disk; empty sets
+        without tiers), as of the last KV event batch applied."""
+        return self.kv.tier(pb.KV_TIER_HOST), self.kv.tier(pb.KV_TIER_DISK)
+
+    @property
     def role(self) -> str:
         return ROLE_NAMES.get(self.info.role, "unknown")
 
@@ -75,7 +81,8 @@ class WorkerHandle:
         return self.role in ("prefill", "mixed") and bool(self.info.kv_endpoint)
 
     def load(self) -> policy.Load:
-        return policy.Load(self.worker_id, self.inflight, self.running, self.waiting, self.free_blocks, self.cached)
+        return policy.Load(self.worker_id, self.inflight, self.running, self.waiting, self.free_blocks, self.cached,
+                           *self.cached_lower)
 
 
 class WorkerRegistry:

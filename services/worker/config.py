@@ -10,6 +10,7 @@ from pathlib import Path
 from pdserve.engine.config import (
     DEFAULT_MAX_LOGPROBS, DEFAULT_MAX_N, DEFAULT_MODEL, CacheConfig, EngineConfig, SchedulerConfig,
 )
+from pdserve.engine.offload.config import check_offload_fields
 from pdserve.engine.quant.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS, parse_kv_cache_dtype
 from pdserve.engine.spec.config import EAGLE_METHODS, SpeculativeConfig
 from pdserve.services.common.credentials import ClusterCredentials
@@ -20,6 +21,10 @@ ROLES = ("prefill", "decode", "mixed")
 # KV pages over ZeroMQ tcp (kvtransfer/registry.py): what `pdserve up` gives prefill
 # and decode workers unless --kv-connector says otherwise.
 DEFAULT_KV_CONNECTOR = "zmq"
+# The engine's KV tier settings, flags of the same names (engine/offload/config.py).
+OFFLOAD_FIELDS = ("kv_offload_host_bytes", "kv_offload_dir", "kv_offload_disk_bytes", "kv_offload_persist",
+                  "kv_offload_policy", "kv_offload_disk_policy", "kv_offload_queue_depth", "kv_offload_deadline",
+                  "kv_offload_onload_timeout", "kv_offload_fsync")
 
 
 def parse_cpus(text: str) -> set[int]:
@@ -86,6 +91,22 @@ class WorkerConfig:
                                                 "e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 3}' "
                                                 "(decode and mixed workers; a prefill worker never decodes and "
                                                 "ignores it; unset: off)")
+    # the KV tiers below the device pool (engine/offload/)
+    kv_offload_host_bytes: int = flag(0, "host-memory KV tier's bytes (pinned on a GPU host): blocks evicted from "
+                                         "the device pool are copied here and copied back on a prefix hit (0: off)")
+    kv_offload_dir: str | None = flag(None, "directory of the disk KV tier, one checked file per block (unset: off)")
+    kv_offload_disk_bytes: int = flag(0, "disk KV tier's bytes (needed with --kv-offload-dir)")
+    kv_offload_persist: bool = flag(False, "keep the disk tier's blocks across restarts (found again at start); "
+                                           "off: this model's files there are deleted at start")
+    kv_offload_policy: str = flag("lru", "eviction policy of the KV tiers: lru | arc", choices=("lru", "arc"))
+    kv_offload_disk_policy: str | None = flag(None, "the disk tier's own policy: lru | arc (unset: "
+                                                    "--kv-offload-policy)", choices=("lru", "arc"))
+    kv_offload_queue_depth: int = flag(256, "blocks waiting to be copied down at most (more are dropped, never "
+                                            "waited for)")
+    kv_offload_deadline: float = flag(5.0, "seconds a block may wait to be copied down")
+    kv_offload_onload_timeout: float = flag(2.0, "seconds one admission may spend copying blocks up (then the "
+                                                 "rest is recomputed)")
+    kv_offload_fsync: bool = flag(False, "fsync each disk tier file before it counts")
     # serving
     kv_connector: str | None = flag(None, "KV transport: zmq | zmq_ipc | gloo | nccl | none ('' too) | a plug-in's "
                                           "'module:factory' (unset: `pdserve up` gives prefill and decode workers "
@@ -135,6 +156,7 @@ class WorkerConfig:
         check(self.drain_timeout >= 0, "drain_timeout", "must be >= 0", self.drain_timeout)
         if self.speculative_config is not None:
             SpeculativeConfig.parse(self.speculative_config)  # raises ValueError naming speculative_config.<key>
+        check_offload_fields(self)  # raises ValueError naming the flag
 
     @property
     def speculative(self) -> SpeculativeConfig | None:
@@ -163,6 +185,7 @@ class WorkerConfig:
             # Every role alike: the KV a prefill worker ships is read as stored by its decode worker.
             quantization=self.quantization, kv_cache_dtype=self.kv_cache_dtype,
             enforce_eager=self.enforce_eager,
+            **{name: getattr(self, name) for name in OFFLOAD_FIELDS},
             decode_capture_sizes=self.decode_capture_sizes or (),  # type: ignore[arg-type]  # parsed there
             # Only decoding speculates: a prefill worker would load a draft model for nothing.
             # An EAGLE head runs on both: the prefill worker hands its state for the prompt over.

@@ -131,7 +131,11 @@ def every_option_values() -> dict:
     values["router"]["config"] = {"saltCacheByKey": True, "prefillPolicy": "round_robin", "httpMaxBodyBytes": 1 << 20}
     values["router"]["chatTemplate"] = CHAT_TEMPLATE
     values["prefill"]["config"] = {"cpuAffinity": "0-7"}
-    values["decode"]["config"] = {"speculativeConfig": SPEC}
+    values["decode"]["config"] = {"speculativeConfig": SPEC, "kvOffloadHostBytes": 1 << 30,
+                                  "kvOffloadDiskBytes": 1 << 34, "kvOffloadPersist": True}
+    values["decode"]["kvOffloadVolume"] = {"enabled": True, "type": "pvc", "size": "32Gi"}
+    values["prefill"]["kvOffloadVolume"] = {"enabled": True, "type": "emptyDir"}
+    values["prefill"]["config"]["kvOffloadDiskBytes"] = 1 << 33
     values["model"].update(quantization="int8", kvCacheDtype="fp8_e4m3")
     values["prefill"]["autoscaling"] = {"enabled": True, "minReplicas": 2, "maxReplicas": 6,
                                         "behavior": {"scaleDown": {"stabilizationWindowSeconds": 300}}}
@@ -409,6 +413,9 @@ def test_pod_args_parse_with_the_real_cli(component: str, case: str, default, ex
     # The config the process would build: its own checks run (model dir swapped for
     # one that exists here; credential files where the Secrets would be).
     overrides = {"model": DEFAULT_MODEL} if component == "router" else {"model": DEFAULT_MODEL, "role": component}
+    if getattr(ns, "kv_offload_dir", None):  # the disk KV tier's volume: a directory here
+        assert ns.kv_offload_dir == "/var/lib/pdserve/kv-offload"
+        overrides["kv_offload_dir"] = str(tmp_path / "kv-offload")
     config = from_namespace(CONFIGS[component], ns, **overrides)
     c = container(objects, component, release)
     grpc_port = next(p["containerPort"] for p in c["ports"] if p["name"] == "grpc")
@@ -445,6 +452,7 @@ def test_every_values_key_reaches_the_cli(monkeypatch, capsys) -> None:
     strings = {"dtype": "bfloat16", "attentionBackend": "triton", "logLevel": "DEBUG", "device": "cuda:1",
                "kvConnector": "zmq_ipc", "cpuAffinity": "0,2-3", "decodeCaptureSizes": "1,4",
                "prefillPolicy": "round_robin", "speculativeConfig": SPEC_JSON,
+               "kvOffloadPolicy": "arc", "kvOffloadDiskPolicy": "lru",
                "gpuMemoryUtilization": 0.75}  # a number in (0, 1]
     blocks = {"engine": ("engine",), "router": ("router", "config"), "prefill": ("prefill", "config"),
               "decode": ("decode", "config")}
@@ -458,6 +466,8 @@ def test_every_values_key_reaches_the_cli(monkeypatch, capsys) -> None:
     for pool in POOLS:
         settings[pool]["grpcThreads"] = 64
     values = {"engine": settings["engine"], **{c: {"config": settings[c]} for c in COMPONENTS}}
+    for pool in POOLS:  # kvOffloadDiskBytes needs the disk tier's volume
+        values[pool]["kvOffloadVolume"] = {"enabled": True}
     objects = render(values)
     for component in COMPONENTS:
         argv, env = pod_argv(objects, component)
@@ -1121,3 +1131,44 @@ def test_chart_readme_documents_every_values_block() -> None:
     for key in SCHEMA["properties"]:
         if key != "global":
             assert f"`{key}" in readme, key
+
+
+# -- KV tiers (issue 36) ----------------------------------------------------------------------
+
+
+def test_kv_tiers_a_host_budget_per_pool_and_a_disk_volume_per_pod() -> None:
+    """config.kvOffloadHostBytes is each pool's own host-memory tier; kvOffloadVolume gives
+    the disk tier a volume at --kv-offload-dir: an emptyDir, or (pvc) a claim per pod
+    that a restarted pod finds again."""
+    objects = render(every_option_values())
+    mount = "/var/lib/pdserve/kv-offload"
+    for pool, host_bytes, kind in (("prefill", 0, "emptyDir"), ("decode", 1 << 30, "pvc")):
+        argv, _ = pod_argv(objects, pool)
+        assert int(argv[argv.index("--kv-offload-host-bytes") + 1]) == host_bytes, pool
+        assert argv[argv.index("--kv-offload-dir") + 1] == mount, pool
+        assert {"name": "kv-offload", "mountPath": mount} in container(objects, pool)["volumeMounts"]
+        sts = workload(objects, pool)
+        volumes = {v["name"]: v for v in pod_spec(sts)["volumes"]}
+        claims = [t["metadata"]["name"] for t in sts["spec"].get("volumeClaimTemplates", [])]
+        if kind == "pvc":
+            assert "kv-offload" not in volumes and claims == ["kv-offload"]
+            (claim,) = sts["spec"]["volumeClaimTemplates"]
+            assert claim["spec"]["resources"]["requests"]["storage"] == "32Gi"
+            assert "--kv-offload-persist" in argv
+        else:
+            assert volumes["kv-offload"]["emptyDir"] == {"sizeLimit": "64Gi"} and not claims
+    default = render({})
+    for pool in POOLS:
+        argv, _ = pod_argv(default, pool)
+        assert "--kv-offload-dir" not in argv and argv[argv.index("--kv-offload-host-bytes") + 1] == "0"
+        assert all(m["name"] != "kv-offload" for m in container(default, pool)["volumeMounts"])
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"decode": {"kvOffloadVolume": {"enabled": True}}}, r"decode\.kvOffloadVolume is enabled: set "
+                                                         r"decode\.config\.kvOffloadDiskBytes"),
+    ({"prefill": {"config": {"kvOffloadDiskBytes": 1 << 30}}}, r"prefill\.config\.kvOffloadDiskBytes needs a volume"),
+])
+def test_a_disk_tier_needs_its_bytes_and_its_volume(values: dict, message: str) -> None:
+    with pytest.raises(helm.HelmError, match=message):
+        render(values)

@@ -74,6 +74,39 @@ def test_up_refuses_bad_storage_flags_naming_the_field(flag, value, field):
         up_spec(flag, value)
 
 
+def test_up_gives_every_worker_the_kv_tiers_and_a_disk_directory_of_its_own(tmp_path):
+    """`pdserve up --kv-offload-host-bytes B --kv-offload-dir D ...`: every worker's
+    command line carries the tiers; each keeps its disk tier in D/<its worker id>."""
+    tiers = str(tmp_path / "tiers")
+    spec = up_spec("--mixed", "1", "--kv-offload-host-bytes", str(1 << 26), "--kv-offload-dir", tiers,
+                   "--kv-offload-disk-bytes", str(1 << 30), "--kv-offload-policy", "arc", "--kv-offload-persist")
+    credentials = generate(tmp_path / "secrets", spec.router.credentials)
+    dirs = set()
+    for index, role in enumerate(("prefill", "mixed", "decode")):
+        argv = worker_argv(render_worker(spec, role, f"{role}-0", "127.0.0.1:1", credentials, index))
+        child = cli.build_parser().parse_args(argv)
+        engine = from_namespace(WorkerConfig, child, role=child.command).engine_config()
+        assert (engine.kv_offload_host_bytes, engine.kv_offload_disk_bytes, engine.kv_offload_policy,
+                engine.kv_offload_persist) == (1 << 26, 1 << 30, "arc", True), role
+        assert engine.kv_offload_dir == f"{tiers}/{role}-0", role
+        dirs.add(engine.kv_offload_dir)
+    assert len(dirs) == 3
+    plain = up_spec()
+    config = render_worker(plain, "decode", "decode-0", "127.0.0.1:1", credentials, 0)
+    assert config.kv_offload_dir is None and not config.engine_config().kv_offload  # tiers off
+
+
+def test_up_refuses_host_tiers_that_together_exceed_this_machine():
+    """Each worker checks its own tier against the machine; `pdserve up --launcher local`
+    starts them all on it, so their sum must fit too."""
+    from pdserve.engine.offload.config import physical_memory
+
+    memory = physical_memory()
+    share = str(memory // 3)
+    up_spec("--kv-offload-host-bytes", share)  # two workers: two thirds of it
+    with pytest.raises(ValueError, match=r"^kv_offload_host_bytes: 4 workers on this machine x "):
+        up_spec("--prefill", "2", "--decode", "2", "--kv-offload-host-bytes", share)
+
 
 def test_each_router_gets_ports_of_its_own(tmp_path):
     """`pdserve up --routers N` with fixed ports: router i on --port + 2i (its Registry

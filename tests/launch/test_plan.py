@@ -164,8 +164,36 @@ def test_choices_that_do_not_fit_say_why(model_dir, capsys):
     assert "does not fit" in out and "float32 + auto: gpu_memory_utilization: " in out
 
 
+def test_the_kv_tiers_show_beside_each_row(model_dir, capsys):
+    """--kv-offload-host-bytes / --kv-offload-disk-bytes: each row holds the tiers' bytes
+    as a worker with those flags allocates them (the host tier in whole blocks of the
+    row's size, so fp8 rows keep more of them), and the table says so."""
+    flags = ("--kv-cache-memory", "1000000", "--max-model-len", "256", "--concurrency", "8",
+             "--kv-offload-host-bytes", "5000000", "--kv-offload-disk-bytes", str(1 << 30))
+    code, out, _ = plan_here(capsys, model_dir, "--json", *flags)
+    assert code == 0
+    rows = {r["flags"]["kv_cache_dtype"]: r for r in json.loads(out)}
+    for r in rows.values():
+        assert r["host_tier_bytes"] == 5000000 // r["kv_bytes_per_block"] * r["kv_bytes_per_block"]
+        assert r["disk_tier_bytes"] == 1 << 30
+        expected = plan_memory(str(model_dir), max_model_len=256, kv_cache_memory=1000000,
+                               kv_cache_dtype=r["flags"]["kv_cache_dtype"], kv_offload_host_bytes=5000000,
+                               kv_offload_disk_bytes=1 << 30)
+        assert (r["host_tier_bytes"], r["disk_tier_bytes"]) == (expected.host_tier_bytes, expected.disk_tier_bytes)
+    assert rows["fp8_e4m3"]["host_tier_bytes"] // rows["fp8_e4m3"]["kv_bytes_per_block"] >= \
+        4 * (rows["auto"]["host_tier_bytes"] // rows["auto"]["kv_bytes_per_block"])
+    code, out, _ = plan_here(capsys, model_dir, *flags)
+    assert "KV tiers per worker, beside the device's: host memory 4.77 MiB" in out and "disk 1.00 GiB" in out
+    given = next(line for line in out.splitlines() if line.startswith("*"))
+    blocks = rows["auto"]["host_tier_bytes"] // rows["auto"]["kv_bytes_per_block"]
+    assert given.endswith(f"{blocks} blocks")
+    code, out, _ = plan_here(capsys, model_dir, *flags[:6])
+    assert "KV tiers" not in out and "host tier" not in out  # without tiers: the table as before
+
+
 @pytest.mark.parametrize("flags, message", [
     ([], "concurrency: must be given"),
+    (["--concurrency", "4", "--kv-offload-host-bytes", "-1"], "kv_offload_host_bytes: must be >= 0"),
     (["--concurrency", "4", "--prompt-len", "10"], "prompt_len: --prompt-len and --output-len go together"),
     (["--concurrency", "4", "--quantization", "int3"], "quantization: must be one of"),
     (["--concurrency", "4", "--kv-cache-dtype", "fp16"], "kv_cache_dtype: unknown 'fp16'"),

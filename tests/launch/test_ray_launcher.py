@@ -215,6 +215,8 @@ def test_bundles_carry_the_pool_resource_and_pack_gpus_on_one_node():
     assert cpu.bundles("prefill", "cpu") == [{"CPU": 1.0, "pdserve_prefill": 1}]
     assert cpu.bundles("mixed", "cpu") == [{"CPU": 1.0, "pdserve_decode": 1}]
     assert cpu.bundles("decode", "cuda") == [{"CPU": 1.0, "pdserve_decode": 1, "GPU": 1}]
+    assert cpu.bundles("decode", "cpu", host_tier_bytes=1 << 30) == [  # a host KV tier's memory, reserved
+        {"CPU": 1.0, "pdserve_decode": 1, "memory": 1 << 30}]
     tp = RayConfig(ray_gpus_per_worker=4, ray_decode_resource="", ray_decode_accelerator_type="H200")
     assert tp.bundles("decode", "cuda") == [{"CPU": 1.0, "accelerator_type:H200": 0.001, "GPU": 1}] + [{"GPU": 1}] * 3
 

@@ -228,6 +228,55 @@ def test_engine_times_each_phase():
     assert engine.stats().num_held_blocks == 0
 
 
+def _tiered_engine_after_a_revisit() -> LLMEngine:
+    """A pool of 12 blocks and a host tier: prompt A, then three others that evict A's
+    blocks (copied down), then A again (its blocks copied back up)."""
+    engine = LLMEngine(EngineConfig(model=DEFAULT_MODEL, cache=CacheConfig(num_blocks=12),
+                                    kv_offload_host_bytes=1 << 24))
+    greedy = SamplingParams(max_tokens=2, ignore_eos=True)
+    for i, first in enumerate((3, 300, 600, 900, 3)):
+        engine.add_request(f"r{i}", list(range(first, first + 64)), greedy)
+        while engine.has_unfinished():
+            engine.step()
+        assert engine.offload.flush(30)
+    return engine
+
+
+def test_worker_reports_the_kv_tiers_per_tier_and_their_latencies_once():
+    engine = _tiered_engine_after_a_revisit()
+    try:
+        metrics = WorkerMetrics("m", "decode", "decode-0")
+        metrics.watch(lambda: WorkerStats.of(engine.stats(), 0, 0.0), KVTransferStats, engine.offload)
+        stats = engine.stats().kv_offload
+        assert stats.host.hits > 0
+        assert sample(metrics, "kv_offload_tiering_block_hits", "_total", tier="host") == stats.host.hits
+        assert sample(metrics, "kv_offload_tiering_block_misses", "_total", tier="host") == stats.host.misses
+        assert sample(metrics, "kv_offload_tiering_write_bytes", "_total", tier="host") == stats.host.bytes_written > 0
+        assert sample(metrics, "kv_offload_tiering_read_bytes", "_total", tier="host") == stats.host.bytes_read > 0
+        assert sample(metrics, "kv_offload_cache_usage_perc", tier="host") == stats.host.usage > 0
+        assert sample(metrics, "kv_offload_cache_capacity_bytes", tier="host") == stats.host.capacity_bytes
+        assert sample(metrics, "kv_offload_blocks", "_total", direction="store") == stats.offloads > 0
+        assert sample(metrics, "kv_offload_blocks", "_total", direction="load") == stats.onloaded_blocks > 0
+        assert sample(metrics, "kv_offload_stores_skipped", "_total", reason="queue_full") == stats.offloads_dropped
+        assert sample(metrics, "kv_offload_queue_depth") == 0
+        assert sample(metrics, "kv_offload_corrupt_files", "_total") == 0
+        assert metrics.registry.get_sample_value(  # no disk tier: no disk series
+            full_name("kv_offload_tiering_block_hits_total"), {**metrics_base(metrics), "tier": "disk"}) is None
+        onloads = sample(metrics, "kv_onload_seconds", "_count")
+        assert onloads == stats.onload_seconds_count > 0
+        assert sample(metrics, "kv_offload_seconds", "_count") == stats.offload_seconds_count > 0
+        assert sample(metrics, "kv_onload_seconds", "_count") == onloads  # each sample observed once
+    finally:
+        engine.close()
+
+
+def test_a_worker_without_tiers_reports_none():
+    metrics = WorkerMetrics("m", "mixed", "mixed-0")
+    metrics.watch(lambda: WorkerStats(**ZERO), KVTransferStats)
+    exposed = {s.name for family in metrics.registry.collect() for s in family.samples}
+    assert not {n for n in exposed if "offload" in n or "onload" in n}
+
+
 # -- serving and switching off -------------------------------------------------------------
 
 

@@ -24,6 +24,12 @@ class FailureKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FAILURE_KIND_INTERNAL: _ClassVar[FailureKind]
     FAILURE_KIND_NO_ROOM: _ClassVar[FailureKind]
     FAILURE_KIND_BLOCK_HASH_MISMATCH: _ClassVar[FailureKind]
+
+class KvTier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_TIER_DEVICE: _ClassVar[KvTier]
+    KV_TIER_HOST: _ClassVar[KvTier]
+    KV_TIER_DISK: _ClassVar[KvTier]
 ROLE_UNSPECIFIED: Role
 ROLE_PREFILL: Role
 ROLE_DECODE: Role
@@ -36,6 +42,9 @@ FAILURE_KIND_TRANSFER: FailureKind
 FAILURE_KIND_INTERNAL: FailureKind
 FAILURE_KIND_NO_ROOM: FailureKind
 FAILURE_KIND_BLOCK_HASH_MISMATCH: FailureKind
+KV_TIER_DEVICE: KvTier
+KV_TIER_HOST: KvTier
+KV_TIER_DISK: KvTier
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -402,20 +411,32 @@ class KvEventsRequest(_message.Message):
     def __init__(self, since_seq: _Optional[int] = ..., epoch: _Optional[str] = ...) -> None: ...
 
 class KvEventBatch(_message.Message):
-    __slots__ = ("seq", "epoch", "stored", "removed", "snapshot", "more")
+    __slots__ = ("seq", "epoch", "stored", "removed", "snapshot", "more", "lower")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STORED_FIELD_NUMBER: _ClassVar[int]
     REMOVED_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     MORE_FIELD_NUMBER: _ClassVar[int]
+    LOWER_FIELD_NUMBER: _ClassVar[int]
     seq: int
     epoch: str
     stored: _containers.RepeatedScalarFieldContainer[bytes]
     removed: _containers.RepeatedScalarFieldContainer[bytes]
     snapshot: bool
     more: bool
-    def __init__(self, seq: _Optional[int] = ..., epoch: _Optional[str] = ..., stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ..., snapshot: _Optional[bool] = ..., more: _Optional[bool] = ...) -> None: ...
+    lower: _containers.RepeatedCompositeFieldContainer[KvTierChanges]
+    def __init__(self, seq: _Optional[int] = ..., epoch: _Optional[str] = ..., stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ..., snapshot: _Optional[bool] = ..., more: _Optional[bool] = ..., lower: _Optional[_Iterable[_Union[KvTierChanges, _Mapping]]] = ...) -> None: ...
+
+class KvTierChanges(_message.Message):
+    __slots__ = ("tier", "stored", "removed")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    tier: KvTier
+    stored: _containers.RepeatedScalarFieldContainer[bytes]
+    removed: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, tier: _Optional[_Union[KvTier, str]] = ..., stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
     __slots__ = ("worker_id", "role", "address", "model", "kv_endpoint", "block_size", "max_model_len", "num_blocks", "pid", "metrics_port", "kv_layout", "limits")

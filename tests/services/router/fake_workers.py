@@ -142,6 +142,7 @@ class FakeWorker:
     reserve: FakeRpcError | None = None  # Reserve fails so (None: it answers a plan)
     dropped: bool = False
     cached: set = field(default_factory=set)
+    cached_lower: tuple = ()  # its KV tiers' hashes (host, disk): none
     requests: list = field(default_factory=list)  # every request it was sent, in order
     aborted: list[str] = field(default_factory=list)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -170,3 +171,31 @@ def test_a_speculating_decode_worker_counts_drafts_in_its_response_stats_and_met
     finally:
         channel.close()
         worker.stop()
+
+
+
+def test_a_worker_with_kv_tiers_closes_them_on_every_way_out(tmp_path, monkeypatch):
+    """Stopped after serving: the engine's tiers are closed, so a persistent disk tier
+    holds the host tier's blocks (written at close; nothing reached the disk before). A
+    worker that fails while it is being built (here: its KV connector) closes the
+    engine it had made too."""
+    config = WorkerConfig(role="mixed", worker_id="tiers-t", num_blocks=16, kv_offload_host_bytes=1 << 22,
+                          kv_offload_dir=str(tmp_path), kv_offload_disk_bytes=1 << 26, kv_offload_persist=True)
+    worker = Worker(config)
+    try:
+        with grpc.insecure_channel(worker.start()) as channel:
+            request = pb.DecodeRequest(request_id="t", local_prefill=True, token_ids=list(range(3, 70)),
+                                       sampling=OPTIONS)
+            assert list(pb_grpc.WorkerStub(channel).Decode(request, timeout=30))[-1].finished
+        wait_for(lambda: worker.engine.stats().kv_offload.host.stored >= 4, 10, "blocks copied to the host tier")
+        assert not list(tmp_path.iterdir())
+    finally:
+        worker.stop()
+    assert len(list(tmp_path.iterdir())) >= 4  # the host tier's blocks, written down at close
+    closed = []
+    monkeypatch.setattr("pdserve.services.node.LLMEngine.close", lambda engine: closed.append(engine))
+    monkeypatch.setattr("pdserve.services.node.open_connector",
+                        lambda *args: (_ for _ in ()).throw(ValueError("kv_connector: refused")))
+    with pytest.raises(ValueError, match="kv_connector"):
+        Worker(replace(config, kv_offload_persist=False))
+    assert len(closed) == 1

@@ -6,6 +6,7 @@ worker at start, naming speculative_config.<key>. --quantization, --kv-cache-dty
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import subprocess
 import sys
 
@@ -112,3 +113,18 @@ def test_a_worker_with_a_bad_kv_cache_dtype_stops_at_start_naming_the_field(how)
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2, run.stderr[-2000:]
     assert "pdserve: kv_cache_dtype: unknown 'fp16'" in run.stderr
+
+
+def test_kv_offload_flags_and_environment(monkeypatch, tmp_path: Path) -> None:
+    argv = ["--kv-offload-host-bytes", "1048576", "--kv-offload-dir", str(tmp_path), "--kv-offload-disk-bytes",
+            "4194304", "--kv-offload-persist", "--kv-offload-policy", "arc", "--kv-offload-disk-policy", "lru"]
+    engine = parse_argv(WorkerConfig, argv).engine_config()
+    assert (engine.kv_offload_host_bytes, engine.kv_offload_dir, engine.kv_offload_disk_bytes,
+            engine.kv_offload_persist, engine.kv_offload_policy, engine.kv_offload_disk_policy) == (
+        1 << 20, str(tmp_path), 4 << 20, True, "arc", "lru")
+    monkeypatch.setenv("PDSERVE_KV_OFFLOAD_HOST_BYTES", "2048")
+    assert parse_argv(WorkerConfig, []).engine_config().kv_offload_host_bytes == 2048
+    with pytest.raises((ValueError, SystemExit)):
+        parse_argv(WorkerConfig, ["--kv-offload-host-bytes", "-1"])
+    with pytest.raises((ValueError, SystemExit)):
+        parse_argv(WorkerConfig, ["--kv-offload-policy", "mru"])

@@ -192,6 +192,15 @@ a pool's: both pools get the same --quantization and --kv-cache-dtype.
   "metricsHost" "0.0.0.0"
   "metricsPort" $pool.ports.metrics }}
 {{- $set = include "pdserve.overlay" (dict "dst" $set "src" (include "pdserve.credentials.flags" (dict "root" $root "component" .pool) | fromJson)) | fromJson }}
+{{- $diskBytes := $flags.kvOffloadDiskBytes | default 0 }}
+{{- if $pool.kvOffloadVolume.enabled }}
+{{- if not $diskBytes }}
+{{- fail (printf "%s.kvOffloadVolume is enabled: set %s.config.kvOffloadDiskBytes, the disk KV tier's bytes" .pool .pool) }}
+{{- end }}
+{{- $_ := set $set "kvOffloadDir" (include "pdserve.kvOffload.mountPath" $root) }}
+{{- else if $diskBytes }}
+{{- fail (printf "%s.config.kvOffloadDiskBytes needs a volume: enable %s.kvOffloadVolume" .pool .pool) }}
+{{- end }}
 {{- $flags = include "pdserve.overlay" (dict "dst" $flags "src" $set) | fromJson }}
 - {{ .pool }}
 {{- include "pdserve.flags" $flags }}
@@ -398,6 +407,21 @@ gets a TCP probe of its gRPC port.
 {{- end }}
 
 {{/*
+Where a worker's disk KV tier lives (--kv-offload-dir): its pool's kvOffloadVolume.
+*/}}
+{{- define "pdserve.kvOffload.mountPath" -}}/var/lib/pdserve/kv-offload{{- end }}
+
+{{/* The disk KV tier's volume in a pod (an emptyDir; a pvc comes from the StatefulSet's claim template). */}}
+{{- define "pdserve.kvOffload.emptyDir" -}}
+{{- $vol := .kvOffloadVolume | default dict }}
+{{- if and $vol.enabled (eq $vol.type "emptyDir") }}
+- name: kv-offload
+  emptyDir:
+    sizeLimit: {{ $vol.sizeLimit }}
+{{- end }}
+{{- end }}
+
+{{/*
 The pod template of every component: dict "root" $ "component" name "values" the
 component's values block "args" its rendered arguments.
 */}}
@@ -531,6 +555,10 @@ spec:
         {{- if $worker }}
         - name: shm
           mountPath: /dev/shm
+        {{- if dig "kvOffloadVolume" "enabled" false $v }}
+        - name: kv-offload
+          mountPath: {{ include "pdserve.kvOffload.mountPath" $root }}
+        {{- end }}
         {{- end }}
         {{- with include "pdserve.model.volumeMounts" $root | trim }}
         {{- . | nindent 8 }}
@@ -551,6 +579,9 @@ spec:
       emptyDir:
         medium: Memory
         sizeLimit: {{ $v.shmSizeLimit }}
+    {{- with include "pdserve.kvOffload.emptyDir" $v | trim }}
+    {{- . | nindent 4 }}
+    {{- end }}
     {{- end }}
     {{- with include "pdserve.model.volumes" $root | trim }}
     {{- . | nindent 4 }}

@@ -1,0 +1,186 @@
+"""The disk tier (engine/offload/disk.py) and its file format (blockfile.py): atomic
+files, checks on read, foreign files left alone, refusals, persistence."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from pdserve.engine.offload import blockfile
+from pdserve.engine.offload.disk import DiskTier
+from pdserve.engine.offload.policy import make_policy
+from pdserve.engine.offload.stats import OffloadCounters
+from offload_helpers import LAYOUT, OTHER_LAYOUT, as_view, block_data, block_hash, tokens
+
+BIG = 1 << 20
+
+
+def tier(path: Path, capacity: int = BIG, persist: bool = False, layout=LAYOUT, policy: str = "lru",
+         fsync: bool = False) -> DiskTier:
+    return DiskTier(path, capacity, layout, make_policy(policy, 64), OffloadCounters(), persist=persist, fsync=fsync)
+
+
+def put(t: DiskTier, i: int) -> bool:
+    return t.write(block_hash(i), tokens(i), as_view(block_data(i)))
+
+
+def read(t: DiskTier, i: int, toks=None):
+    data = t.read(block_hash(i), tokens(i) if toks is None else toks)
+    return None if data is None else torch.frombuffer(data, dtype=torch.float32).reshape(block_data(i).shape)
+
+
+def path_of(t: DiskTier, i: int) -> Path:
+    return t.directory / blockfile.file_name(t.layout, block_hash(i))
+
+
+@pytest.mark.parametrize("fsync", [False, True])
+def test_round_trip(tmp_path: Path, fsync: bool) -> None:
+    t = tier(tmp_path, fsync=fsync)
+    assert put(t, 1)
+    assert torch.equal(read(t, 1), block_data(1))
+    assert read(t, 1, toks=tokens(2)) is None  # another block's tokens under this hash: a miss
+    assert not list(tmp_path.glob("*" + blockfile.TMP_SUFFIX))  # written atomically: no temporary left
+    t.check_integrity()
+    s = t.stats()
+    assert (s.hits, s.misses, s.stored, s.used_blocks) == (1, 1, 1, 1)
+
+
+@pytest.mark.parametrize("damage", ["flip a data byte", "truncate", "flip a header byte", "append", "garbage"])
+def test_a_damaged_file_is_detected_deleted_and_never_served(tmp_path: Path, damage: str) -> None:
+    t = tier(tmp_path)
+    put(t, 1)
+    path = path_of(t, 1)
+    raw = bytearray(path.read_bytes())
+    if damage == "flip a data byte":
+        raw[-100] ^= 0xFF
+    elif damage == "truncate":
+        raw = raw[: len(raw) // 2]
+    elif damage == "flip a header byte":
+        raw[20] ^= 0x01
+    elif damage == "append":
+        raw += b"\0"
+    else:
+        raw = bytearray(os.urandom(len(raw)))
+    path.write_bytes(bytes(raw))
+    assert read(t, 1) is None
+    assert not path.exists()
+    assert t.shared.corrupt_files == 1
+    t.check_integrity()
+    assert put(t, 1) and torch.equal(read(t, 1), block_data(1))  # written again, served again
+
+
+def test_a_file_replaced_by_another_blocks_is_corrupt(tmp_path: Path) -> None:
+    t = tier(tmp_path)
+    put(t, 1)
+    put(t, 2)
+    os.replace(path_of(t, 2), path_of(t, 1))  # block 1's name now holds block 2
+    assert read(t, 1) is None
+    assert t.shared.corrupt_files == 1 and not path_of(t, 1).exists()
+    assert read(t, 2) is None  # block 2's file was moved away: a miss, and forgotten
+    t.check_integrity()
+
+
+def test_a_file_replaced_by_another_layouts_is_left_alone(tmp_path: Path) -> None:
+    t = tier(tmp_path)
+    other = tier(tmp_path / "other", layout=OTHER_LAYOUT)
+    put(t, 1)
+    put(other, 1)
+    os.replace(path_of(other, 1), path_of(t, 1))  # another model's block under our name
+    assert read(t, 1) is None
+    assert t.shared.foreign_files == 1 and t.shared.corrupt_files == 0
+    assert path_of(t, 1).exists()  # not ours to delete
+    t.check_integrity()
+
+
+def test_another_models_files_are_ignored_at_start_and_never_deleted(tmp_path: Path) -> None:
+    other = tier(tmp_path, layout=OTHER_LAYOUT)
+    put(other, 1)
+    stranger = tmp_path / "notes.txt"
+    stranger.write_text("not a block")
+    for persist in (False, True):
+        t = tier(tmp_path, persist=persist)
+        assert read(t, 1) is None
+        assert path_of(other, 1).exists() and stranger.exists()
+        assert t.stats().used_blocks == 0
+
+
+def test_persist_finds_blocks_again_and_without_it_they_are_removed(tmp_path: Path) -> None:
+    t = tier(tmp_path)
+    for i in range(3):
+        put(t, i)
+    (tmp_path / (LAYOUT.digest + "-dead" + blockfile.TMP_SUFFIX)).write_bytes(b"half")  # a crash mid-write
+    again = tier(tmp_path, persist=True)
+    assert again.stats().used_blocks == 3
+    assert all(torch.equal(read(again, i), block_data(i)) for i in range(3))
+    assert not list(tmp_path.glob("*" + blockfile.TMP_SUFFIX))
+    again.check_integrity()
+    fresh = tier(tmp_path, persist=False)
+    assert fresh.stats().used_blocks == 0 and not list(tmp_path.glob(LAYOUT.digest + "-*"))
+
+
+def test_persist_scan_deletes_our_corrupt_files(tmp_path: Path) -> None:
+    t = tier(tmp_path)
+    put(t, 1)
+    put(t, 2)
+    path_of(t, 1).write_bytes(b"PDSKVBLK garbage")
+    again = tier(tmp_path, persist=True)
+    assert again.shared.corrupt_files == 1 and not path_of(t, 1).exists()
+    assert again.stats().used_blocks == 1 and read(again, 2) is not None
+
+
+def test_budget_evicts_old_files(tmp_path: Path) -> None:
+    one = sum(len(p) for p in blockfile.encode(LAYOUT, block_hash(0), tokens(0), as_view(block_data(0))))
+    t = tier(tmp_path, capacity=3 * one)
+    for i in range(5):
+        assert put(t, i)
+    assert t.stats().used_blocks == 3 and t.stats().evicted == 2
+    assert read(t, 0) is None and not path_of(t, 0).exists()
+    assert read(t, 4) is not None
+    t.check_integrity()
+
+
+def test_a_budget_below_one_block_stores_nothing(tmp_path: Path) -> None:
+    t = tier(tmp_path, capacity=100)
+    assert not put(t, 1)
+    assert t.writable and t.stats().used_blocks == 0
+
+
+def test_disk_full_stops_offload_with_one_warning(tmp_path: Path, monkeypatch, caplog) -> None:
+    t = tier(tmp_path)
+    put(t, 1)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(blockfile, "write_atomic", full)
+    with caplog.at_level("WARNING"):
+        assert not put(t, 2)
+        assert not put(t, 3)
+    assert not t.writable and t.shared.disk_write_errors == 1
+    assert len([r for r in caplog.records if "refused" in r.message]) == 1
+    assert read(t, 1) is not None  # reads go on
+    t.check_integrity()
+
+
+def test_a_read_only_directory_refuses_writes(tmp_path: Path) -> None:
+    t = tier(tmp_path)
+    os.chmod(tmp_path, 0o555)
+    try:
+        if os.access(tmp_path, os.W_OK):
+            pytest.skip("running as root: permissions do not bind")
+        assert not put(t, 1)
+        assert not t.writable and t.shared.disk_write_errors == 1
+    finally:
+        os.chmod(tmp_path, 0o755)
+
+
+def test_a_file_deleted_behind_the_tiers_back_is_a_miss(tmp_path: Path) -> None:
+    t = tier(tmp_path)
+    put(t, 1)
+    path_of(t, 1).unlink()
+    assert read(t, 1) is None and t.shared.corrupt_files == 0
+    t.check_integrity()
