@@ -38,7 +38,9 @@ endif
 # (its module's cluster started once), in the order tests/conftest.py derives from the
 # files' markers: 16.6-17.5 min from a fresh clone on an AVX2 machine, install included
 # (docs/benchmarks.md, "make test wall time").
-# `make test TEST_WORKERS=1` runs it in one process.
+# `make test TEST_WORKERS=1` runs it in one process. Bytecode is written (even where
+# PYTHONDONTWRITEBYTECODE is set): the suite's few hundred processes then compile each
+# of our modules, and pytest rewrites each test module and plugin, once, not each time.
 TEST_WORKERS ?= 2
 ifeq ($(TEST_WORKERS),1)
 PYTEST_WORKERS :=
@@ -49,7 +51,7 @@ endif
 test: $(STAMP) prometheus
 	promtool check rules deploy/prometheus/pdserve-rules.yaml
 	promtool test rules deploy/prometheus/pdserve-rules.test.yaml
-	$(PY) -m pytest -q $(PYTEST_WORKERS) tests
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q $(PYTEST_WORKERS) tests
 
 bench: $(STAMP)
 	$(PY) -m pdserve.bench.engine.offline
