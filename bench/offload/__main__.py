@@ -4,6 +4,7 @@ holding about a quarter of the conversations' KV, tiers below it off vs on.
     python -m pdserve.bench.offload              # a 12M-parameter random Llama, a few minutes on 2 cores
     python -m pdserve.bench.offload --quick      # the embedded model, small, under a minute
     python -m pdserve.bench.offload --no-cluster --no-disk --no-policies   # the engine comparison alone
+    python -m pdserve.bench.offload --no-engine --no-cluster                # disk tier and policies alone
 
 What runs (bench/offload/tiers.py), every comparison interleaved (A B A B), each
 repetition on its own seeded conversations (bench/serving/multiturn.py: 5-8 turns,
@@ -13,7 +14,8 @@ flight than the device pool holds):
   1. one engine, in this process: device pool alone vs a host tier holding every block
   2. a 1P+1D cluster (router and workers as processes, gRPC): the same, per worker
   3. a disk tier alone (host 0), per block size: a disk hit's cost (onload seconds
-     per block) against recomputing a block (prefill seconds per block)
+     per block), the page cache warm and kept cold (files fsynced, their pages dropped
+     every 20 ms), against recomputing a block (prefill seconds per block)
   4. the eviction policies (lru, arc) on one trace, the host tier too small for it
 
 Printed: the machine (isa, cpus, load), the model, the sizing, a line per run (TTFT
@@ -22,7 +24,7 @@ p50/p99, output tokens/s, prefix-cached share, tier hit rates), the ratios as me
 
     offload_ttft_p50_ratio=X offload_throughput_ratio=Y host_hit_rate=Z
 
-from the one-engine comparison (X: TTFT p50 off/on, Y: output throughput on/off, Z:
+from the one-engine comparison (nan with --no-engine; X: TTFT p50 off/on, Y: output throughput on/off, Z:
 the host tier's hit rate over the blocks that missed the device pool). The exit
 status is 1 when a report does not hold together (a failed request, tier hits with
 the tiers off, more blocks onloaded than found), never because of a speed.
@@ -72,7 +74,9 @@ class OffloadFlags:
     block_size: int | None = flag(None, f"tokens per KV block ({OffloadConfig.block_size})")
     device_fraction: float | None = flag(None, f"device pool, of the conversations' KV ({OffloadConfig.device_fraction})")
     disk_block_sizes: tuple[int, ...] | None = flag(None, "block sizes of the disk-alone mode, e.g. 16,64")
+    disk_dir: str | None = flag(None, "where the disk tier's directories are made (default: the temporary directory)")
     repeats: int | None = flag(None, f"interleaved repetitions ({OffloadConfig.repeats})")
+    engine: bool = flag(True, "the one-engine comparison (the last line's figures: nan without it)")
     cluster: bool = flag(True, "the 1P+1D cluster comparison")
     disk: bool = flag(True, "the disk-tier-alone mode")
     policies: bool = flag(True, "the eviction policies' comparison")
@@ -88,8 +92,8 @@ def config_from(f: OffloadFlags) -> tuple[OffloadConfig, str | None]:
     workload = replace(base.workload, **{k: v for k, v in given.items() if v is not None})
     top = {"concurrency": f.concurrency, "request_rate": f.request_rate, "model": f.model, "embedded": f.embedded,
            "block_size": f.block_size, "device_fraction": f.device_fraction, "disk_block_sizes": f.disk_block_sizes,
-           "repeats": f.repeats}
-    cfg = replace(base, workload=workload, cluster=f.cluster, disk=f.disk, policies=f.policies,
+           "repeats": f.repeats, "disk_parent": f.disk_dir}
+    cfg = replace(base, workload=workload, engine=f.engine, cluster=f.cluster, disk=f.disk, policies=f.policies,
                   torch_threads=f.torch_threads, seed=f.seed, **{k: v for k, v in top.items() if v is not None})
     return cfg, f.json
 
@@ -117,7 +121,8 @@ def run(cfg: OffloadConfig, json_path: str | None) -> tuple[str, list[str]]:
         sizing = size(conversations_for(cfg, model, 0), cfg.block_size, cfg.device_fraction, model_dir)
         print(f"sizing: {sizing.describe()}", flush=True)
         report = Report(lambda line: print(line, flush=True))
-        tiers_off_vs_on(cfg, model, sizing, report)
+        if cfg.engine:
+            tiers_off_vs_on(cfg, model, sizing, report)
         if cfg.cluster:
             cluster_off_vs_on(cfg, model, sizing, report)
         if cfg.disk:

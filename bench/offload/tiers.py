@@ -22,16 +22,18 @@ eviction policies (lru, arc) on one trace with a host tier too small for it.
 from __future__ import annotations
 
 import math
+import os
 import random
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator
 
-from pdserve.bench.common.stats import Ratio, median
+from pdserve.bench.common.stats import Ratio, median, safe_div
 from pdserve.bench.serving.backend import InFlight
 from pdserve.bench.serving.metrics import Slo
 from pdserve.bench.serving.multiturn import Conversation, make_conversations, measure_conversations
@@ -41,7 +43,7 @@ from pdserve.bench.serving.workloads import ArrivalConfig, BenchRequest, Workloa
 
 @dataclass(frozen=True)
 class OffloadConfig:
-    workload: WorkloadConfig = WorkloadConfig(kind="multiturn", num_requests=32, turns=(5, 8),
+    workload: WorkloadConfig = WorkloadConfig(kind="multiturn", num_requests=16, turns=(5, 8),
                                               prompt_tokens=(48, 96), output_tokens=(8, 16), think_time=0.5)
     concurrency: int = 0  # conversations in flight at once (0: all of them, each thinking between its turns)
     request_rate: float = 8.0  # conversations started per second (Poisson)
@@ -53,7 +55,9 @@ class OffloadConfig:
     host_factor: float = 1.25  # host tier: this times the conversations' KV
     policy_host_fraction: float = 0.5  # the policy comparison's host tier, of the conversations' KV
     disk_block_sizes: tuple[int, ...] = (16, 64)
+    disk_parent: str | None = None  # where the disk tier's directories go (None: the system's temporary directory)
     repeats: int = 2
+    engine: bool = True
     cluster: bool = True
     disk: bool = True
     policies: bool = True
@@ -134,6 +138,8 @@ class Outcome:
     disk_misses: int = 0
     onloaded_blocks: int = 0
     onload_seconds: float = 0.0
+    onload_failures: int = 0  # copies up that failed or ran past their deadline (recomputed)
+    offloads_dropped: int = 0  # the offload queue was full (or a copy expired): not copied down
 
     @property
     def ttft_p50(self) -> float:
@@ -167,6 +173,8 @@ class Outcome:
             tiers += f" host_hit_rate={self.host_hit_rate:.3f}"
         if self.disk_hits + self.disk_misses:
             tiers += f" disk_hit_rate={self.disk_hit_rate:.3f}"
+        if self.onload_failures or self.offloads_dropped:
+            tiers += f" onload_failures={self.onload_failures} offloads_dropped={self.offloads_dropped}"
         return (f"{self.label}: ttft_p50={self.ttft_p50:.1f}ms ttft_p99={self.ttft_p99:.1f}ms "
                 f"output_tok_s={self.throughput:.2f} cached={self.cached_fraction:.3f} "
                 f"requests={s.completed}/{s.num_requests}{tiers}")
@@ -208,7 +216,8 @@ def run_engine(config, label: str, conversations: Sequence[Conversation], cfg: O
         stats = backend.stats().kv_offload
     host, disk = stats.host, stats.disk
     return Outcome(label, run, host.hits if host else 0, host.misses if host else 0, disk.hits if disk else 0,
-                   disk.misses if disk else 0, stats.onloaded_blocks, stats.onload_seconds_sum)
+                   disk.misses if disk else 0, stats.onloaded_blocks, stats.onload_seconds_sum, stats.onload_failures,
+                   stats.offloads_dropped + stats.offloads_expired)
 
 
 def warm(backend, vocab: int, timeout: float) -> None:
@@ -355,37 +364,76 @@ def cluster_off_vs_on(cfg: OffloadConfig, model: Served, sizing: Sizing, report:
     report.figures.update(cluster_ttft_p50=p50, cluster_ttft_p99=p99, cluster_throughput=tput, cluster=runs)
 
 
+@contextmanager
+def cold_page_cache(directory: str, period: float = 0.02) -> Iterator[None]:
+    """While the block runs, drop the page cache's copy of every file in `directory`
+    every `period` seconds (posix_fadvise DONTNEED: only this directory's clean pages,
+    so the files must be fsynced; nothing else on the machine is touched): a disk hit
+    then reads the device, as after a restart or under memory pressure."""
+    stop = threading.Event()
+
+    def drop() -> None:
+        while not stop.wait(period):
+            for path in Path(directory).glob("*"):
+                try:
+                    fd = os.open(path, os.O_RDONLY)
+                except OSError:  # renamed or deleted meanwhile
+                    continue
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+
+    thread = threading.Thread(target=drop, name="drop-page-cache", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
 def disk_alone(cfg: OffloadConfig, model: Served, report: Report) -> None:
     """A disk tier and no host tier, per block size: what a disk hit costs (onload
-    seconds per block) against recomputing the block (a fresh prompt's prefill per
-    block), and the workload's TTFT with and without it."""
+    seconds per block, with the page cache warm and kept cold) against recomputing
+    the block (a fresh prompt's prefill per block), and the workload's TTFT with each."""
     report.log("== disk tier alone (host tier 0), per block size ==")
-    report.log("  page cache: warm (the blocks were written during the run; dropping it needs root)")
+    report.log("  warm: the files as written (the page cache keeps them); cold: files fsynced and their pages "
+               "dropped every 20 ms (posix_fadvise DONTNEED on the tier's files only)")
     for block_size in cfg.disk_block_sizes:
         conversations = conversations_for(cfg, model, 0)
         sizing = size(conversations, block_size, cfg.device_fraction, model.model)
         report.log(f"  {sizing.describe()}")
         off = engine_config(model.model, block_size, sizing.device_blocks)
-        with tempfile.TemporaryDirectory(prefix="pdserve-kv-disk-") as directory:
-            disk = engine_config(model.model, block_size, sizing.device_blocks, kv_offload_dir=directory,
-                                 kv_offload_disk_bytes=sizing.host_bytes(cfg.host_factor))
-            with engine_backend(off, f"recompute-{block_size}", cfg.torch_threads) as backend:
-                warm(backend, model.vocab_size, cfg.timeout)
-                recompute = prefill_seconds_per_block(backend, model.vocab_size, block_size, cfg.timeout)
-            runs = compare({f"off-{block_size}": lambda c: run_engine(off, f"off-{block_size}", c, cfg),
-                            f"disk-{block_size}": lambda c: run_engine(disk, f"disk-{block_size}", c, cfg)},
-                           replace(cfg, repeats=1), model, report.log)
-        report.check(runs, {f"disk-{block_size}": True})
-        d = runs[f"disk-{block_size}"][0]
-        per_block = d.onload_seconds / d.onloaded_blocks if d.onloaded_blocks else math.nan
-        report.log(f"  block_size={block_size}: disk hit {per_block * 1e3:.3f} ms/block (onload, averaged over "
-                   f"{d.onloaded_blocks} blocks) vs recompute {recompute * 1e3:.3f} ms/block: "
-                   f"recompute/disk {recompute / per_block if per_block else math.nan:.2f}x; disk_hit_rate="
-                   f"{d.disk_hit_rate:.3f}; TTFT p50 off/disk "
-                   f"{runs[f'off-{block_size}'][0].ttft_p50 / d.ttft_p50:.2f}")
-        report.figures[f"disk_{block_size}"] = {"disk_ms_per_block": per_block * 1e3,
-                                                "recompute_ms_per_block": recompute * 1e3,
-                                                "disk_hit_rate": d.disk_hit_rate}
+        with engine_backend(off, f"recompute-{block_size}", cfg.torch_threads) as backend:
+            warm(backend, model.vocab_size, cfg.timeout)
+            recompute = prefill_seconds_per_block(backend, model.vocab_size, block_size, cfg.timeout)
+
+        def disk_run(kind: str, conv: list[Conversation]) -> Outcome:
+            with tempfile.TemporaryDirectory(prefix="pdserve-kv-disk-", dir=cfg.disk_parent) as directory:
+                config = engine_config(model.model, block_size, sizing.device_blocks, kv_offload_dir=directory,
+                                       kv_offload_disk_bytes=sizing.host_bytes(cfg.host_factor),
+                                       kv_offload_fsync=kind == "cold")
+                with cold_page_cache(directory) if kind == "cold" else nullcontext():
+                    return run_engine(config, f"disk-{kind}-{block_size}", conv, cfg)
+
+        names = {f"off-{block_size}": lambda c: run_engine(off, f"off-{block_size}", c, cfg),
+                 f"disk-warm-{block_size}": lambda c: disk_run("warm", c),
+                 f"disk-cold-{block_size}": lambda c: disk_run("cold", c)}
+        runs = compare(names, replace(cfg, repeats=1), model, report.log)
+        report.check(runs, {f"disk-warm-{block_size}": True, f"disk-cold-{block_size}": True})
+        base = runs[f"off-{block_size}"][0]
+        figures = {"recompute_ms_per_block": recompute * 1e3}
+        for kind in ("warm", "cold"):
+            d = runs[f"disk-{kind}-{block_size}"][0]
+            per_block = d.onload_seconds / d.onloaded_blocks if d.onloaded_blocks else math.nan
+            report.log(f"  block_size={block_size} {kind}: disk hit {per_block * 1e3:.3f} ms/block (onload, over "
+                       f"{d.onloaded_blocks} blocks) vs recompute {recompute * 1e3:.3f} ms/block: recompute/disk "
+                       f"{safe_div(recompute, per_block):.2f}x; disk_hit_rate={d.disk_hit_rate:.3f}; "
+                       f"TTFT p50 off/disk {safe_div(base.ttft_p50, d.ttft_p50):.2f}")
+            figures[f"{kind}_disk_ms_per_block"] = per_block * 1e3
+            figures[f"{kind}_disk_hit_rate"] = d.disk_hit_rate
+        report.figures[f"disk_{block_size}"] = figures
 
 
 def policies(cfg: OffloadConfig, model: Served, sizing: Sizing, report: Report) -> None:
@@ -414,6 +462,8 @@ def isa() -> str:
 
 
 def last_line(figures: dict[str, Any]) -> str:
-    return (f"offload_ttft_p50_ratio={figures['ttft_p50'].median:.3f} "
-            f"offload_throughput_ratio={figures['throughput'].median:.3f} "
-            f"host_hit_rate={figures['host_hit_rate']:.3f}")
+    """The one-engine comparison's figures (nan without it: --no-engine)."""
+    nan = Ratio(math.nan, math.nan, math.nan, 0)
+    return (f"offload_ttft_p50_ratio={figures.get('ttft_p50', nan).median:.3f} "
+            f"offload_throughput_ratio={figures.get('throughput', nan).median:.3f} "
+            f"host_hit_rate={figures.get('host_hit_rate', math.nan):.3f}")

@@ -165,7 +165,8 @@ def describe(cfg: BenchConfig) -> list[str]:
     }[w.kind]
     outputs = "" if w.kind in ("sharegpt", "trace") else f", {w.output_tokens[0]}-{w.output_tokens[1]} output tokens"
     return [
-        f"workload: {w.kind}, {w.num_requests} requests, {shape}{outputs}, ignore_eos, greedy, seed={w.seed}",
+        f"workload: {w.kind}, {w.num_requests} {'conversations' if w.kind == 'multiturn' else 'requests'}, "
+        f"{shape}{outputs}, ignore_eos, greedy, seed={w.seed}",
         f"arrivals: request_rate={a.request_rate:g} req/s, burstiness={a.burstiness:g}, "
         f"concurrency={a.concurrency or 'unlimited'}, timeout={cfg.timeout:g}s, warm-up={cfg.num_warmup}",
     ]
