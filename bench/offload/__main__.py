@@ -7,7 +7,7 @@ holding about a quarter of the conversations' KV, tiers below it off vs on.
     python -m pdserve.bench.offload --no-engine --no-cluster                # disk tier and policies alone
 
 What runs (bench/offload/tiers.py), every comparison interleaved (A B A B), each
-repetition on its own seeded conversations (bench/serving/multiturn.py: 5-8 turns,
+repetition on its own seeded conversations (bench/serving/multiturn.py: 5-10 turns,
 each resending the whole history, a think time between turns, more conversations in
 flight than the device pool holds):
 

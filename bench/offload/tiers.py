@@ -43,8 +43,8 @@ from pdserve.bench.serving.workloads import ArrivalConfig, BenchRequest, Workloa
 
 @dataclass(frozen=True)
 class OffloadConfig:
-    workload: WorkloadConfig = WorkloadConfig(kind="multiturn", num_requests=16, turns=(5, 8),
-                                              prompt_tokens=(48, 96), output_tokens=(8, 16), think_time=0.5)
+    workload: WorkloadConfig = WorkloadConfig(kind="multiturn", num_requests=16, turns=(5, 10),
+                                              prompt_tokens=(32, 64), output_tokens=(8, 16), think_time=0.5)
     concurrency: int = 0  # conversations in flight at once (0: all of them, each thinking between its turns)
     request_rate: float = 8.0  # conversations started per second (Poisson)
     model: str | None = None  # a model directory; None: a random Llama of `shape` (the embedded one with `embedded`)
