@@ -67,7 +67,7 @@ class OffloadFlags:
     prompt_tokens: tuple[int, int] | None = flag(None, "MIN MAX tokens of each new user message")
     output_tokens: tuple[int, int] | None = flag(None, "MIN MAX tokens of each answer")
     think_time: float | None = flag(None, "mean seconds between an answer and the next turn")
-    concurrency: int | None = flag(None, f"conversations in flight (0: all)")
+    concurrency: int | None = flag(None, "conversations in flight (0: all)")
     request_rate: float | None = flag(None, f"conversations started per second ({OffloadConfig.request_rate:g})")
     model: str | None = flag(None, "model directory (default: a seeded random 12M-parameter Llama)")
     embedded: bool | None = flag(None, "the embedded model (tiny: recomputing is cheap)")

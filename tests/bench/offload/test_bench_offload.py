@@ -76,3 +76,15 @@ def test_quick_offload_benchmark_report_holds_together(tmp_path: Path) -> None:
     for kind in ("warm", "cold"):
         assert disk[f"{kind}_disk_ms_per_block"] > 0 and 0 <= disk[f"{kind}_disk_hit_rate"] <= 1
     assert all(math.isfinite(float(x)) for x in match.groups())
+
+
+@pytest.mark.parametrize(("argv", "named"), [(["--repeats", "0"], "--repeats"), (["--device-fraction", "0"], "--device-fraction"),
+                                              (["--disk-block-sizes", "16,24"], "block sizes"),
+                                              (["--turns", "0", "3"], "--turns")])
+def test_offload_benchmark_refuses_bad_flags_naming_them(argv: list[str], named: str,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    from pdserve.bench.offload.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2 and named in capsys.readouterr().err
