@@ -10,6 +10,7 @@ the distance to the hardware's limit.
     cluster/   clusters compared: disagg, prefix
     spec/      speculative decoding: methods, gpu
     quant/     quantization: schemes
+    offload/   KV tiers below the device pool: `python -m pdserve.bench.offload` (__main__), tiers, engine_backend
     common/    entry (flags -> config -> exit status), stats, repeat, machine, plot, random_model
 
 Every entry point's flags are a frozen dataclass read through services/common/flags.py;

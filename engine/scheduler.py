@@ -162,7 +162,9 @@ class Scheduler:
                 self._hold_slots(request.group_id, slots)
             self.waiting.popleft()
             request.num_computed_tokens = num_hit
-            request.num_cached_tokens = max(request.num_cached_tokens, num_hit)
+            # prompt tokens served from the cache (usage.cached_tokens): a preempted request
+            # re-admitted finds its generated tokens' blocks too, which are not prompt
+            request.num_cached_tokens = max(request.num_cached_tokens, min(num_hit, request.num_prompt_tokens))
             request.status = RequestStatus.RUNNING
             request.first_scheduled_time = request.first_scheduled_time or time.monotonic()
             self.running.append(request)

@@ -14,6 +14,7 @@ from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from pdserve.services.router.client import Client
 
@@ -53,6 +54,7 @@ class ClusterConfig:
     decode: int = 1
     mixed: int = 0
     num_blocks: int | None = None
+    block_size: int = 16
     torch_threads: int = 1
     kv_connector: str | None = None  # None: the launcher's default (ZeroMQ tcp); "": none
     worker_cpus: str = ""  # LaunchConfig.worker_cpus: '0;1' pins worker k to the k-th list
@@ -66,6 +68,9 @@ class ClusterConfig:
     startup_timeout: float = 180.0
     metrics: bool = True  # Prometheus metrics in every service (--no-metrics: off, to measure their cost)
     http: bool = False  # the router's OpenAI-compatible HTTP API too, on a free port
+    # more WorkerConfig fields, by name (e.g. (("kv_offload_host_bytes", 1 << 30),)): what a
+    # benchmark of one feature sets on every worker
+    worker_options: tuple[tuple[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -110,10 +115,10 @@ def local_cluster(cfg: ClusterConfig) -> Iterator[Started]:
         RouterConfig(port=0, log_level="WARNING", prefill_policy=cfg.prefill_policy,
                      local_prefill_threshold=cfg.local_prefill_threshold, metrics=cfg.metrics,
                      http_port=0 if cfg.http else None, **model),
-        WorkerConfig(num_blocks=cfg.num_blocks, torch_threads=cfg.torch_threads, kv_connector=cfg.kv_connector,
+        WorkerConfig(num_blocks=cfg.num_blocks, block_size=cfg.block_size, torch_threads=cfg.torch_threads, kv_connector=cfg.kv_connector,
                      enable_prefix_caching=cfg.enable_prefix_caching, max_num_batched_tokens=cfg.max_num_batched_tokens,
                      max_num_seqs=cfg.max_num_seqs, device=cfg.device, dtype=cfg.dtype, log_level="WARNING",
-                     metrics=cfg.metrics, **model),
+                     metrics=cfg.metrics, **model, **dict(cfg.worker_options)),
         LaunchConfig(prefill=cfg.prefill, decode=cfg.decode, mixed=cfg.mixed, startup_timeout=cfg.startup_timeout,
                      worker_cpus=cfg.worker_cpus),
     )

@@ -123,26 +123,27 @@ class GrpcBackend:
         if not inflight.add(call):
             return RequestResult(error=INTERRUPTED, started=started, finished=time.perf_counter(), **base)
         times: list[float] = []
-        tokens = 0
+        ids: list[int] = []
         final: pb.GenerateResponse | None = None
         try:
             for message in call:
                 if message.token_ids:
                     times.append(time.perf_counter())
-                    tokens += len(message.token_ids)
+                    ids += message.token_ids
                 if message.finish_reason:
                     final = message
         except grpc.RpcError as e:
             return RequestResult(error=f"{e.code().name}: {e.details()}", started=started,
-                                 finished=time.perf_counter(), output_tokens=tokens, **base)
+                                 finished=time.perf_counter(), output_tokens=len(ids), **base)
         finally:
             inflight.discard(call)
         finished = time.perf_counter()
-        problem = incomplete(final.finish_reason if final else None, tokens, request.max_tokens)
+        problem = incomplete(final.finish_reason if final else None, len(ids), request.max_tokens)
         if problem or final is None:
-            return RequestResult(error=problem, started=started, finished=finished, output_tokens=tokens, **base)
+            return RequestResult(error=problem, started=started, finished=finished, output_tokens=len(ids), **base)
         return RequestResult(
             error="", started=started, finished=finished, prompt_tokens=final.usage.prompt_tokens,
-            cached_tokens=final.usage.cached_tokens, output_tokens=tokens, token_times=tuple(times),
+            cached_tokens=final.usage.cached_tokens, output_tokens=len(ids), token_times=tuple(times),
+            output_ids=tuple(ids),
             server_ttft=final.timing.ttft_seconds, server_tpot=final.timing.tpot_seconds, **base,
         )

@@ -4,6 +4,7 @@
     pdserve bench --addr 127.0.0.1:50051 --request-rate 4 --burstiness 0.5 --slo ttft:500,tpot:50
     pdserve bench --workload prefix --prefix-count 4 --prefix-tokens 512 --json run.json --plot run.png
     pdserve bench --workload trace --dataset mooncake_trace.jsonl --trace-block-tokens 16
+    pdserve bench --workload multiturn --num-requests 32 --turns 5 10 --think-time 1 --prompt-tokens 32 64
     pdserve bench --backend openai-chat --base-url http://127.0.0.1:8000/v1   # any OpenAI-compatible server
     (python -m pdserve.bench.serving.command is the same command)
 
@@ -24,7 +25,8 @@ flight (0: no limit; with an infinite rate that is a fixed-concurrency run). Eac
 request runs on its own thread (gRPC channels are thread-safe; the openai backends'
 I/O runs on one event loop the threads wait on) with a deadline (`--timeout`), so
 the run always ends. Workloads: see bench/serving/workloads.py (random,
-prefix, text, sharegpt, trace); every request is greedy with `ignore_eos`, so it
+prefix, text, sharegpt, trace) and bench/serving/multiturn.py (multiturn: conversations
+resending their history, turn after turn, with a think time between); every request is greedy with `ignore_eos`, so it
 produces exactly its `max_tokens`; one that ends otherwise is a failure.
 `--num-warmup` short requests go first and are not measured. Metrics: see
 bench/serving/metrics.py (TTFT, TPOT, ITL, e2e on the client; the router's own TTFT/TPOT
@@ -51,6 +53,7 @@ from pdserve.bench.cluster.clusters import ClusterConfig, local_cluster
 from pdserve.bench.common.entry import ReportFlags, interrupt_on_sigterm, parse
 from pdserve.bench.serving.backend import Backend, GrpcBackend
 from pdserve.bench.serving.metrics import Slo
+from pdserve.bench.serving.multiturn import make_conversations, measure_conversations
 from pdserve.bench.serving.run import Measured, measure, table, warm_up, write_json
 from pdserve.bench.serving.workloads import KINDS, ArrivalConfig, WorkloadConfig, make_workload
 from pdserve.services.common.flags import flag
@@ -129,10 +132,16 @@ def benchmark(cfg: BenchConfig) -> tuple[Measured, str]:
     """Run the whole benchmark (cluster included); the run and a description of the target."""
     with target(cfg) as address, open_backend(cfg, address) as backend:
         model = backend.served()
-        requests = make_workload(cfg.workload, cfg.arrivals, model.vocab_size, model.max_model_len)
-        warm_up(backend, cfg.num_warmup, cfg.timeout, model.vocab_size)
-        run = measure(backend, requests, concurrency=cfg.arrivals.concurrency, timeout=cfg.timeout, slo=cfg.slo,
-                      label="serving", progress=cfg.progress)
+        if cfg.workload.kind == "multiturn":
+            conversations = make_conversations(cfg.workload, cfg.arrivals, model.vocab_size, model.max_model_len)
+            warm_up(backend, cfg.num_warmup, cfg.timeout, model.vocab_size)
+            run = measure_conversations(backend, conversations, concurrency=cfg.arrivals.concurrency,
+                                        timeout=cfg.timeout, slo=cfg.slo, label="serving", progress=cfg.progress)
+        else:
+            requests = make_workload(cfg.workload, cfg.arrivals, model.vocab_size, model.max_model_len)
+            warm_up(backend, cfg.num_warmup, cfg.timeout, model.vocab_size)
+            run = measure(backend, requests, concurrency=cfg.arrivals.concurrency, timeout=cfg.timeout, slo=cfg.slo,
+                          label="serving", progress=cfg.progress)
         where = "own local cluster" if (cfg.addr or cfg.base_url) is None else "running server"
         description = (f"{address} ({where}), backend {cfg.backend}, model {model.name}, "
                        f"max_model_len={model.max_model_len}")
@@ -151,10 +160,13 @@ def describe(cfg: BenchConfig) -> list[str]:
         "text": f"{w.prompt_chars[0]}-{w.prompt_chars[1]} chars of stdlib source",
         "sharegpt": f"lengths from {w.path}",
         "trace": f"trace {w.path}, {w.trace_block_tokens} tokens per hash block, speedup {w.trace_speedup:g}",
+        "multiturn": f"conversations of {w.turns[0]}-{w.turns[1]} turns resending their history, "
+                     f"{w.prompt_tokens[0]}-{w.prompt_tokens[1]} new tokens a turn, think time {w.think_time:g}s",
     }[w.kind]
     outputs = "" if w.kind in ("sharegpt", "trace") else f", {w.output_tokens[0]}-{w.output_tokens[1]} output tokens"
     return [
-        f"workload: {w.kind}, {w.num_requests} requests, {shape}{outputs}, ignore_eos, greedy, seed={w.seed}",
+        f"workload: {w.kind}, {w.num_requests} {'conversations' if w.kind == 'multiturn' else 'requests'}, "
+        f"{shape}{outputs}, ignore_eos, greedy, seed={w.seed}",
         f"arrivals: request_rate={a.request_rate:g} req/s, burstiness={a.burstiness:g}, "
         f"concurrency={a.concurrency or 'unlimited'}, timeout={cfg.timeout:g}s, warm-up={cfg.num_warmup}",
     ]
@@ -172,12 +184,13 @@ def config_dict(cfg: BenchConfig) -> dict:
 @dataclass(frozen=True)
 class WorkloadFlags:
     workload: str = flag("random", "what is sent (bench/serving/workloads.py)", choices=KINDS)
-    num_requests: int | None = flag(None, f"requests measured ({WorkloadConfig.num_requests}; --quick "
-                                          f"{QUICK_WORKLOAD.num_requests})")
+    num_requests: int | None = flag(None, f"requests measured, multiturn: conversations "
+                                          f"({WorkloadConfig.num_requests}; --quick {QUICK_WORKLOAD.num_requests})")
     output_tokens: tuple[int, int] | None = flag(None, "MIN MAX tokens generated per request, uniform "
                                                        f"({' '.join(map(str, WorkloadConfig.output_tokens))})")
     max_tokens: int | None = flag(None, "shorthand for --output-tokens N N")
-    prompt_tokens: tuple[int, int] | None = flag(None, "MIN MAX random: prompt length; prefix: unique suffix length "
+    prompt_tokens: tuple[int, int] | None = flag(None, "MIN MAX random: prompt length; prefix: unique suffix length; "
+                                                       "multiturn: each user message's length "
                                                        f"({' '.join(map(str, WorkloadConfig.prompt_tokens))})")
     prompt_chars: tuple[int, int] | None = flag(None, "MIN MAX text: characters per prompt")
     prefix_count: int = flag(WorkloadConfig.prefix_count, "prefix: shared prefixes")
@@ -188,6 +201,9 @@ class WorkloadFlags:
     trace_block_tokens: int = flag(WorkloadConfig.trace_block_tokens, "trace: tokens per hash id (512 as recorded; "
                                                                       "smaller scales prompts down)")
     trace_speedup: float = flag(WorkloadConfig.trace_speedup, "trace: replay this many times faster")
+    turns: tuple[int, int] = flag(WorkloadConfig.turns, "MIN MAX multiturn: turns per conversation, uniform")
+    think_time: float = flag(WorkloadConfig.think_time, "multiturn: mean seconds between an answer and the next turn "
+                                                        "(exponential; 0: none)")
     seed: int = flag(WorkloadConfig.seed, "seed of the workload and the arrivals")
 
 
@@ -260,7 +276,8 @@ def config_from(flags: ServingFlags) -> BenchConfig:
              "prompt_chars": w.prompt_chars, "prefix_tokens": w.prefix_tokens, "path": w.dataset,
              "tokenizer": w.tokenizer}
     workload = replace(base, kind=w.workload, seed=w.seed, prefix_count=w.prefix_count,
-                       trace_block_tokens=w.trace_block_tokens, trace_speedup=w.trace_speedup,
+                       trace_block_tokens=w.trace_block_tokens, trace_speedup=w.trace_speedup, turns=w.turns,
+                       think_time=w.think_time,
                        **{k: v for k, v in given.items() if v is not None})
     arrivals = ArrivalConfig(a.request_rate, a.burstiness, a.concurrency)
     cluster = ClusterConfig(model=c.model, prefill=c.prefill, decode=c.decode, mixed=c.mixed,

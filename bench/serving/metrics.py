@@ -40,6 +40,7 @@ class RequestResult:
     cached_tokens: int = 0  # prompt tokens served from a prefix cache (usage)
     output_tokens: int = 0
     token_times: tuple[float, ...] = ()  # perf_counter of each token-carrying message
+    output_ids: tuple[int, ...] = ()  # the answer (gRPC: as sent; OpenAI: its text tokenized), for multiturn
     server_ttft: float = math.nan
     server_tpot: float = math.nan
 

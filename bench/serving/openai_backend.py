@@ -19,11 +19,12 @@ What is measured, per request (the gRPC backend's report, bench/serving/metrics.
              which may come first with an empty content)
     ITL      gaps between chunks that carry text
     tokens   usage.completion_tokens of the last chunk (stream_options.include_usage)
+    answer   the chunks' text, tokenized with the tokenizer (multiturn's history)
     prompt   usage.prompt_tokens; cached: usage.prompt_tokens_details.cached_tokens
 
 Prompts: `openai` sends token-id prompts as token ids (the prompt's exact length
 is then checked against usage) and text as text; `openai-chat` sends one user
-message, token ids decoded to text with the tokenizer (`--tokenizer`, default the
+message (a multiturn turn: its history as user and assistant messages), token ids decoded to text with the tokenizer (`--tokenizer`, default the
 embedded model's), as vLLM's benchmark does: its prompt length is the server's
 chat template's business and is not checked. Every request is greedy with vLLM's
 `ignore_eos` (pdserve and vLLM honour it; a server that does not fails the
@@ -110,8 +111,15 @@ class OpenAiBackend:
         if not self.chat:
             prompt = request.prompt if isinstance(request.prompt, str) else list(request.prompt)
             return {**common, "prompt": prompt, "max_tokens": request.max_tokens}
-        text = request.prompt if isinstance(request.prompt, str) else self.tokenizer.decode(list(request.prompt))
-        return {**common, "messages": [{"role": "user", "content": text}], "max_completion_tokens": request.max_tokens}
+        return {**common, "messages": self.messages(request), "max_completion_tokens": request.max_tokens}
+
+    def messages(self, request: BenchRequest) -> list[dict[str, str]]:
+        """One user message, or a conversation's turns (user and assistant alternating)."""
+        if isinstance(request.prompt, str):
+            return [{"role": "user", "content": request.prompt}]
+        segments = request.turns or (request.prompt,)
+        return [{"role": "user" if i % 2 == 0 else "assistant", "content": self.tokenizer.decode(list(segment))}
+                for i, segment in enumerate(segments)]
 
     def send(self, request: BenchRequest, timeout: float, inflight: InFlight) -> RequestResult:
         """One streamed request; never raises for a failed one."""
@@ -135,6 +143,7 @@ class OpenAiBackend:
     async def _stream(self, request: BenchRequest, timeout: float, started: float) -> RequestResult:
         base = self._base(request)
         times: list[float] = []
+        texts: list[str] = []
         finish: str | None = None
         usage: dict | None = None
 
@@ -157,8 +166,9 @@ class OpenAiBackend:
                         if "error" in chunk:
                             return failed(f"error event: {error_message(data)}")
                         for choice in chunk.get("choices") or ():
-                            if self._text(choice):
+                            if text := self._text(choice):
                                 times.append(now)
+                                texts.append(text)
                             finish = choice.get("finish_reason") or finish
                         usage = chunk.get("usage") or usage
         except TimeoutError:
@@ -175,7 +185,12 @@ class OpenAiBackend:
         details = usage.get("prompt_tokens_details") or {}
         return RequestResult(error="", started=started, finished=finished, prompt_tokens=int(usage.get("prompt_tokens") or 0),
                              cached_tokens=int(details.get("cached_tokens") or 0), output_tokens=tokens,
-                             token_times=tuple(times), **base)
+                             token_times=tuple(times), output_ids=self._ids("".join(texts)), **base)
+
+    def _ids(self, text: str) -> tuple[int, ...]:
+        """The answer's text as token ids, for a multi-turn history (a server's own
+        tokens may differ where its text re-tokenizes otherwise)."""
+        return tuple(self.tokenizer.encode(text, add_special_tokens=False).ids)
 
     def _text(self, choice: dict) -> str:
         if self.chat:

@@ -41,7 +41,7 @@ def warm_up(backend: Backend, count: int, timeout: float, vocab_size: int) -> No
 
 
 @contextmanager
-def _progress(total: int, enabled: bool | None, desc: str) -> Iterator[Callable[[Future], None]]:
+def progress_bar(total: int, enabled: bool | None, desc: str) -> Iterator[Callable[[Future], None]]:
     from tqdm import tqdm
 
     with tqdm(total=total, desc=desc, unit="req", disable=None if enabled is None else not enabled,
@@ -59,7 +59,7 @@ def run_load(
     inflight = InFlight()
     ordered = sorted(requests, key=lambda r: r.send_at)
     with ThreadPoolExecutor(max_workers=concurrency or len(requests), thread_name_prefix="bench") as pool, \
-            _progress(len(requests), progress, desc) as tick:
+            progress_bar(len(requests), progress, desc) as tick:
         try:
             start = time.perf_counter()
             futures = []
@@ -104,12 +104,12 @@ def measure(
     backend: Backend, requests: Sequence[BenchRequest], *, concurrency: int, timeout: float, slo: Slo,
     label: str = "", progress: bool | None = None,
 ) -> Measured:
-    load = _loadavg()
+    load = load_average()
     start, results = run_load(backend, requests, concurrency, timeout, progress, desc=label or "requests")
     return Measured(label, backend.address, start, tuple(requests), tuple(results), summarize(start, results, slo), load)
 
 
-def _loadavg() -> tuple[float, float, float]:
+def load_average() -> tuple[float, float, float]:
     try:
         return os.getloadavg()
     except OSError:

@@ -17,6 +17,11 @@ Workloads (`WorkloadConfig.kind`), every one seeded (same seed, same requests):
             blocks of `trace_block_tokens` (512 in the public traces) token ids, so
             prefix sharing is replayed as recorded; the request is sent at its
             timestamp (divided by `trace_speedup`)
+  multiturn conversations of `turns` turns, each resending the whole history (the
+            earlier user messages and the server's own answers) after a think time;
+            `num_requests` counts conversations, `prompt_tokens` is each user
+            message's length (bench/serving/multiturn.py: its prompts depend on the
+            answers, so it is run by run_conversations, not drawn here)
 
 Every request is greedy with `ignore_eos` and `max_tokens` = its output length, so
 it produces exactly that many tokens. Token-id prompts know their exact length.
@@ -39,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 FIRST_REGULAR_TOKEN = 3  # random prompts avoid the low ids, where small vocabularies keep bos/eos/pad
-KINDS = ("random", "prefix", "text", "sharegpt", "trace")
+KINDS = ("random", "prefix", "text", "sharegpt", "trace", "multiturn")
 MOONCAKE_BLOCK = 512
 
 
@@ -66,6 +71,8 @@ class WorkloadConfig:
     tokenizer: str | None = None  # sharegpt conversations: a directory with tokenizer.json
     trace_block_tokens: int = MOONCAKE_BLOCK
     trace_speedup: float = 1.0
+    turns: tuple[int, int] = (5, 10)  # multiturn: turns per conversation, uniform
+    think_time: float = 1.0  # multiturn: mean seconds between an answer and the next turn (exponential)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -78,6 +85,8 @@ class WorkloadConfig:
         _require(self.prefix_tokens >= 1, f"--prefix-tokens: must be >= 1, got {self.prefix_tokens}")
         _require(self.trace_block_tokens >= 1, f"--trace-block-tokens: must be >= 1, got {self.trace_block_tokens}")
         _require(self.trace_speedup > 0, f"--trace-speedup: must be > 0, got {self.trace_speedup}")
+        _check_range("turns", self.turns)
+        _require(self.think_time >= 0, f"--think-time: must be >= 0, got {self.think_time}")
         _require(self.kind not in ("sharegpt", "trace") or bool(self.path), f"--dataset: a JSONL file for {self.kind}")
 
 
@@ -99,6 +108,9 @@ class BenchRequest:
     prompt: str | tuple[int, ...]
     max_tokens: int
     send_at: float  # seconds after the benchmark's start
+    # multiturn: the prompt's segments, user and assistant messages alternating (a
+    # user message last), for chat APIs; () for a single message
+    turns: tuple[tuple[int, ...], ...] = ()
 
     @property
     def prompt_len(self) -> int | None:
@@ -286,6 +298,7 @@ def _trace_shapes(cfg: WorkloadConfig, vocab: int, max_len: int, rng: random.Ran
 def make_workload(cfg: WorkloadConfig, arrivals: ArrivalConfig, vocab_size: int, max_model_len: int) -> list[BenchRequest]:
     """Prompts and arrival times from separate seeded streams: changing the rate keeps the prompts."""
     _require(vocab_size > FIRST_REGULAR_TOKEN, f"served vocabulary too small: {vocab_size}")
+    _require(cfg.kind != "multiturn", "multiturn: its prompts depend on the answers (multiturn.make_conversations)")
     rng = random.Random(f"prompts-{cfg.kind}-{cfg.seed}")
     shapes = {
         "random": lambda: _random_shapes(cfg, vocab_size, rng),

@@ -140,3 +140,23 @@ def test_drafts_get_k_plus_one_tokens_and_lookahead_slots_but_never_preempt():
     plan = s.schedule()
     assert {r.request_id: n for r, n in plan.scheduled} == {"a": 1, "b": 2}
     assert not plan.preempted and not s.num_preemptions
+
+
+def test_cached_tokens_count_prompt_tokens_only_after_a_preemption():
+    """A preempted request re-admitted finds its own blocks again, generated tokens
+    included; what it reports as served from the prefix cache is prompt tokens only
+    (usage.cached_tokens <= usage.prompt_tokens, as every client checks)."""
+    s = make(64)
+    r = req("a", 4)
+    s.add(r)
+    for _ in range(6):  # prompt prefilled, then decoding: its second block fills with generated tokens
+        run_step(s)
+    assert r.num_tokens >= 9
+    s.running.remove(r)  # as preempt() does: blocks freed (and kept cached), back to waiting
+    s.kv.free(r.request_id)
+    r.num_computed_tokens = 0
+    r.status = RequestStatus.WAITING
+    s.waiting.appendleft(r)
+    run_step(s)
+    assert r.num_computed_tokens >= 8  # two full blocks found again (the second: generated tokens), then more
+    assert r.num_cached_tokens == r.num_prompt_tokens == 4

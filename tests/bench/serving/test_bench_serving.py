@@ -109,6 +109,35 @@ def test_quick_openai_backends_report_is_consistent(backend: str, http_cluster: 
     assert data["target"] == base_url and data["config"]["backend"] == backend
 
 
+@pytest.mark.parametrize("backend", ["grpc", "openai-chat"])
+def test_multiturn_workload_resends_each_conversations_history(backend: str, http_cluster: tuple[UpProcess, str],
+                                                               tmp_path: Path) -> None:
+    """3 conversations of 2-3 turns against a running server: each turn's prompt is the
+    one before, its answer and a new user message (gRPC: exactly, in tokens; chat: it
+    grows, the template's tokens on top), sent only after the turn before it ended."""
+    up, base_url = http_cluster
+    report = tmp_path / "multiturn.json"
+    target = ["--addr", up.address] if backend == "grpc" else ["--base-url", base_url]
+    proc = run_bench(["-m", "pdserve", "bench", "--workload", "multiturn", "--backend", backend, *target,
+                      "--num-requests", "3", "--turns", "2", "3", "--think-time", "0.05", "--prompt-tokens", "8", "16",
+                      "--max-tokens", "4", "--json", str(report)])
+    assert LAST_LINE.match(proc.stdout.strip().splitlines()[-1]), proc.stdout[-500:]
+    assert "workload: multiturn, 3 conversations, conversations of 2-3 turns" in proc.stdout
+    data = json.loads(report.read_text())
+    summary, requests = data["summary"], sorted(data["requests"], key=lambda r: r["index"])
+    assert inconsistencies(summary, requests) == [] and summary["failed"] == 0
+    assert 6 <= summary["num_requests"] == len(requests) <= 9
+    new_conversations = 1
+    for prev, cur in zip(requests, requests[1:]):
+        if cur["prompt_tokens"] < prev["prompt_tokens"]:  # the next conversation's first turn
+            new_conversations += 1
+            continue
+        assert cur["started"] >= prev["finished"]  # a conversation's turns in order, after the answer
+        if backend == "grpc":  # history + answer (4 tokens) + a new user message of 8-16 tokens
+            assert 8 <= cur["prompt_tokens"] - prev["prompt_tokens"] - 4 <= 16, (prev, cur)
+    assert new_conversations == 3
+
+
 def test_http_comparison_quick_interleaves_the_three_paths(http_cluster: tuple[UpProcess, str], tmp_path: Path) -> None:
     """bench.serving.http against the running cluster (its --quick mode on its own cluster adds
     a cluster start, ~20 s, to the suite): grpc, openai, openai-chat in turn, the same
