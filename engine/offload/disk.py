@@ -21,12 +21,14 @@ never held across file I/O, except a deletion.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 from pdserve.engine.offload import blockfile
 from pdserve.engine.offload.blockfile import CorruptBlockFile, ForeignBlockFile
@@ -66,7 +68,13 @@ class DiskTier:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise ValueError(f"kv_offload_dir: cannot create {str(self.directory)!r}: {exc}") from None
+        self._lock_file = _lock_directory(self.directory)
         self._start(persist)
+
+    def close(self) -> None:
+        """Let another engine use the directory (the lock also goes with this process)."""
+        if not self._lock_file.closed:
+            self._lock_file.close()
 
     @property
     def file_bytes(self) -> int:
@@ -270,3 +278,28 @@ def _read_whole(path: Path) -> bytearray:
         buf = bytearray(size)
         got = f.readinto(buf)
     return buf if got == size else buf[:got]
+
+
+LOCK_NAME = ".pdserve-kv-offload.lock"
+
+
+def _lock_directory(directory: Path) -> TextIO:
+    """An exclusive lock on `directory`, held while the tier lives (the kernel drops it
+    when the process dies, so a killed worker's restart gets it back). Two live
+    workers sharing a directory would delete or evict each other's files (a tier
+    without --kv-offload-persist clears its layout's files at start; each budgets the
+    directory as its own): the second is refused at start."""
+    f = open(directory / LOCK_NAME, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        raise ValueError(f"kv_offload_dir: {str(directory)!r} is in use by another running worker ({holder}); "
+                         "give each worker a directory of its own") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()}\n")
+    f.flush()
+    return f

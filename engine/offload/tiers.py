@@ -198,6 +198,8 @@ class LowerTiers:
             self.offloader.flush(timeout)
             self._spill(self.host, self.disk, self.clock() + timeout)
         self.offloader.close()
+        if self.disk is not None:
+            self.disk.close()
 
     def _spill(self, host: HostTier, disk: DiskTier, give_up: float) -> None:
         for block_hash, tokens, slot in host.ready_blocks():

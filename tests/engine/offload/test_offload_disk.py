@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import errno
 import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -99,6 +102,7 @@ def test_a_file_replaced_by_another_layouts_is_left_alone(tmp_path: Path) -> Non
 def test_another_models_files_are_ignored_at_start_and_never_deleted(tmp_path: Path) -> None:
     other = tier(tmp_path, layout=OTHER_LAYOUT)
     put(other, 1)
+    other.close()  # a worker of another model used the directory before
     stranger = tmp_path / "notes.txt"
     stranger.write_text("not a block")
     for persist in (False, True):
@@ -106,18 +110,63 @@ def test_another_models_files_are_ignored_at_start_and_never_deleted(tmp_path: P
         assert read(t, 1) is None
         assert path_of(other, 1).exists() and stranger.exists()
         assert t.stats().used_blocks == 0
+        t.close()
+
+
+@pytest.mark.parametrize("layout", [LAYOUT, OTHER_LAYOUT])
+def test_a_directory_in_use_by_a_live_tier_is_refused_naming_the_flag(tmp_path: Path, layout) -> None:
+    first = tier(tmp_path)
+    put(first, 1)
+    with pytest.raises(ValueError, match=r"kv_offload_dir: .* in use by another running worker \(pid \d+\)"):
+        tier(tmp_path, layout=layout, persist=True)
+    assert torch.equal(read(first, 1), block_data(1))  # the refused one touched nothing
+    first.close()
+    again = tier(tmp_path, persist=True)  # free once the first let go
+    assert torch.equal(read(again, 1), block_data(1))
+
+
+def test_a_worker_killed_while_writing_leaves_only_whole_blocks(tmp_path: Path) -> None:
+    """SIGKILL a process that writes blocks as fast as it can: its lock dies with it, a
+    new tier gets the directory, serves only whole, checked blocks, and no temporary."""
+    code = (
+        "import sys, itertools\n"
+        "sys.path.insert(0, sys.argv[2])\n"
+        "from test_offload_disk import tier, put\n"
+        "t = tier(__import__('pathlib').Path(sys.argv[1]), capacity=1 << 30, persist=True)\n"
+        "for i in itertools.count():\n"
+        "    put(t, i % 5000)\n"
+        "    if i == 20: print('writing', flush=True)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    child = subprocess.Popen([sys.executable, "-c", code, str(tmp_path), str(Path(__file__).parent)],
+                             stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert child.stdout.readline().strip() == "writing"
+        time.sleep(0.3)
+    finally:
+        child.kill()
+        child.wait(10)
+    t = tier(tmp_path, capacity=1 << 30, persist=True)
+    found = t.stats().used_blocks
+    assert found > 20
+    served = [i for i in range(5000) if (data := read(t, i)) is not None and torch.equal(data, block_data(i))]
+    assert len(served) == found and t.shared.corrupt_files <= 1  # at most the file being renamed over
+    assert not list(tmp_path.glob("*" + blockfile.TMP_SUFFIX))
+    t.check_integrity()
 
 
 def test_persist_finds_blocks_again_and_without_it_they_are_removed(tmp_path: Path) -> None:
     t = tier(tmp_path)
     for i in range(3):
         put(t, i)
+    t.close()
     (tmp_path / (LAYOUT.digest + "-dead" + blockfile.TMP_SUFFIX)).write_bytes(b"half")  # a crash mid-write
     again = tier(tmp_path, persist=True)
     assert again.stats().used_blocks == 3
     assert all(torch.equal(read(again, i), block_data(i)) for i in range(3))
     assert not list(tmp_path.glob("*" + blockfile.TMP_SUFFIX))
     again.check_integrity()
+    again.close()
     fresh = tier(tmp_path, persist=False)
     assert fresh.stats().used_blocks == 0 and not list(tmp_path.glob(LAYOUT.digest + "-*"))
 
@@ -127,6 +176,7 @@ def test_persist_scan_deletes_our_corrupt_files(tmp_path: Path) -> None:
     put(t, 1)
     put(t, 2)
     path_of(t, 1).write_bytes(b"PDSKVBLK garbage")
+    t.close()
     again = tier(tmp_path, persist=True)
     assert again.shared.corrupt_files == 1 and not path_of(t, 1).exists()
     assert again.stats().used_blocks == 1 and read(again, 2) is not None
