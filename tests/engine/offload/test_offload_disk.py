@@ -3,11 +3,13 @@ files, checks on read, foreign files left alone, refusals, persistence."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -216,16 +218,61 @@ def test_disk_full_stops_offload_with_one_warning(tmp_path: Path, monkeypatch, c
     t.check_integrity()
 
 
-def test_a_read_only_directory_refuses_writes(tmp_path: Path) -> None:
-    t = tier(tmp_path)
-    os.chmod(tmp_path, 0o555)
+@contextlib.contextmanager
+def read_only(directory: Path) -> Iterator[str]:
+    """`directory` made read-only under a live tier, as a user can (chmod) or, as root,
+    whom permissions do not bind, as a disk remounted read-only after errors does (a
+    tmpfs mounted there is remounted ro: EROFS), else as an immutable directory (EPERM).
+    Yields how."""
+    if os.geteuid() != 0:
+        os.chmod(directory, 0o555)
+        try:
+            yield "chmod"
+        finally:
+            os.chmod(directory, 0o755)
+        return
+    if subprocess.run(["mount", "-o", "remount,ro", str(directory)], capture_output=True).returncode == 0:
+        try:
+            yield "remounted read-only"
+        finally:
+            subprocess.run(["mount", "-o", "remount,rw", str(directory)], capture_output=True)
+        return
+    if subprocess.run(["chattr", "+i", str(directory)], capture_output=True).returncode == 0:
+        try:
+            yield "immutable"
+        finally:
+            subprocess.run(["chattr", "-i", str(directory)], capture_output=True)
+        return
+    pytest.skip("running as root where neither a read-only remount nor chattr +i is allowed")
+
+
+@pytest.fixture
+def own_mount(tmp_path: Path) -> Iterator[Path]:
+    """A directory that is a tmpfs of its own where root may mount one (so that it can be
+    remounted read-only), else a plain one."""
+    directory = tmp_path / "tier"
+    directory.mkdir()
+    mounted = os.geteuid() == 0 and subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(directory)], capture_output=True).returncode == 0
     try:
-        if os.access(tmp_path, os.W_OK):
-            pytest.skip("running as root: permissions do not bind")
-        assert not put(t, 1)
-        assert not t.writable and t.shared.disk_write_errors == 1
+        yield directory
     finally:
-        os.chmod(tmp_path, 0o755)
+        if mounted:
+            subprocess.run(["umount", "-l", str(directory)], capture_output=True)
+
+
+def test_a_directory_turned_read_only_stops_offload_and_serving_goes_on(own_mount: Path, caplog) -> None:
+    t = tier(own_mount)
+    assert put(t, 1)
+    with read_only(own_mount) as how, caplog.at_level("WARNING"):
+        assert not put(t, 2), how
+        assert not put(t, 3), how
+        assert not t.writable and t.shared.disk_write_errors == 1, how
+        assert len([r for r in caplog.records if "refused" in r.message]) == 1
+        assert torch.equal(read(t, 1), block_data(1))  # reads go on
+        assert read(t, 2) is None
+    t.check_integrity()
+    t.close()
 
 
 def test_a_file_deleted_behind_the_tiers_back_is_a_miss(tmp_path: Path) -> None:
