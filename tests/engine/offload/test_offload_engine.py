@@ -1,7 +1,7 @@
 """The KV tiers inside the engine: tokens identical with tiers on and off under eviction
 pressure, hits that came from the host tier and (host tier 0) from the disk tier, on
-two model families; faults fall back to recompute; every tier's integrity after each
-test."""
+llama and qwen2, and through both tiers on every other family the tests build;
+faults fall back to recompute; every tier's integrity after each test."""
 
 from __future__ import annotations
 
@@ -313,3 +313,30 @@ def test_prefix_tiers_say_where_each_block_sits(model_dir: str, tmp_path: Path) 
     assert eng.prefix_tiers([9] * 30) == []
     eng.close()
     assert engine(model_dir).prefix_tiers(first) == []  # tiers off: the pool alone, which lost it
+
+
+@pytest.mark.parametrize("arch, overrides", [
+    ("mistral", dict(sliding_window=12)),
+    ("qwen3", {}),
+    ("gemma2", dict(sliding_window=12, attn_logit_softcapping=5.0, final_logit_softcapping=3.0)),
+    ("gemma3", dict(sliding_window=12, layer_types=["sliding_attention", "full_attention"])),
+    ("phi3", {}),
+])
+def test_every_other_family_gives_identical_tokens_through_both_tiers(arch: str, overrides: dict,
+                                                                      tmp_path: Path) -> None:
+    """The families beside llama and qwen2 (sliding windows, qk-norm, soft-caps,
+    local/global layers): revisits find their prefixes in the host tier, then (host tier
+    0) on disk; greedy and seeded tokens as with the tiers off."""
+    model_dir = tmp_path / "model"
+    build_model(model_dir, arch, seed=5, **overrides)
+    off = engine(str(model_dir))
+    baseline = run(off, workload(rounds=2))
+    check_idle(off)
+    for tier, offload in (("host", dict(kv_offload_host_bytes=HOST_BYTES)),
+                          ("disk", dict(kv_offload_dir=str(tmp_path / "tier"), kv_offload_disk_bytes=DISK_BYTES))):
+        eng = engine(str(model_dir), **offload)
+        assert run(eng, workload(rounds=2)) == baseline, tier
+        stats = getattr(eng.stats().kv_offload, tier)
+        assert stats.hits >= PREFIX_BLOCKS * NUM_PREFIXES, (tier, stats)  # every revisit found its prefix there
+        check_idle(eng)
+        eng.close()

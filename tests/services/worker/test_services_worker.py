@@ -12,6 +12,7 @@ import torch
 from cluster_helpers import metric, wait_for
 from pdserve.engine.hashing import hash_blocks
 from pdserve.engine.llm import DEFAULT_MODEL
+from pdserve.engine.offload import blockfile
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
@@ -188,10 +189,10 @@ def test_a_worker_with_kv_tiers_closes_them_on_every_way_out(tmp_path, monkeypat
                                        sampling=OPTIONS)
             assert list(pb_grpc.WorkerStub(channel).Decode(request, timeout=30))[-1].finished
         wait_for(lambda: worker.engine.stats().kv_offload.host.stored >= 4, 10, "blocks copied to the host tier")
-        assert not list(tmp_path.iterdir())
+        assert not list(tmp_path.glob("*" + blockfile.SUFFIX))
     finally:
         worker.stop()
-    assert len(list(tmp_path.iterdir())) >= 4  # the host tier's blocks, written down at close
+    assert len(list(tmp_path.glob("*" + blockfile.SUFFIX))) >= 4  # the host tier's blocks, written down at close
     closed = []
     monkeypatch.setattr("pdserve.services.node.LLMEngine.close", lambda engine: closed.append(engine))
     monkeypatch.setattr("pdserve.services.node.open_connector",
