@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import select
 import subprocess
 import sys
 import time
@@ -143,7 +144,8 @@ def test_a_worker_killed_while_writing_leaves_only_whole_blocks(tmp_path: Path) 
     child = subprocess.Popen([sys.executable, "-c", code, str(tmp_path), str(Path(__file__).parent)],
                              stdout=subprocess.PIPE, text=True, env=env)
     try:
-        assert child.stdout.readline().strip() == "writing"
+        ready, _, _ = select.select([child.stdout], [], [], 120)
+        assert ready and child.stdout.readline().strip() == "writing", "the writer did not start within 120 s"
         time.sleep(0.3)
     finally:
         child.kill()
