@@ -37,7 +37,7 @@ def test_tier_changes_from_another_thread_ride_in_the_next_batch():
     log.stored(h(1))
     writer = threading.Thread(target=lambda: [log.tier_changed("host", h(k), True) for k in (1, 2, 3)])
     writer.start()
-    writer.join()
+    writer.join(10)
     log.tier_changed("disk", h(2), True)
     assert log.flush() == 1
     (batch,) = log.since(0, log.epoch)

@@ -127,7 +127,7 @@ def test_reusing_a_block_waits_for_the_copy_in_flight() -> None:
     assert not done.wait(0.3)  # still copying: the reuse waits
     copier.gate.set()
     assert done.wait(10)
-    t.join()
+    t.join(10)
     off.flush(10)
     slot = host.acquire(block_hash(3), tokens(3))
     assert torch.equal(host.store[slot], block_data(3))
