@@ -30,6 +30,12 @@ class FailureKind(enum.Enum):
     # The block hashes a request carried differ from the worker's own for its prompt
     # (engine.hashing.BlockHashMismatch): another tokenizer, block size or salt.
     BLOCK_HASH_MISMATCH = "block_hash_mismatch"
+    # A request's structured-outputs constraint (engine/structured/): its grammar
+    # backend refused it (a bad regex or grammar, an unsupported schema feature), or it
+    # did not compile within --structured-outputs-compile-timeout. The request fails
+    # alone: INVALID_ARGUMENT (HTTP 400) and DEADLINE_EXCEEDED (HTTP 504).
+    INVALID_CONSTRAINT = "invalid_constraint"
+    CONSTRAINT_TIMEOUT = "constraint_timeout"
 
     @property
     def kv_lost(self) -> bool:

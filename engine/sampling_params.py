@@ -19,6 +19,8 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Literal
 
+from pdserve.engine.structured.params import StructuredOutputs
+
 EarlyStopping = bool | Literal["never"]
 MAX_CACHE_SALT = 512
 MAX_VALUE_REPR = 120  # characters of a refused value an error message quotes
@@ -37,8 +39,11 @@ INT_FIELDS = ("max_tokens", "min_tokens", "top_k", "n", "beam_width", "sample_in
 # Fields beam search cannot honour, with the value that leaves them off.
 BEAM_REFUSED = (
     ("stop", ()), ("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("logprobs", None),
-    ("top_k", 0), ("top_p", 1.0), ("min_p", 0.0),
+    ("top_k", 0), ("top_p", 1.0), ("min_p", 0.0), ("structured_outputs", None), ("logit_bias", ()),
 )
+# OpenAI's range for a logit bias, and how many tokens one request may bias.
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
+MAX_LOGIT_BIAS = 1024
 
 
 @dataclass(frozen=True)
@@ -73,8 +78,15 @@ class SamplingParams:
     # before (a stream migration's continuation): presence and frequency penalties,
     # which count output only, count them too.
     resumed_tokens: int = 0
+    # What the output must match (JSON schema, regex, choice, grammar): each step's
+    # token mask comes from the request's grammar matcher (engine/structured/).
+    structured_outputs: StructuredOutputs | None = None
+    # (token id, bias) pairs, sorted by id, added to the logits before sampling (OpenAI's
+    # logit_bias; a dict is taken too). Reported logprobs are the model's, unbiased.
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
+        self._check_constraints()
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         for name in ("stop", "stop_token_ids"):  # None: none; any other non-list is refused
@@ -130,6 +142,29 @@ class SamplingParams:
             object.__setattr__(self, "cache_salt", None)
         check_field(self.cache_salt is None or (isinstance(self.cache_salt, str) and len(self.cache_salt) <= MAX_CACHE_SALT),
                     "cache_salt", f"must be a string of at most {MAX_CACHE_SALT} characters", self.cache_salt)
+
+    def _check_constraints(self) -> None:
+        check_field(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputs),
+                    "structured_outputs", "must be a StructuredOutputs", type(self.structured_outputs).__name__)
+        bias = self.logit_bias
+        if bias is None:
+            bias = ()
+        if isinstance(bias, dict):
+            bias = tuple(bias.items())
+        check_field(isinstance(bias, (list, tuple)), "logit_bias", "must map token ids to biases", bias)
+        check_field(len(bias) <= MAX_LOGIT_BIAS, "logit_bias", f"at most {MAX_LOGIT_BIAS} tokens", len(bias))
+        pairs: dict[int, float] = {}
+        for pair in bias:
+            check_field(isinstance(pair, (list, tuple)) and len(pair) == 2, "logit_bias", "must map token ids to biases",
+                        pair)
+            token, value = pair
+            if isinstance(token, str) and token.strip().lstrip("-").isdigit():
+                token = int(token)  # JSON object keys are strings: {"50256": -100}
+            check_field(_is_int(token) and token >= 0, "logit_bias", "keys must be token ids >= 0", token)
+            check_field(_is_number(value) and LOGIT_BIAS_RANGE[0] <= value <= LOGIT_BIAS_RANGE[1], "logit_bias",
+                        f"biases must be numbers in [{LOGIT_BIAS_RANGE[0]:g}, {LOGIT_BIAS_RANGE[1]:g}]", value)
+            pairs[int(token)] = float(value)
+        object.__setattr__(self, "logit_bias", tuple(sorted(pairs.items())))
 
     @property
     def greedy(self) -> bool:

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pdserve.engine.sampling_params import SamplingParams, check_field, short_repr
+from pdserve.engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams, check_field, short_repr
+from pdserve.engine.structured.params import ConstraintKind, StructuredOutputs
 from pdserve.engine.validation import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 
@@ -30,7 +31,7 @@ _SCALARS = (
 )
 _REPEATED = ("stop", "stop_token_ids")
 # Every pb.SamplingOptions field, each named as SamplingParams names it.
-SAMPLING_FIELDS = (*_SCALARS, *_REPEATED, "early_stopping")
+SAMPLING_FIELDS = (*_SCALARS, *_REPEATED, "early_stopping", "structured_outputs", "logit_bias")
 _EARLY_STOPPING = {"true": True, "false": False, "never": "never"}
 
 ROLES = {"prefill": pb.ROLE_PREFILL, "decode": pb.ROLE_DECODE, "mixed": pb.ROLE_MIXED}
@@ -57,7 +58,37 @@ def params_from_options(options: pb.SamplingOptions, cache_salt: str = "") -> Sa
         if value not in _EARLY_STOPPING:
             raise ValueError(f"early_stopping: must be 'true', 'false' or 'never', got {options.early_stopping!r}")
         kwargs["early_stopping"] = _EARLY_STOPPING[value]
+    if options.HasField("structured_outputs"):
+        kwargs["structured_outputs"] = constraint_of(options.structured_outputs)
+    check_field(len(options.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias", f"at most {MAX_LOGIT_BIAS} tokens",
+                len(options.logit_bias))
+    if options.logit_bias:
+        kwargs["logit_bias"] = tuple(options.logit_bias.items())
     return SamplingParams(**kwargs)  # type: ignore[arg-type]
+
+
+def constraint_of(message: pb.StructuredOutputs) -> StructuredOutputs:
+    """The engine's StructuredOutputs of a message (ValueError naming the field)."""
+    which = message.WhichOneof("constraint")
+    if which is None:
+        raise ValueError("structured_outputs: set, but with no constraint (json_schema, json_object, regex, "
+                         "choice or grammar)")
+    if which == "json_object":
+        if not message.json_object:
+            raise ValueError("structured_outputs.json_object: must be true when set")
+        return StructuredOutputs(ConstraintKind.JSON_OBJECT)
+    if which == "choice":
+        return StructuredOutputs(ConstraintKind.CHOICE, choices=tuple(message.choice.choices))
+    return StructuredOutputs(ConstraintKind(which), getattr(message, which))
+
+
+def constraint_message(constraint: StructuredOutputs) -> pb.StructuredOutputs:
+    kind = constraint.kind
+    if kind is ConstraintKind.JSON_OBJECT:
+        return pb.StructuredOutputs(json_object=True)
+    if kind is ConstraintKind.CHOICE:
+        return pb.StructuredOutputs(choice=pb.ChoiceList(choices=constraint.choices))
+    return pb.StructuredOutputs(**{kind.value: constraint.spec})
 
 
 def options_of(params: SamplingParams) -> pb.SamplingOptions:
@@ -75,6 +106,10 @@ def options_of(params: SamplingParams) -> pb.SamplingOptions:
                 getattr(options, name).extend(value)
             elif name == "early_stopping":
                 options.early_stopping = value if isinstance(value, str) else str(value).lower()
+            elif name == "structured_outputs":
+                options.structured_outputs.CopyFrom(constraint_message(value))
+            elif name == "logit_bias":
+                options.logit_bias.update(dict(value))
             else:
                 setattr(options, name, value)
         except (ValueError, TypeError, OverflowError):

@@ -20,6 +20,8 @@ _FAILURE_STATUS = {
     Failure.INTERNAL: grpc.StatusCode.INTERNAL,
     Failure.NO_ROOM: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Failure.BLOCK_HASH_MISMATCH: grpc.StatusCode.FAILED_PRECONDITION,
+    Failure.INVALID_CONSTRAINT: grpc.StatusCode.INVALID_ARGUMENT,
+    Failure.CONSTRAINT_TIMEOUT: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 
 
