@@ -1,0 +1,1 @@
+"""Structured outputs benchmark (issue 37): `python -m pdserve.bench.structured`."""
