@@ -11,6 +11,10 @@ import torch
 from pdserve.engine.structured.backend import GrammarBackend, Vocabulary, choice_regex
 from pdserve.engine.structured.params import ConstraintKind, StructuredOutputs
 
+# Compact JSON, as llguidance writes it without flexible whitespace: no free whitespace
+# (a model cannot pad its output forever), "," and ":" alone.
+SEPARATORS = (",", ":")
+
 
 class XGrammarMatcher:
     def __init__(self, matcher: Any) -> None:
@@ -65,10 +69,11 @@ class XGrammarBackend(GrammarBackend):
         kind, c = constraint.kind, self._compiler
         try:
             if kind is ConstraintKind.JSON_SCHEMA:
-                # Compact JSON (no free whitespace): a model cannot pad its output forever.
-                compiled = c.compile_json_schema(constraint.spec, any_whitespace=False, strict_mode=True)
+                compiled = c.compile_json_schema(constraint.spec, any_whitespace=False, separators=SEPARATORS,
+                                                 strict_mode=True)
             elif kind is ConstraintKind.JSON_OBJECT:
-                compiled = c.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+                compiled = c.compile_json_schema('{"type": "object"}', any_whitespace=False, separators=SEPARATORS,
+                                                 strict_mode=False)
             elif kind is ConstraintKind.REGEX:
                 compiled = c.compile_regex(constraint.spec)
             elif kind is ConstraintKind.CHOICE:
