@@ -146,8 +146,11 @@ class EngineCore:
             action(finished)
             return
         waiting.append(action)
-        if self.structured is not None and self.structured.take_if_compiled(group.request_id):
-            self._admit_compiled([group.request_id], finished)  # a cache hit: no need to wait for a step
+        # Compiled already (a cache hit): no need to wait for a step, unless resumed tokens
+        # must enter the matcher first (they may not match: a failure a step reports).
+        if (self.structured is not None and not group.params.resumed_tokens
+                and self.structured.take_if_compiled(group.request_id)):
+            self._admit_compiled([group.request_id], finished)
 
     def _poll_grammars(self, finished: list[RequestOutput]) -> None:
         """Start the groups whose grammar compiled; fail those refused or too slow."""

@@ -17,14 +17,17 @@ SEPARATORS = (",", ":")
 
 
 class XGrammarMatcher:
-    def __init__(self, matcher: Any) -> None:
+    def __init__(self, matcher: Any, only: torch.Tensor | None = None) -> None:
         self._m = matcher
+        self._only = only  # a bitmask row ANDed into every mask (JSON: no raw control bytes)
 
     def accept_token(self, token: int) -> bool:
         return bool(self._m.accept_token(token))
 
     def fill_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
         self._m.fill_next_token_bitmask(bitmask, index)
+        if self._only is not None:
+            bitmask[index] &= self._only
 
     def rollback(self, num_tokens: int) -> None:
         if num_tokens:
@@ -34,18 +37,20 @@ class XGrammarMatcher:
         return bool(self._m.is_terminated())
 
     def fork(self) -> XGrammarMatcher:
-        return XGrammarMatcher(self._m.fork())
+        return XGrammarMatcher(self._m.fork(), self._only)
 
 
 class XGrammarCompiled:
-    def __init__(self, compiled: Any, stop_token_ids: list[int]) -> None:
+    def __init__(self, compiled: Any, stop_token_ids: list[int], only: torch.Tensor | None) -> None:
         self._compiled = compiled
         self._stop = stop_token_ids
+        self._only = only
 
     def matcher(self) -> XGrammarMatcher:
         import xgrammar
 
-        return XGrammarMatcher(xgrammar.GrammarMatcher(self._compiled, override_stop_tokens=self._stop or None))
+        matcher = xgrammar.GrammarMatcher(self._compiled, override_stop_tokens=self._stop or None)
+        return XGrammarMatcher(matcher, self._only)
 
 
 class XGrammarBackend(GrammarBackend):
@@ -64,6 +69,7 @@ class XGrammarBackend(GrammarBackend):
         )
         # No cache of its own: compiler.py keeps one, keyed by the constraint and vocabulary.
         self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self._json_only = _without_control_bytes(info.decoded_vocab, vocab.vocab_size)
 
     def compile(self, constraint: StructuredOutputs) -> XGrammarCompiled:
         kind, c = constraint.kind, self._compiler
@@ -82,7 +88,21 @@ class XGrammarBackend(GrammarBackend):
                 compiled = c.compile_grammar(constraint.spec)
         except (RuntimeError, ValueError, TypeError) as exc:
             raise ValueError(f"structured_outputs.{kind.value}: xgrammar refused it: {_first_line(exc)}") from None
-        return XGrammarCompiled(compiled, list(self.vocab.eos_token_ids))
+        json_kind = kind in (ConstraintKind.JSON_SCHEMA, ConstraintKind.JSON_OBJECT)
+        return XGrammarCompiled(compiled, list(self.vocab.eos_token_ids), self._json_only if json_kind else None)
+
+
+def _without_control_bytes(decoded_vocab: list[bytes], vocab_size: int) -> torch.Tensor:
+    """A bitmask row allowing every token but those holding a byte below 0x20. xgrammar
+    0.2.9's JSON strings admit raw control characters (a random model wrote "\x1a"),
+    which JSON forbids (they must be escaped); compact JSON has no whitespace outside
+    strings either, so no valid output of a JSON kind holds such a byte."""
+    row = torch.full(((vocab_size + 31) // 32,), -1, dtype=torch.int32)
+    for token, text in enumerate(decoded_vocab[:vocab_size]):
+        if any(b < 0x20 for b in text):
+            word, bit = divmod(token, 32)
+            row[word] &= ~(1 << bit) if bit < 31 else 0x7FFFFFFF
+    return row
 
 
 def _first_line(exc: BaseException) -> str:

@@ -156,3 +156,25 @@ def test_recursive_schema_compiles_and_stays_bounded_by_its_matcher(backend):
         assert str(exc).startswith("structured_outputs.json_schema: ")
         return
     assert EOS not in allowed(matcher)
+
+
+def test_json_strings_never_take_a_raw_control_character(backend, token_texts):
+    """JSON forbids unescaped control characters in strings (xgrammar 0.2.9 allowed them
+    in strings with a maxLength: its matcher is masked with a static row for the JSON kinds)."""
+    for i, constraint in enumerate((StructuredOutputs.json_schema({"type": "object", "properties": {"a": {"type": "string"}},
+                                                      "required": ["a"]}),
+                       StructuredOutputs.json_schema({"type": "object", "required": ["a"], "properties": {
+                           "a": {"type": "string", "minLength": 1, "maxLength": 8}}}),
+                       StructuredOutputs(ConstraintKind.JSON_OBJECT))):
+        matcher = backend.compile(constraint).matcher()
+        for text in ('{"a":"', "x"):
+            for token in tokens_of(text, token_texts, matcher):
+                assert matcher.accept_token(token)
+        got = allowed(matcher)
+        assert got and not [t for t in got if token_texts[t] and any(ord(ch) < 0x20 for ch in token_texts[t])]
+        assert i == 1 or any(token_texts[t] == "\\" for t in got)  # escapes still are (not in xgrammar's bounded strings)
+
+
+def tokens_of(text: str, token_texts: list[str | None], matcher) -> list[int]:
+    """`text` as single-character tokens the matcher allows (every character here is one)."""
+    return [next(i for i, t in enumerate(token_texts) if t == ch) for ch in text]
