@@ -65,10 +65,9 @@ class RemoteKV:
         if group is None or group.live[0].status != RequestStatus.WAITING_FOR_REMOTE_KV:
             raise ValueError(f"request_id: {request_id!r} has no reservation waiting for KV")
         request = group.live[0]
-        request.kv_committed_time = time.monotonic()
+        request.kv_committed_time = request.first_scheduled_time = time.monotonic()
 
         def start(finished: list[RequestOutput]) -> None:
-            request.first_scheduled_time = time.monotonic()
             request.num_computed_tokens = request.num_prompt_tokens - (first_token is None)
             if draft is not None and core.speculator is not None:
                 core.speculator.adopt(request, draft)  # before the first token: a fork copies it
