@@ -205,7 +205,8 @@ def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device
 
 
 def mask_early_stop(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
-    """Forbid EOS and stop tokens until a request has its min_tokens."""
+    """Forbid EOS and stop tokens until a request has its min_tokens (unless nothing
+    else is allowed: a structured-outputs mask may leave only a stop token)."""
     vocab = logits.shape[1]
     pairs = [
         (i, t)
@@ -217,7 +218,11 @@ def mask_early_stop(logits: torch.Tensor, requests: Sequence[Request]) -> torch.
     if not pairs:
         return logits
     rows, cols = torch.tensor(pairs, dtype=torch.long, device=logits.device).T
-    return logits.index_put((rows, cols), torch.tensor(_MASK, device=logits.device))
+    masked = logits.index_put((rows, cols), torch.tensor(_MASK, device=logits.device))
+    # A row left with no token at all (a grammar that allows only a stop token now):
+    # the grammar wins, min_tokens yields.
+    dead = torch.isinf(masked).all(dim=-1, keepdim=True)
+    return torch.where(dead, logits, masked)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float]) -> torch.Tensor:

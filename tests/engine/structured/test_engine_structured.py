@@ -263,3 +263,10 @@ def test_stats_count_kinds_and_cache_hits(llm):
     assert dict(after.requests)["choice"] == dict(before.requests).get("choice", 0) + 3
     assert after.cache_hits >= before.cache_hits + 2
     assert after.num_compiles <= before.num_compiles + 1 and after.compile_seconds_total >= before.compile_seconds_total
+
+
+def test_min_tokens_yields_to_a_complete_grammar(llm):
+    engine = llm("tiny", "xgrammar")
+    out = engine.generate(PROMPT, constrained(StructuredOutputs(ConstraintKind.CHOICE, choices=("a", "b")),
+                                              min_tokens=5))[0]
+    assert out.error is None and out.outputs[0].text in ("a", "b") and out.outputs[0].finish_reason == "stop"
