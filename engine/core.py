@@ -336,7 +336,8 @@ class EngineCore:
         fans out, as usual.)"""
         group = self._seq_group.get(request.request_id)
         return (group is not None and group.beam is None and not group.needs_fan_out
-                and group.params.structured_outputs is None and request.status == RequestStatus.RUNNING and request.num_output_tokens > 0
+                and group.params.structured_outputs is None and request.status == RequestStatus.RUNNING
+                and request.num_output_tokens > 0
                 and request.num_computed_tokens == request.num_tokens - 1)
 
     def _run(self, scheduled: Scheduled, finished: list[RequestOutput]) -> None:
@@ -583,6 +584,9 @@ class EngineCore:
             self.speculator.check_integrity(self._seq_group.keys())
         if self.structured is not None:
             self.structured.check_integrity(set(self._seq_group))
+        stray = [g for g in self._on_ready if g not in self.groups]
+        if stray:
+            raise RuntimeError(f"engine: {stray[:4]} wait for a grammar but are not running")
 
 
 def _running(seq: Request) -> bool:

@@ -150,10 +150,13 @@ class LLMEngine:
 
     def close(self) -> None:
         """Stop the tiers' worker (queued copies down are dropped; with a persistent
-        disk tier the host tier's blocks are written to disk first); idempotent. The
+        disk tier the host tier's blocks are written to disk first) and the grammar
+        compiler's pool (compiles not started are dropped); idempotent. The
         engine must not step afterwards."""
         if self.offload is not None:
             self.offload.close()
+        if self.structured is not None:
+            self.structured.compiler.close()
 
     def _plan_memory(self, dtype: torch.dtype, device: torch.device) -> MemoryPlan:
         """Weights as loaded, the activation peak (measured on a GPU), the KV budget and blocks."""

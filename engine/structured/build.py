@@ -13,7 +13,9 @@ from pdserve.engine.structured.manager import StructuredOutputsManager
 
 
 
-def build_structured(config: EngineConfig, vocab_size: int, eos_token_ids: tuple[int, ...]) -> StructuredOutputsManager | None:
+def build_structured(
+    config: EngineConfig, vocab_size: int, eos_token_ids: tuple[int, ...],
+) -> StructuredOutputsManager | None:
     if not (Path(config.model) / "tokenizer.json").is_file():
         return None
     vocab = Vocabulary.from_model_dir(config.model, vocab_size, eos_token_ids)  # the tokenizers library: ms

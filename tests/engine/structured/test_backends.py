@@ -161,8 +161,8 @@ def test_recursive_schema_compiles_and_stays_bounded_by_its_matcher(backend):
 def test_json_strings_never_take_a_raw_control_character(backend, token_texts):
     """JSON forbids unescaped control characters in strings (xgrammar 0.2.9 allowed them
     in strings with a maxLength: its matcher is masked with a static row for the JSON kinds)."""
-    for i, constraint in enumerate((StructuredOutputs.json_schema({"type": "object", "properties": {"a": {"type": "string"}},
-                                                      "required": ["a"]}),
+    string = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
+    for i, constraint in enumerate((StructuredOutputs.json_schema(string),
                        StructuredOutputs.json_schema({"type": "object", "required": ["a"], "properties": {
                            "a": {"type": "string", "minLength": 1, "maxLength": 8}}}),
                        StructuredOutputs(ConstraintKind.JSON_OBJECT))):
@@ -172,7 +172,8 @@ def test_json_strings_never_take_a_raw_control_character(backend, token_texts):
                 assert matcher.accept_token(token)
         got = allowed(matcher)
         assert got and not [t for t in got if token_texts[t] and any(ord(ch) < 0x20 for ch in token_texts[t])]
-        assert i == 1 or any(token_texts[t] == "\\" for t in got)  # escapes still are (not in xgrammar's bounded strings)
+        # escapes still are (but in xgrammar's bounded strings)
+        assert i == 1 or any(token_texts[t] == "\\" for t in got)
 
 
 def tokens_of(text: str, token_texts: list[str | None], matcher) -> list[int]:

@@ -66,7 +66,8 @@ def test_a_refused_constraint_is_cached_as_refused(vocab):
 
 def test_limits_are_refused_before_compiling(vocab):
     c = compiler(vocab, max_bytes=200, max_depth=3)
-    with pytest.raises(ValueError, match=r"^structured_outputs\.regex: 201 bytes, more than structured_outputs_max_bytes=200"):
+    with pytest.raises(ValueError, match=r"^structured_outputs\.regex: 201 bytes, more than "
+                                         r"structured_outputs_max_bytes=200"):
         c.check(regex("a" * 201))
     deep = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "object"}}}}}
     with pytest.raises(ValueError, match=r"^structured_outputs\.json_schema: nested 5 deep, more than "
@@ -137,11 +138,13 @@ def test_a_refused_grammar_fails_its_request_alone(engine):
 def test_admission_refuses_over_the_limits(engine):
     prompt = [5, 6, 7]
     huge = SamplingParams(structured_outputs=StructuredOutputs(ConstraintKind.REGEX, "a" * 5000))
-    with pytest.raises(ValueError, match=r"^structured_outputs\.regex: 5000 bytes, more than structured_outputs_max_bytes"):
+    with pytest.raises(ValueError, match=r"^structured_outputs\.regex: 5000 bytes, more than "
+                                         r"structured_outputs_max_bytes"):
         engine.add_request("huge", prompt, huge)
     deep_schema = json.dumps(json.loads("{" + '"a": {' * 40 + "}" * 40 + "}"))
     deep = SamplingParams(structured_outputs=StructuredOutputs(ConstraintKind.JSON_SCHEMA, deep_schema))
-    with pytest.raises(ValueError, match=r"^structured_outputs\.json_schema: nested 41 deep, more than structured_outputs_max_depth=32"):
+    with pytest.raises(ValueError, match=r"^structured_outputs\.json_schema: nested 41 deep, more than "
+                                         r"structured_outputs_max_depth=32"):
         engine.add_request("deep", prompt, deep)
     with pytest.raises(ValueError, match=r"^logit_bias: token ids must be < vocab_size 4096"):
         engine.add_request("bias", prompt, SamplingParams(logit_bias={4096: 1.0}))

@@ -36,7 +36,8 @@ def test_huge_spec_is_refused_before_parsing():
 
 def test_deep_nesting_is_counted_not_recursed():
     deep = '{"a":' * 100_000 + "1" + "}" * 100_000  # json.loads would hit the recursion limit
-    with pytest.raises(ValueError, match=rf"^structured_outputs\.json_schema: nested 100000 deep, more than {MAX_NESTING}"):
+    with pytest.raises(ValueError,
+                       match=rf"^structured_outputs\.json_schema: nested 100000 deep, more than {MAX_NESTING}"):
         StructuredOutputs(JSON, deep)
     assert json_depth('{"a": "[[[[{{{{", "b": [{"c": []}]}') == 4  # brackets inside strings do not count
     assert json_depth('{"a": "\\"[[", "b": 1}') == 1  # nor after an escaped quote
