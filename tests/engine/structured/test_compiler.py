@@ -149,3 +149,12 @@ def test_admission_refuses_over_the_limits(engine):
     with pytest.raises(ValueError, match=r"^logit_bias: token ids must be < vocab_size 4096"):
         engine.add_request("bias", prompt, SamplingParams(logit_bias={4096: 1.0}))
     assert not engine.has_unfinished()
+
+
+@pytest.mark.parametrize("field, value", [("structured_outputs_backend", "outlines"),
+                                          ("structured_outputs_compile_timeout", -1.0),
+                                          ("structured_outputs_max_bytes", 2 << 20),
+                                          ("structured_outputs_max_depth", 0)])
+def test_engine_config_refuses_bad_settings_by_name(field, value):
+    with pytest.raises(ValueError, match=rf"^{field}: "):
+        EngineConfig(model=DEFAULT_MODEL, **{field: value})
