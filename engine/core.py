@@ -179,9 +179,12 @@ class EngineCore:
                 for seq in group.live:
                     resumed = seq.prompt_token_ids[len(seq.prompt_token_ids) - group.params.resumed_tokens:]
                     structured.attach(group_id, seq.request_id, resumed + seq.output_token_ids)
-            except ValueError as exc:
+            except ValueError as exc:  # resumed tokens the grammar does not allow
                 structured.compiler.refused("invalid")
                 finished.append(self.abort_group(group, str(exc), FailureKind.INVALID_CONSTRAINT))
+                continue
+            except Exception as exc:  # the backend failed building a matcher
+                self.fail(group, exc, finished)
                 continue
             for action in actions:
                 if self.groups.get(group_id) is not group:
