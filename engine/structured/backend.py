@@ -140,6 +140,9 @@ def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) 
     if not rows:
         return
     allowed = bitmask_to_bool(bitmask.to(logits.device), logits.shape[1])
+    if rows == list(range(logits.shape[0])):  # every row constrained: in place, no gather
+        logits.masked_fill_(~allowed, float("-inf"))
+        return
     index = torch.tensor(rows, device=logits.device)
     picked = logits.index_select(0, index).masked_fill(~allowed, float("-inf"))
     logits.index_copy_(0, index, picked)

@@ -1,5 +1,8 @@
 """The xgrammar backend (the default): JSON schema, any JSON object, regex, choice (as a
-regex of its escaped strings) and GBNF/EBNF grammars, compiled for one vocabulary."""
+regex of its escaped strings) and GBNF/EBNF grammars, compiled for one vocabulary.
+
+The JSON kinds' masks are also ANDed with a static row refusing tokens that hold a raw
+control byte: xgrammar 0.2.9 lets strings with a maxLength take them, JSON does not."""
 
 from __future__ import annotations
 
