@@ -11,8 +11,9 @@ known; every other request goes on as if nothing happened:
   - sampling the batch raises: its rows are sampled one by one;
   - anything per request (prompt logprobs, fan-out, appending a token, a stop string,
     the token hook, a beam step) fails that request's group only.
-A constraint (structured outputs, engine/structured/) that does not compile, or not
-within its deadline, fails its request alone (INVALID_CONSTRAINT, CONSTRAINT_TIMEOUT).
+A constraint (structured outputs, engine/structured/) that does not compile, not within
+its deadline, or that its grammar engine gives up on while decoding (ConstraintError),
+fails its request alone (INVALID_CONSTRAINT, CONSTRAINT_TIMEOUT).
 A failed request ends like an abort (finish_reason "abort", `RequestOutput.error` and
 `RequestOutput.failure`: INTERNAL, or NO_ROOM for one that can never fit the pool),
 its blocks freed, and a log line names it. Whatever else escapes fails the requests
@@ -42,7 +43,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from pdserve.engine.beam import BeamSearch
-from pdserve.engine.errors import FailureKind
+from pdserve.engine.errors import ConstraintError, FailureKind
 from pdserve.engine.export import LayerHook, layer_callback
 from pdserve.engine.forking import Forker
 from pdserve.engine.group import SequenceGroup
@@ -267,6 +268,10 @@ class EngineCore:
         """A failure this request caused: it ends, alone."""
         if self.groups.get(group.request_id) is not group:
             return  # already ended
+        if isinstance(exc, ConstraintError):  # the request's grammar, not the engine
+            log.info("request %s: %s", group.request_id, exc)
+            finished.append(self.abort_group(group, str(exc), FailureKind.INVALID_CONSTRAINT))
+            return
         log.error("request %s failed in an engine step: %s: %s", group.request_id, type(exc).__name__, exc,
                   exc_info=exc)
         finished.append(self.abort_group(group, f"engine: {type(exc).__name__}: {exc}"))

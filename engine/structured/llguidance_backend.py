@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from pdserve.engine.errors import ConstraintError
 from pdserve.engine.structured.backend import GrammarBackend, Vocabulary, choice_regex
 from pdserve.engine.structured.params import ConstraintKind, StructuredOutputs
 
@@ -23,15 +24,22 @@ class LLGuidanceMatcher:
         self._m = matcher
 
     def accept_token(self, token: int) -> bool:
-        if self._m.validate_tokens([token]) != 1:
-            return False  # refused without consuming it (consume_token would break the matcher)
-        return bool(self._m.consume_token(token))
+        if self._m.validate_tokens([token]) == 1 and self._m.consume_token(token):
+            return True
+        self._check()
+        return False  # refused without consuming it (consume_token would break the matcher)
 
     def fill_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
         row = bitmask[index]
         self._m.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+        self._check()
+
+    def _check(self) -> None:
+        """A matcher in its error state gave up on the grammar (a resource limit, e.g. an
+        endlessly recursive schema): the request's constraint fails, not the engine."""
         if self._m.is_error():
-            raise RuntimeError(f"llguidance: {self._m.get_error()}")
+            reason = " ".join(self._m.get_error().split())[:300]
+            raise ConstraintError(f"structured_outputs: llguidance gave up on the grammar: {reason}")
 
     def rollback(self, num_tokens: int) -> None:
         if num_tokens:

@@ -179,3 +179,10 @@ def test_json_strings_never_take_a_raw_control_character(backend, token_texts):
 def tokens_of(text: str, token_texts: list[str | None], matcher) -> list[int]:
     """`text` as single-character tokens the matcher allows (every character here is one)."""
     return [next(i for i, t in enumerate(token_texts) if t == ch) for ch in text]
+
+
+@pytest.mark.parametrize("schema", [{"type": "nonsense"}, {"type": "integer", "minimum": "x"},
+                                    {"$ref": "#/$defs/missing"}, {"type": "string", "pattern": "(a"}])
+def test_an_invalid_schema_is_refused_with_the_backends_reason(backend, schema):
+    with pytest.raises(ValueError, match=rf"^structured_outputs\.json_schema: {backend.name} refused it: \S"):
+        backend.compile(StructuredOutputs.json_schema(schema))

@@ -19,6 +19,7 @@ import pytest
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.config import DEFAULT_MODEL, CacheConfig, EngineConfig
 from pdserve.engine.engine import LLMEngine
+from pdserve.engine.errors import FailureKind
 from pdserve.engine.structured.params import ConstraintKind, StructuredOutputs
 
 from hf_models import build_model
@@ -270,3 +271,22 @@ def test_min_tokens_yields_to_a_complete_grammar(llm):
     out = engine.generate(PROMPT, constrained(StructuredOutputs(ConstraintKind.CHOICE, choices=("a", "b")),
                                               min_tokens=5))[0]
     assert out.error is None and out.outputs[0].text in ("a", "b") and out.outputs[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_a_schema_that_never_ends_fails_or_runs_to_max_tokens_alone(llm, backend):
+    """xgrammar follows it to max_tokens ("length"); llguidance gives up on its first
+    token (a parser limit): INVALID_CONSTRAINT with its reason. Either way, alone."""
+    engine = llm("tiny", backend)
+    endless = {"$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}}, "required": ["next"]}},
+               "$ref": "#/$defs/n"}
+    choice = constrained(StructuredOutputs(ConstraintKind.CHOICE, choices=CHOICES))
+    outs = engine.generate([PROMPT] * 2, [constrained(StructuredOutputs.json_schema(endless), max_tokens=24), choice])
+    if backend == "xgrammar":
+        assert outs[0].error is None and outs[0].outputs[0].finish_reason == "length"
+        assert outs[0].outputs[0].text.startswith('{"next":{"next":')
+    else:
+        assert outs[0].failure is FailureKind.INVALID_CONSTRAINT
+        assert outs[0].error.startswith("structured_outputs: llguidance gave up on the grammar: ")
+    assert outs[1].error is None and outs[1].outputs[0].text in CHOICES
+    engine.check_integrity()
