@@ -22,6 +22,7 @@ from pdserve.engine.offload.config import check_offload_fields
 from pdserve.engine.model.registry import SUPPORTED_ARCHITECTURES, Family, family, resolve_architecture  # noqa: F401
 from pdserve.engine.quant.config import QUANTIZATION_METHODS, parse_kv_cache_dtype
 from pdserve.engine.spec.config import SpeculativeConfig
+from pdserve.engine.structured.params import MAX_NESTING, MAX_SPEC_BYTES
 
 if TYPE_CHECKING:
     import torch
@@ -375,6 +376,14 @@ class EngineConfig:
     kv_offload_deadline: float = 5.0
     kv_offload_onload_timeout: float = 2.0
     kv_offload_fsync: bool = False
+    # Structured outputs (engine/structured/): the grammar engine (xgrammar | llguidance),
+    # how long a request's grammar may take to compile (seconds; then the request fails
+    # with CONSTRAINT_TIMEOUT), and the largest spec (bytes: schema, regex, grammar or the
+    # choices together) and JSON schema nesting admitted (deeper or larger are refused).
+    structured_outputs_backend: str = "xgrammar"
+    structured_outputs_compile_timeout: float = 10.0
+    structured_outputs_max_bytes: int = 64 * 1024
+    structured_outputs_max_depth: int = 32
 
     @property
     def kv_offload(self) -> bool:
@@ -395,3 +404,24 @@ class EngineConfig:
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs: must be >= 0, got {self.max_logprobs}")
         check_offload_fields(self)
+        check_structured_fields(self)
+
+
+STRUCTURED_OUTPUTS_BACKENDS = ("xgrammar", "llguidance")
+STRUCTURED_FIELDS = ("structured_outputs_backend", "structured_outputs_compile_timeout",
+                     "structured_outputs_max_bytes", "structured_outputs_max_depth")
+
+
+def check_structured_fields(config: object) -> None:
+    """The structured-outputs settings of an EngineConfig (or a worker's flags of the same
+    names); ValueError naming the field."""
+    backend = getattr(config, "structured_outputs_backend")
+    if backend not in STRUCTURED_OUTPUTS_BACKENDS:
+        raise ValueError(f"structured_outputs_backend: must be one of {STRUCTURED_OUTPUTS_BACKENDS}, got {backend!r}")
+    timeout = getattr(config, "structured_outputs_compile_timeout")
+    if not (isinstance(timeout, (int, float)) and 0 < timeout <= 3600):
+        raise ValueError(f"structured_outputs_compile_timeout: must be in (0, 3600] seconds, got {timeout!r}")
+    for name, cap in (("structured_outputs_max_bytes", MAX_SPEC_BYTES), ("structured_outputs_max_depth", MAX_NESTING)):
+        value = getattr(config, name)
+        if not (isinstance(value, int) and 1 <= value <= cap):
+            raise ValueError(f"{name}: must be an integer in [1, {cap}] (the hard cap), got {value!r}")

@@ -11,10 +11,20 @@ known; every other request goes on as if nothing happened:
   - sampling the batch raises: its rows are sampled one by one;
   - anything per request (prompt logprobs, fan-out, appending a token, a stop string,
     the token hook, a beam step) fails that request's group only.
+A constraint (structured outputs, engine/structured/) that does not compile, not within
+its deadline, or that its grammar engine gives up on while decoding (ConstraintError),
+fails its request alone (INVALID_CONSTRAINT, CONSTRAINT_TIMEOUT).
 A failed request ends like an abort (finish_reason "abort", `RequestOutput.error` and
 `RequestOutput.failure`: INTERNAL, or NO_ROOM for one that can never fit the pool),
 its blocks freed, and a log line names it. Whatever else escapes fails the requests
 of this step's batch, never the engine: every path out frees their blocks.
+
+Structured outputs. A constrained request is admitted at once, but enters the
+scheduler only when its grammar has compiled (polled at the start of each step, never
+waited for while anything can run); what was to happen on admission (queueing, a first
+token, a commit of remote KV) waits with it (`when_ready`). Its rows are masked before
+the sampler; `apply_token` advances the matcher; a complete grammar ends the sequence
+("stop"). Constrained sequences do not draft (speculation stays lossless).
 
 Stalls. When nothing can run (only beams waiting for a sibling that cannot get
 blocks), the group at the head of the queue (the oldest with a waiting sequence: the
@@ -28,12 +38,12 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from pdserve.engine.beam import BeamSearch
-from pdserve.engine.errors import FailureKind
+from pdserve.engine.errors import ConstraintError, FailureKind
 from pdserve.engine.export import LayerHook, layer_callback
 from pdserve.engine.forking import Forker
 from pdserve.engine.group import SequenceGroup
@@ -48,6 +58,7 @@ from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.engine.spec.draft_state import DraftState
 from pdserve.engine.spec.speculator import Speculator
 from pdserve.engine.spec.verify import accept_matching, positions
+from pdserve.engine.structured.manager import StructuredOutputsManager
 from pdserve.engine.validation import MAX_REQUEST_ID
 
 log = logging.getLogger(__name__)
@@ -56,12 +67,17 @@ Scheduled = list[tuple[Request, int]]
 # What a sampler row is sampled for: a sequence's next token, or (with drafts) one of
 # the K+1 positions of its verification.
 SampleJob = tuple[Request, int]  # (sequence, number of rows: 1, or K+1)
+# What waits for a constrained group's grammar: run with the step's finished outputs.
+ReadyAction = Callable[[list[RequestOutput]], None]
+# The longest a step with nothing to run waits for a grammar being compiled.
+IDLE_COMPILE_WAIT = 0.005
 
 
 class EngineCore:
     def __init__(
         self, runner: ModelRunner, kv: KVCacheManager, scheduler: Scheduler, sampler: Sampler,
         output: OutputProcessor, eos_token_ids: tuple[int, ...], speculator: Speculator | None = None,
+        structured: StructuredOutputsManager | None = None,
     ) -> None:
         self.runner = runner
         self.kv = kv
@@ -70,6 +86,8 @@ class EngineCore:
         self.output = output
         self.eos_token_ids = eos_token_ids
         self.speculator = speculator
+        self.structured = structured
+        self._on_ready: dict[str, list[ReadyAction]] = {}  # constrained groups waiting for their grammar
         self.groups: dict[str, SequenceGroup] = {}
         # Prefill role: finished requests whose blocks wait to be shipped, and the
         # hook told after each layer which exported tokens it has written.
@@ -78,8 +96,7 @@ class EngineCore:
         self.layer_hook: LayerHook | None = None
         self._seq_group: dict[str, SequenceGroup] = {}
         self._numbers = itertools.count()  # arrival numbers of groups and sequences (priority)
-        on_sample = (lambda parent, child: speculator.fork(parent.request_id, child.request_id)) if speculator else None
-        self.forker = Forker(kv, runner, scheduler, self.track, on_sample)
+        self.forker = Forker(kv, runner, scheduler, self.track, self._on_sample)
         self.last_batch: tuple[int, int] = (0, 0)  # (sequences, tokens) the last step ran: for metrics
         self.last_scheduled: tuple[str, ...] = ()  # request ids of the last step's batch (failure isolation)
 
@@ -101,8 +118,9 @@ class EngineCore:
             block_hashes=list(block_hashes),
         )
         beam = None
-        if params.use_beam_search and self.speculator is not None:
-            self.speculator.skip()  # beams fork every step: they decode without drafts
+        constraint = params.structured_outputs
+        if (params.use_beam_search or constraint is not None) and self.speculator is not None:
+            self.speculator.skip()  # beams fork every step, constrained sequences are masked: no drafts
         if params.use_beam_search:
             # HF's beam search takes stop ids as more EOS ids
             eos = () if params.ignore_eos else self.eos_token_ids
@@ -114,7 +132,75 @@ class EngineCore:
         request.priority = (next(self._numbers), 0)
         self.groups[request_id] = group
         self.track(request, group)
+        if constraint is not None:
+            if self.structured is None:
+                raise ValueError("structured_outputs: this engine has no tokenizer.json to compile grammars for")
+            self.structured.start(request_id, constraint)
+            self._on_ready[request_id] = []
         return request
+
+    def when_ready(self, group: SequenceGroup, action: ReadyAction, finished: list[RequestOutput]) -> None:
+        """Run `action` now, or, while the group's grammar compiles, once it has (in a
+        step, whose outputs then carry what it finishes)."""
+        waiting = self._on_ready.get(group.request_id)
+        if waiting is None:
+            action(finished)
+            return
+        waiting.append(action)
+        # Compiled already (a cache hit): no need to wait for a step, unless resumed tokens
+        # must enter the matcher first (they may not match: a failure a step reports).
+        if (self.structured is not None and not group.params.resumed_tokens
+                and self.structured.take_if_compiled(group.request_id)):
+            self._admit_compiled([group.request_id], finished)
+
+    def _poll_grammars(self, finished: list[RequestOutput]) -> None:
+        """Start the groups whose grammar compiled; fail those refused or too slow."""
+        structured = self.structured
+        if structured is None or not self._on_ready:
+            return
+        ready, failed = structured.poll()
+        for failure in failed:
+            group = self.groups.get(failure.group_id)
+            if group is not None:
+                log.info("request %s: %s", failure.group_id, failure.reason)
+                finished.append(self.abort_group(group, failure.reason, failure.kind))
+        self._admit_compiled(ready, finished)
+
+    def _admit_compiled(self, group_ids: list[str], finished: list[RequestOutput]) -> None:
+        """Build the matchers of groups whose grammar is ready; run what waited for it."""
+        structured = self.structured
+        if structured is None:
+            return
+        for group_id in group_ids:
+            group = self.groups.get(group_id)
+            actions = self._on_ready.pop(group_id, None)
+            if group is None or actions is None:
+                continue
+            try:
+                for seq in group.live:
+                    resumed = seq.prompt_token_ids[len(seq.prompt_token_ids) - group.params.resumed_tokens:]
+                    structured.attach(group_id, seq.request_id, resumed + seq.output_token_ids)
+            except ValueError as exc:  # resumed tokens the grammar does not allow
+                structured.compiler.refused("invalid")
+                finished.append(self.abort_group(group, str(exc), FailureKind.INVALID_CONSTRAINT))
+                continue
+            except Exception as exc:  # the backend failed building a matcher
+                self.fail(group, exc, finished)
+                continue
+            for action in actions:
+                if self.groups.get(group_id) is not group:
+                    break
+                try:
+                    action(finished)
+                except Exception as exc:
+                    self.fail(group, exc, finished)
+
+    def _on_sample(self, parent: Request, child: Request) -> None:
+        """A sample forked off the prompt: the proposer's copy, its own matcher."""
+        if self.speculator is not None:
+            self.speculator.fork(parent.request_id, child.request_id)
+        if self.structured is not None:
+            self.structured.fork(parent.request_id, child.request_id)
 
     def track(self, seq: Request, group: SequenceGroup) -> None:
         seq.priority = (seq.priority[0], next(self._numbers))  # a fork: after its siblings
@@ -129,6 +215,12 @@ class EngineCore:
             self.output.untrack(seq)
             self.kv.free(seq.request_id)
         self.scheduler.shrink_group(request_id, 0)
+        self._forget_constraint(request_id)
+
+    def _forget_constraint(self, group_id: str) -> None:
+        self._on_ready.pop(group_id, None)
+        if self.structured is not None:
+            self.structured.forget_group(group_id)
 
     def finish_seq(self, group: SequenceGroup, seq: Request, status: RequestStatus, keep: bool = True) -> None:
         """Every path out of a sequence: out of the queues, blocks freed (or held for
@@ -142,6 +234,8 @@ class EngineCore:
             if hold:
                 self._export_draft(self.speculator, seq)
             self.speculator.release(seq.request_id)
+        if self.structured is not None:
+            self.structured.release(seq.request_id)
         self.output.untrack(seq)
         group.pending.pop(seq.request_id, None)
         if seq in group.live:
@@ -152,6 +246,7 @@ class EngineCore:
 
     def end_if_done(self, group: SequenceGroup, finished: list[RequestOutput]) -> None:
         if group.done and self.groups.pop(group.request_id, None) is not None:
+            self._forget_constraint(group.request_id)
             finished.append(self.output.build(group))
 
     def abort_group(
@@ -166,12 +261,17 @@ class EngineCore:
         for seq in list(group.live):
             self.finish_seq(group, seq, RequestStatus.FINISHED_ABORTED)
         self.groups.pop(group.request_id, None)
+        self._forget_constraint(group.request_id)
         return self.output.build(group)
 
     def fail(self, group: SequenceGroup, exc: BaseException, finished: list[RequestOutput]) -> None:
         """A failure this request caused: it ends, alone."""
         if self.groups.get(group.request_id) is not group:
             return  # already ended
+        if isinstance(exc, ConstraintError):  # the request's grammar, not the engine
+            log.info("request %s: %s", group.request_id, exc)
+            finished.append(self.abort_group(group, str(exc), FailureKind.INVALID_CONSTRAINT))
+            return
         log.error("request %s failed in an engine step: %s: %s", group.request_id, type(exc).__name__, exc,
                   exc_info=exc)
         finished.append(self.abort_group(group, f"engine: {type(exc).__name__}: {exc}"))
@@ -180,8 +280,10 @@ class EngineCore:
         self, group: SequenceGroup, seq: Request, token: int, logprob: float | None, top: dict[int, float] | None,
         finished: list[RequestOutput],
     ) -> bool:
-        """Append one token; whether it ended the sequence."""
-        status = self.output.append(group, seq, token, logprob, top)
+        """Append one token (the one place tokens are appended, but beams': a constraint's
+        matcher advances here); whether it ended the sequence."""
+        complete = self.structured is not None and self.structured.accept(seq.request_id, token)
+        status = self.output.append(group, seq, token, logprob, top, complete)
         if status is not None:
             self.finish_seq(group, seq, status)
             self.end_if_done(group, finished)
@@ -193,11 +295,16 @@ class EngineCore:
         """Schedule, run the model once, sample; returns outputs of finished requests."""
         started = time.perf_counter()
         self.last_scheduled = ()
+        compiled: list[RequestOutput] = []
+        self._poll_grammars(compiled)
         if self.speculator is not None:
             self._propose(self.speculator)
         plan = self.scheduler.schedule()
         try:
-            return self._step(plan)
+            finished = self._step(plan)
+            if not plan.scheduled and self.structured is not None and self.structured.num_pending:
+                self.structured.wait(IDLE_COMPILE_WAIT)  # nothing to run: let the busy caller breathe
+            return compiled + finished
         finally:
             if self.speculator is not None:
                 self.speculator.step_done(time.perf_counter() - started, _decoding_only(plan.scheduled))
@@ -237,7 +344,8 @@ class EngineCore:
         fans out, as usual.)"""
         group = self._seq_group.get(request.request_id)
         return (group is not None and group.beam is None and not group.needs_fan_out
-                and request.status == RequestStatus.RUNNING and request.num_output_tokens > 0
+                and group.params.structured_outputs is None and request.status == RequestStatus.RUNNING
+                and request.num_output_tokens > 0
                 and request.num_computed_tokens == request.num_tokens - 1)
 
     def _run(self, scheduled: Scheduled, finished: list[RequestOutput]) -> None:
@@ -344,6 +452,8 @@ class EngineCore:
         """Sample every row in one call (a verification's rows at their own positions), then
         apply each job's tokens."""
         views = [view for seq, num_rows in jobs for view in (positions(seq) if num_rows > 1 else [seq])]
+        if self.structured is not None:  # before the sampler: logprobs are the constrained distribution's
+            self._mask(self.structured, jobs, logits, finished)
         try:
             result = self.sampler(logits, views)
             samples: list[tuple | None] = list(zip(result.token_ids, result.logprobs, result.top_logprobs))
@@ -363,6 +473,26 @@ class EngineCore:
                     self._apply_verified(group, seq, rows, finished)
             except Exception as exc:
                 self.fail(group, exc, finished)
+
+    def _mask(self, structured: StructuredOutputsManager, jobs: list[SampleJob], logits: torch.Tensor,
+              finished: list[RequestOutput]) -> None:
+        """Mask the rows of constrained sequences (one row each: they never draft). A
+        matcher that fails fails its request; its row is sampled and then dropped."""
+        rows, at = [], 0
+        for seq, num_rows in jobs:
+            if num_rows == 1 and structured.has(seq.request_id):
+                rows.append((at, seq.request_id))
+            at += num_rows
+        try:
+            structured.mask(logits, rows)
+        except Exception:
+            for row, seq_id in rows:
+                try:
+                    structured.mask(logits, [(row, seq_id)])
+                except Exception as exc:
+                    group = self._seq_group.get(seq_id)
+                    if group is not None:
+                        self.fail(group, exc, finished)
 
     def _apply_verified(self, group: SequenceGroup, seq: Request, rows: list, finished: list[RequestOutput]) -> None:
         """Append what a verification keeps, one token at a time, each through the stop
@@ -460,6 +590,11 @@ class EngineCore:
             raise RuntimeError(f"engine: {len(self._seq_group)} sequences tracked, {live} live")
         if self.speculator is not None:
             self.speculator.check_integrity(self._seq_group.keys())
+        if self.structured is not None:
+            self.structured.check_integrity(set(self._seq_group))
+        stray = [g for g in self._on_ready if g not in self.groups]
+        if stray:
+            raise RuntimeError(f"engine: {stray[:4]} wait for a grammar but are not running")
 
 
 def _running(seq: Request) -> bool:

@@ -66,14 +66,20 @@ class RemoteKV:
             raise ValueError(f"request_id: {request_id!r} has no reservation waiting for KV")
         request = group.live[0]
         request.kv_committed_time = request.first_scheduled_time = time.monotonic()
-        request.num_computed_tokens = request.num_prompt_tokens - (first_token is None)
-        if draft is not None and core.speculator is not None:
-            core.speculator.adopt(request, draft)  # before the first token: a fork copies it
-        core.kv.cache_full_blocks(request)
-        core.scheduler.adopt(request)
+
+        def start(finished: list[RequestOutput]) -> None:
+            request.num_computed_tokens = request.num_prompt_tokens - (first_token is None)
+            if draft is not None and core.speculator is not None:
+                core.speculator.adopt(request, draft)  # before the first token: a fork copies it
+            core.kv.cache_full_blocks(request)
+            core.scheduler.adopt(request)
+            if first_token is not None:
+                core.apply_token(group, request, first_token, None, None, finished)
+
         finished: list[RequestOutput] = []
-        if first_token is not None:
-            core.apply_token(group, request, first_token, None, None, finished)
+        # A constrained request whose grammar is still compiling starts once it has: the
+        # first token enters its matcher first (the KV stays in its reserved blocks).
+        core.when_ready(group, start, finished)
         return finished
 
     def release(self, request_id: str) -> None:

@@ -56,6 +56,8 @@ from pdserve.engine.spec.eagle_head import KINDS as EAGLE_KINDS
 from pdserve.engine.spec.eagle_head import EagleHead, load_head, read_spec
 from pdserve.engine.spec.speculator import NgramProposer, Proposer, SpecStats, Speculator
 from pdserve.engine.stats import EngineStats
+from pdserve.engine.structured.build import build_structured
+from pdserve.engine.structured.compiler import StructuredStats
 from pdserve.engine.tokenizer import Tokenizer, has_tokenizer
 from pdserve.engine.validation import SamplingLimits, validate_prompt, validate_sampling_params
 
@@ -108,9 +110,12 @@ class LLMEngine:
             has_tokenizer=self.tokenizer is not None, max_num_seqs=sched.max_num_seqs,
         )
         self.output = OutputProcessor(self.tokenizer)
+        self.structured = build_structured(config, self.model_config.vocab_size, self.model_config.eos_token_ids)
+        if self.structured is not None:
+            weakref.finalize(self, self.structured.compiler.close)
         self.core = EngineCore(
             self.runner, self.kv, self.scheduler, self.sampler, self.output, self.model_config.eos_token_ids,
-            self.speculator,
+            self.speculator, self.structured,
         )
         self.remote = RemoteKV(self.core)
 
@@ -145,10 +150,13 @@ class LLMEngine:
 
     def close(self) -> None:
         """Stop the tiers' worker (queued copies down are dropped; with a persistent
-        disk tier the host tier's blocks are written to disk first); idempotent. The
+        disk tier the host tier's blocks are written to disk first) and the grammar
+        compiler's pool (compiles not started are dropped); idempotent. The
         engine must not step afterwards."""
         if self.offload is not None:
             self.offload.close()
+        if self.structured is not None:
+            self.structured.compiler.close()
 
     def _plan_memory(self, dtype: torch.dtype, device: torch.device) -> MemoryPlan:
         """Weights as loaded, the activation peak (measured on a GPU), the KV budget and blocks."""
@@ -267,6 +275,10 @@ class LLMEngine:
         """Raise ValueError naming the field if this engine cannot serve the request."""
         validate_prompt(prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len)
         validate_sampling_params(params, self.limits)
+        if params.structured_outputs is not None:
+            if self.structured is None:
+                raise ValueError("structured_outputs: this model has no tokenizer.json to compile grammars for")
+            self.structured.check(params.structured_outputs)
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, export_kv: bool = False,
@@ -277,7 +289,8 @@ class LLMEngine:
 
         With `first_token` (`continues_from_first_token`: n == 1, no beams): that
         token, sampled elsewhere, is the request's first output token (told to the
-        token hook at once, as a committed transfer's is), and the prompt is computed
+        token hook at once, as a committed transfer's is; with structured_outputs, once
+        its grammar has compiled: it enters the matcher first), and the prompt is computed
         with it, as a preempted sequence is recomputed, before the next token is
         sampled: a decode worker taking over a prompt whose KV never arrived. Returns
         the request's output if that token already finished it (else []).
@@ -292,12 +305,18 @@ class LLMEngine:
                 raise ValueError(f"first_token: {first_token} is not in [0, {self.model_config.vocab_size})")
         request = self.core.new_group(request_id, prompt_token_ids, params, block_hashes)
         request.export_kv = export_kv
+        group = self.core.groups[request_id]
         finished: list[RequestOutput] = []
-        if first_token is not None:
-            self.core.apply_token(self.core.groups[request_id], request, first_token, None, None, finished)
-            if finished:
-                return finished
-        self.scheduler.add(request)
+
+        def admit(finished: list[RequestOutput]) -> None:
+            if first_token is not None:
+                before = len(finished)
+                self.core.apply_token(group, request, first_token, None, None, finished)
+                if len(finished) > before:
+                    return
+            self.scheduler.add(request)
+
+        self.core.when_ready(group, admit, finished)  # a constrained request: once its grammar compiled
         return finished
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -382,7 +401,12 @@ class LLMEngine:
             spec_decode=self.speculator.stats() if self.speculator is not None else SpecStats(),
             kv_fragmentation=self.kv.fragmentation(),
             kv_offload=self.offload.stats() if self.offload is not None else OffloadStats(),
+            structured_outputs=self.structured.stats() if self.structured is not None else StructuredStats(),
         )
+
+    def structured_compile_times(self) -> list[float]:
+        """Seconds of each grammar compile since the last call (the compile-time histogram)."""
+        return self.structured.compiler.take_compile_times() if self.structured is not None else []
 
     @property
     def last_batch(self) -> tuple[int, int]:
@@ -396,8 +420,9 @@ class LLMEngine:
 
     def has_scheduled_work(self) -> bool:
         """Whether `step()` has anything to run (reservations waiting for remote KV and
-        held exported blocks do not count: they only change through calls)."""
-        return self.scheduler.num_unfinished > 0
+        held exported blocks do not count: they only change through calls; grammars being
+        compiled do: step() polls them)."""
+        return self.scheduler.num_unfinished > 0 or (self.structured is not None and self.structured.num_pending > 0)
 
     def prefix_tiers(self, prompt_token_ids: Sequence[int], block_hashes: Sequence[bytes] = (),
                      cache_salt: str | None = None) -> list[str]:

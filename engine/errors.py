@@ -12,11 +12,18 @@ class NoCapacityError(RuntimeError):
     """Not enough free KV blocks to reserve for a remote prefill right now."""
 
 
+class ConstraintError(RuntimeError):
+    """A request's grammar failed while decoding (the grammar engine gave up on it: a
+    resource limit of a pathological grammar): the request fails alone, as
+    INVALID_CONSTRAINT with the engine's reason."""
+
+
 class FailureKind(enum.Enum):
     """Why a request failed, in the one vocabulary every layer shares (engine, worker,
     router; on the wire: pdserve.v1.FailureKind, mapped once in services/common/failure.py).
 
-    The engine itself fails a request as NO_ROOM or INTERNAL (`RequestOutput.failure`);
+    The engine itself fails a request as NO_ROOM, INTERNAL, INVALID_CONSTRAINT or
+    CONSTRAINT_TIMEOUT (`RequestOutput.failure`);
     the worker that owns the request's record adds the rest (aborts, deadlines, KV
     transfers, shutdown), and its RPC handlers BLOCK_HASH_MISMATCH (a request refused
     before it reached the engine)."""

@@ -42,6 +42,8 @@ class LLM:
         kv_offload_disk_bytes: int = 0,
         kv_offload_persist: bool = False,
         kv_offload_policy: str = "lru",
+        structured_outputs_backend: str = "xgrammar",
+        structured_outputs_compile_timeout: float = 10.0,
     ) -> None:
         self.engine = LLMEngine(
             EngineConfig(
@@ -64,6 +66,8 @@ class LLM:
                 kv_offload_host_bytes=kv_offload_host_bytes, kv_offload_dir=kv_offload_dir,
                 kv_offload_disk_bytes=kv_offload_disk_bytes, kv_offload_persist=kv_offload_persist,
                 kv_offload_policy=kv_offload_policy,
+                structured_outputs_backend=structured_outputs_backend,
+                structured_outputs_compile_timeout=structured_outputs_compile_timeout,
             )
         )
         self.model_dir = model

@@ -68,9 +68,11 @@ class OutputProcessor:
             seq.text = text.finish()
 
     def append(
-        self, group: SequenceGroup, seq: Request, token: int, logprob: float | None, top: dict[int, float] | None
+        self, group: SequenceGroup, seq: Request, token: int, logprob: float | None, top: dict[int, float] | None,
+        complete: bool = False,
     ) -> RequestStatus | None:
-        """Append a sampled token; the finished status it brings the sequence to, if any."""
+        """Append a sampled token; the finished status it brings the sequence to, if any
+        (`complete`: the token completed the request's grammar, a stop)."""
         seq.append_token(token)
         seq.first_token_time = seq.first_token_time or time.monotonic()
         if logprob is not None:
@@ -81,7 +83,10 @@ class OutputProcessor:
         stop_string = text is not None and text.append(token)
         if text is not None:
             seq.text = text.text
-        status = seq.check_stop() or (RequestStatus.FINISHED_STOPPED if stop_string else None)
+        if complete:  # the grammar allows nothing more: a stop, even at max_tokens
+            status: RequestStatus | None = RequestStatus.FINISHED_STOPPED
+        else:
+            status = seq.check_stop() or (RequestStatus.FINISHED_STOPPED if stop_string else None)
         if self.token_hook is not None:
             self.token_hook(TokenDelta(
                 group.request_id, seq.sample_index, token, logprob, top, status.value if status else None,

@@ -2,7 +2,12 @@
 
 Order of processing (each step only touches the rows that asked for it):
 
-    raw logits --log_softmax--> logprobs reported to the user (and cumulative_logprob)
+    raw logits
+        | (engine/core.py, before the sampler) structured outputs: tokens the
+        | grammar does not allow next -> -inf
+    logits --log_softmax--> logprobs reported to the user (and cumulative_logprob):
+        |                   a constrained row's are its constrained distribution's
+        logit_bias (OpenAI's: added to the logits; not in the reported logprobs)
         |
         penalties (repetition: HF semantics over prompt+output; presence/frequency:
         OpenAI semantics over output) -> min_tokens (EOS/stop ids masked)
@@ -78,6 +83,7 @@ class Sampler:
     def sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> SampledTensors:
         logits = logits.float()
         logprobs = torch.log_softmax(logits, dim=-1)
+        logits = apply_logit_bias(logits, requests)
         logits = apply_penalties(logits, requests)
         logits = mask_early_stop(logits, requests)
         tokens = logits.argmax(dim=-1)
@@ -152,6 +158,18 @@ def _generated(request: Request) -> list[int]:
     return request.token_ids[request.num_prompt_tokens - request.sampling_params.resumed_tokens:]
 
 
+def apply_logit_bias(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    """Add each row's logit_bias (sorted (token, bias) pairs, tokens < vocab: checked at
+    admission) to its logits; rows without one are untouched."""
+    pairs = [(i, token, bias) for i, r in enumerate(requests) for token, bias in r.sampling_params.logit_bias]
+    if not pairs:
+        return logits
+    rows, cols, biases = zip(*pairs)
+    device = logits.device
+    index = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
+    return logits.index_put(index, torch.tensor(biases, dtype=logits.dtype, device=device), accumulate=True)
+
+
 def apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
     """Repetition penalty (HF: over prompt and output, divide positive logits, multiply
     negative ones) and presence / frequency penalties (OpenAI: over output), for the
@@ -187,7 +205,8 @@ def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device
 
 
 def mask_early_stop(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
-    """Forbid EOS and stop tokens until a request has its min_tokens."""
+    """Forbid EOS and stop tokens until a request has its min_tokens (unless nothing
+    else is allowed: a structured-outputs mask may leave only a stop token)."""
     vocab = logits.shape[1]
     pairs = [
         (i, t)
@@ -199,7 +218,11 @@ def mask_early_stop(logits: torch.Tensor, requests: Sequence[Request]) -> torch.
     if not pairs:
         return logits
     rows, cols = torch.tensor(pairs, dtype=torch.long, device=logits.device).T
-    return logits.index_put((rows, cols), torch.tensor(_MASK, device=logits.device))
+    masked = logits.index_put((rows, cols), torch.tensor(_MASK, device=logits.device))
+    # A row left with no token at all (a grammar that allows only a stop token now):
+    # the grammar wins, min_tokens yields.
+    dead = torch.isinf(masked).all(dim=-1, keepdim=True)
+    return torch.where(dead, logits, masked)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float]) -> torch.Tensor:

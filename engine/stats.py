@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from pdserve.engine.offload.stats import OffloadStats, TierStats  # noqa: F401  (TierStats: its fields)
 from pdserve.engine.spec.speculator import SpecStats
+from pdserve.engine.structured.compiler import StructuredStats
 
 
 @dataclass(frozen=True)
@@ -35,3 +36,6 @@ class EngineStats:
     # TierStats) hits, misses, bytes, usage; the offload queue, dropped / cancelled /
     # expired copies, corrupt and foreign disk files, latency sums. All zero when off.
     kv_offload: OffloadStats = OffloadStats()
+    # Structured outputs (engine/structured/compiler.py): compiles and their seconds,
+    # cache hits, requests per constraint kind, refusals by reason. All zero when unused.
+    structured_outputs: StructuredStats = StructuredStats()

@@ -137,6 +137,20 @@ def _direct_backend(model_dir: Path) -> tuple[Any, Any]:
     return backend, backend if plain else None
 
 
+def load_backend(model_dir: Path) -> Any:
+    """A fresh `tokenizers` backend of a model directory (None: no tokenizer.json):
+    transformers' own when the directory's tokenizer is its generic one, else
+    tokenizer.json as it is (what grammar engines compile against; engine/structured/)."""
+    backend, _ = _direct_backend(model_dir)
+    if backend is not None:
+        return backend
+    if not (model_dir / "tokenizer.json").is_file():
+        return None
+    from tokenizers import Tokenizer as Backend
+
+    return Backend.from_file(str(model_dir / "tokenizer.json"))
+
+
 def _listed(values: Any) -> list[Any]:
     """A list of special tokens as tokenizer_config.json gives it (a list, or a dict of them)."""
     if not values:

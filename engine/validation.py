@@ -59,6 +59,8 @@ def validate_sampling_params(params: SamplingParams, limits: SamplingLimits) -> 
            len(params.stop_token_ids))
     bad = next((t for t in params.stop_token_ids if t >= limits.vocab_size), None)
     check_field(bad is None, "stop_token_ids", f"must be < vocab_size {limits.vocab_size}", bad)
+    bad = next((t for t, _ in params.logit_bias if t >= limits.vocab_size), None)
+    check_field(bad is None, "logit_bias", f"token ids must be < vocab_size {limits.vocab_size}", bad)
 
 
 def validate_prompt(

@@ -70,7 +70,8 @@ class Worker:
                                                      self.engine.model_config.vocab_size)
         self.loop = EngineLoop(self.engine, connector=self.connector, held_lease=config.held_lease,
                                metrics=self.metrics)
-        self.metrics.watch(self.loop.snapshot, self.connector.stats, self.engine.offload)
+        self.metrics.watch(self.loop.snapshot, self.connector.stats, self.engine.offload,
+                           self.engine.structured_compile_times)
         prefill = PrefillService(self.loop, config) if config.role != "decode" else None
         decode = DecodeService(self.loop, config) if config.role != "prefill" else None
         self.decode = decode

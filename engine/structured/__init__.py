@@ -1,2 +1,20 @@
 """Structured outputs: constraints on a request's output (params.py, torch-free) and,
-on workers, their compilation and per-step token masks (the rest of this package)."""
+on workers, their compilation and per-step token masks (the rest of this package).
+
+    params.py        StructuredOutputs: the constraint every layer takes (router, proto, engine)
+    backend.py       the interface: GrammarBackend.compile -> CompiledGrammar.matcher() ->
+                     GrammarMatcher (accept_token, fill_bitmask, rollback, is_terminated, fork);
+                     the vocabulary (tokenizer.json, the model's vocab_size, EOS ids); bitmasks
+    xgrammar_backend.py, llguidance_backend.py   the two engines, imported only when chosen
+    compiler.py      off the step: a thread pool, a deadline, an LRU cache; admission limits; stats
+    manager.py       the engine's side: compiles per group, matchers per sequence, masks
+    build.py         a manager from an EngineConfig
+
+A constrained request's life in the engine (engine/core.py):
+
+    add_request --check limits--> compiling (admitted, not scheduled; polled each step)
+        |-- refused / past the deadline --> FAILED (INVALID_CONSTRAINT / CONSTRAINT_TIMEOUT)
+        `-- compiled --> matcher per sequence (resumed tokens accepted) --> scheduled
+              each step: mask its row -> sample -> apply_token -> matcher.accept_token
+              grammar complete --> FINISHED ("stop")
+"""

@@ -56,6 +56,7 @@ if TYPE_CHECKING:
     from pdserve.engine.offload.stats import OffloadStats
     from pdserve.engine.offload.tiers import LowerTiers
     from pdserve.engine.spec.speculator import SpecStats
+    from pdserve.engine.structured.compiler import StructuredStats
     from pdserve.kvtransfer.stats import KVTransferStats
     from pdserve.services.common.stats import WorkerStats
 
@@ -180,6 +181,16 @@ METRICS: Mapping[str, Spec] = types.MappingProxyType({
         "counter_family", "Writes the disk refused (full, read-only): offload to disk stopped, serving goes on"),
     "kv_offload_seconds": Spec("histogram", "A block's copy down: queued to written into the tier below"),
     "kv_onload_seconds": Spec("histogram", "A request's blocks copied up from the tiers below before its first step"),
+    # -- structured outputs (engine/structured/: every worker role) -------------------------------
+    "structured_outputs_compile_seconds": Spec("histogram", "Compiling one constraint's grammar (off the step)"),
+    "structured_outputs_cache_hits": Spec(
+        "counter_family", "Constrained requests whose grammar was compiled already (or being compiled)"),
+    "structured_outputs_requests": Spec("counter_family", "Constrained requests, by kind: json_schema, json_object, "
+                                                          "regex, choice, grammar", ("kind",)),
+    "structured_outputs_refusals": Spec(
+        "counter_family", "Constrained requests refused, by reason: invalid (the grammar engine refused it), timeout "
+                          "(past --structured-outputs-compile-timeout), too_large, too_deep (admission limits)",
+        ("reason",)),
     # -- backpressure (router and decode workers) -------------------------------------------
     "stream_write_cutoffs": Spec(
         "counter", "Streams cut off because one message waited longer than --stream-write-timeout to be written "
@@ -231,6 +242,11 @@ OFFLOAD_FAMILIES = {
     "queue_depth": ("kv_offload_queue_depth", None), "onload_failures": ("kv_offload_onload_failures", None),
     "corrupt_files": ("kv_offload_corrupt_files", None), "disk_write_errors": ("kv_offload_disk_write_errors", None),
 }
+# StructuredStats field -> (metric, its label), read at scrape time
+STRUCTURED_FAMILIES = {"cache_hits": ("structured_outputs_cache_hits", None),
+                       "requests": ("structured_outputs_requests", "kind"),
+                       "refusals": ("structured_outputs_refusals", "reason")}
+REFUSAL_REASONS = ("invalid", "timeout", "too_large", "too_deep")
 _FAMILY = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}
 
 
@@ -430,11 +446,14 @@ class WorkerMetrics(_Recorder):
         self._expired = self.child("reservations_expired")
 
     def watch(self, snapshot: Callable[[], WorkerStats], kv_stats: Callable[[], KVTransferStats],
-              tiers: LowerTiers | None = None) -> None:
+              tiers: LowerTiers | None = None, compile_times: Callable[[], list[float]] | None = None) -> None:
         """Report the engine's stats (as of the loop's last iteration) and the KV
         connector's counters at scrape time; with KV tiers (`tiers`: the engine's
-        `offload`), their counters and the latencies observed since the last scrape."""
+        `offload`), their counters and the latencies observed since the last scrape;
+        `compile_times`: the grammar compiles since the last call (the engine's
+        `structured_compile_times`, thread-safe)."""
         offload = _OffloadLatencies(self, tiers) if tiers is not None else None
+        compiles = _Drained(self, "structured_outputs_compile_seconds", compile_times) if compile_times else None
 
         def collect() -> Iterator[Metric]:
             stats = snapshot()
@@ -445,6 +464,9 @@ class WorkerMetrics(_Recorder):
                     family.add_metric(list(self.base), float(values[field]))
                     yield family
             yield from self._spec_families(stats.spec_decode)
+            yield from self._structured_families(stats.structured_outputs)
+            if compiles is not None:
+                yield from compiles.collect()
             if offload is not None:
                 yield from self._offload_families(stats.kv_offload)
                 yield from offload.collect()
@@ -466,6 +488,19 @@ class WorkerMetrics(_Recorder):
         for field, (name, label) in OFFLOAD_FAMILIES.items():
             add(name, (label,) if label is not None else (), float(getattr(stats, field)))
         yield from families.values()
+
+    def _structured_families(self, stats: StructuredStats) -> Iterator[Metric]:
+        for field, (name, label) in STRUCTURED_FAMILIES.items():
+            family = self.family(name)
+            value = getattr(stats, field)
+            if label is None:
+                family.add_metric(list(self.base), float(value))
+            else:
+                counts = dict(value)
+                keys = REFUSAL_REASONS if label == "reason" else sorted(counts)
+                for key in keys:  # every reason, zero too: rate() needs the series before the first one
+                    family.add_metric([*self.base, key], float(counts.get(key, 0)))
+            yield family
 
     def _spec_families(self, spec: SpecStats) -> Iterator[Metric]:
         for field, name in SPEC_COUNTERS.items():
@@ -520,6 +555,25 @@ class _OffloadLatencies:
                 for seconds in samples:
                     child.observe(seconds)
             metrics = [m for family in self._families.values() for m in family.collect()]
+        yield from metrics
+
+
+class _Drained:
+    """A histogram of samples handed over at scrape time (`take`: those since its last
+    call), so the engine thread never touches it."""
+
+    def __init__(self, metrics: WorkerMetrics, name: str, take: Callable[[], list[float]]) -> None:
+        self.take = take
+        self._lock = threading.Lock()  # two scrapes at once must not observe a sample twice or lose one
+        self._family = Histogram(full_name(name), METRICS[name].doc, BASE_LABELS, registry=None,
+                                 buckets=METRICS[name].buckets)
+        self._child = self._family.labels(*metrics.base)
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            for seconds in self.take():
+                self._child.observe(seconds)
+            metrics = list(self._family.collect())
         yield from metrics
 
 

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.engine.config import (
-    DEFAULT_MAX_LOGPROBS, DEFAULT_MAX_N, DEFAULT_MODEL, CacheConfig, EngineConfig, SchedulerConfig,
+    DEFAULT_MAX_LOGPROBS, DEFAULT_MAX_N, DEFAULT_MODEL, STRUCTURED_FIELDS, STRUCTURED_OUTPUTS_BACKENDS, CacheConfig,
+    EngineConfig, SchedulerConfig, check_structured_fields,
 )
 from pdserve.engine.offload.config import check_offload_fields
 from pdserve.engine.quant.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS, parse_kv_cache_dtype
@@ -107,6 +108,16 @@ class WorkerConfig:
     kv_offload_onload_timeout: float = flag(2.0, "seconds one admission may spend copying blocks up (then the "
                                                  "rest is recomputed)")
     kv_offload_fsync: bool = flag(False, "fsync each disk tier file before it counts")
+    # structured outputs (engine/structured/): every role alike (a prefill worker samples
+    # the first token under the same constraint)
+    structured_outputs_backend: str = flag("xgrammar", "grammar engine of constrained decoding: xgrammar | "
+                                                       "llguidance (grammar kind: GBNF/EBNF | Lark)",
+                                           choices=STRUCTURED_OUTPUTS_BACKENDS)
+    structured_outputs_compile_timeout: float = flag(10.0, "seconds a request's grammar may take to compile (then "
+                                                           "the request fails: DEADLINE_EXCEEDED)")
+    structured_outputs_max_bytes: int = flag(64 * 1024, "largest constraint admitted (schema, regex, grammar or "
+                                                        "choices, bytes)")
+    structured_outputs_max_depth: int = flag(32, "deepest JSON schema nesting admitted")
     # serving
     kv_connector: str | None = flag(None, "KV transport: zmq | zmq_ipc | gloo | nccl | none ('' too) | a plug-in's "
                                           "'module:factory' (unset: `pdserve up` gives prefill and decode workers "
@@ -157,6 +168,7 @@ class WorkerConfig:
         if self.speculative_config is not None:
             SpeculativeConfig.parse(self.speculative_config)  # raises ValueError naming speculative_config.<key>
         check_offload_fields(self)  # raises ValueError naming the flag
+        check_structured_fields(self)  # so does this
 
     @property
     def speculative(self) -> SpeculativeConfig | None:
@@ -185,7 +197,7 @@ class WorkerConfig:
             # Every role alike: the KV a prefill worker ships is read as stored by its decode worker.
             quantization=self.quantization, kv_cache_dtype=self.kv_cache_dtype,
             enforce_eager=self.enforce_eager,
-            **{name: getattr(self, name) for name in OFFLOAD_FIELDS},
+            **{name: getattr(self, name) for name in (*OFFLOAD_FIELDS, *STRUCTURED_FIELDS)},
             decode_capture_sizes=self.decode_capture_sizes or (),  # type: ignore[arg-type]  # parsed there
             # Only decoding speculates: a prefill worker would load a draft model for nothing.
             # An EAGLE head runs on both: the prefill worker hands its state for the prompt over.

@@ -25,6 +25,7 @@ from pdserve.engine.outputs import RequestTimes
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.spec.speculator import SpecStats
 from pdserve.engine.stats import EngineStats
+from pdserve.engine.structured.compiler import StructuredStats
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.kvtransfer.stats import KVTransferStats
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
@@ -35,6 +36,7 @@ from pdserve.services.common.metrics import (
     METRICS,
     PREFIX,
     SPEC_COUNTERS,
+    STRUCTURED_FAMILIES,
     Disabled,
     RouterMetrics,
     WorkerMetrics,
@@ -157,8 +159,9 @@ def test_worker_phases_by_path():
     assert sample(prefill, "kv_transfer_seconds", "_count") == 2
 
 
-# Every EngineStats count at 0 (spec_decode: its default, a worker that does not speculate).
-ZERO = dict.fromkeys((f.name for f in fields(EngineStats) if f.name != "spec_decode"), 0)
+# Every EngineStats count at 0 (spec_decode, structured_outputs: their defaults, a worker
+# that does not speculate and serves no constraint).
+ZERO = dict.fromkeys((f.name for f in fields(EngineStats) if f.name not in ("spec_decode", "structured_outputs")), 0)
 
 
 def test_worker_reads_engine_and_connector_counters_at_scrape_time():
@@ -200,6 +203,23 @@ def test_worker_reads_speculative_decoding_counters_at_scrape_time():
     assert sample(metrics, "spec_decode_num_unspeculated_requests", "_total") == 2
     per_pos = [sample(metrics, "spec_decode_num_accepted_tokens_per_pos", "_total", position=str(i)) for i in range(4)]
     assert per_pos == [5, 3, 1, 0]
+
+
+def test_worker_reads_structured_outputs_counters_and_compile_times_at_scrape_time():
+    metrics = WorkerMetrics("m", "mixed", "mixed-0")
+    stats = [WorkerStats(**ZERO)]
+    times = [[0.002, 0.5]]
+    metrics.watch(lambda: stats[0], KVTransferStats, None, lambda: times.pop() if times else [])
+    assert sample(metrics, "structured_outputs_refusals", "_total", reason="timeout") == 0  # every reason, from 0
+    assert sample(metrics, "structured_outputs_compile_seconds", "_count") == 2  # each compile observed once
+    assert sample(metrics, "structured_outputs_compile_seconds", "_count") == 2
+    stats[0] = replace(stats[0], structured_outputs=StructuredStats(
+        num_compiles=2, compile_seconds_total=0.502, cache_hits=3, requests=(("choice", 1), ("json_schema", 4)),
+        refusals=(("invalid", 1), ("too_deep", 2))))
+    assert sample(metrics, "structured_outputs_cache_hits", "_total") == 3
+    assert sample(metrics, "structured_outputs_requests", "_total", kind="json_schema") == 4
+    assert sample(metrics, "structured_outputs_refusals", "_total", reason="too_deep") == 2
+    assert set(STRUCTURED_FAMILIES) <= {f.name for f in fields(StructuredStats)}
 
 
 def test_the_stats_rpc_carries_the_speculative_decoding_counters():

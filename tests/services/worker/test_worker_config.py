@@ -128,3 +128,27 @@ def test_kv_offload_flags_and_environment(monkeypatch, tmp_path: Path) -> None:
         parse_argv(WorkerConfig, ["--kv-offload-host-bytes", "-1"])
     with pytest.raises((ValueError, SystemExit)):
         parse_argv(WorkerConfig, ["--kv-offload-policy", "mru"])
+
+
+STRUCTURED = {"structured_outputs_backend": "llguidance", "structured_outputs_compile_timeout": 2.5,
+              "structured_outputs_max_bytes": 4096, "structured_outputs_max_depth": 8}
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_structured_outputs_flags_reach_the_engine_of_every_role(role, monkeypatch):
+    """A prefill worker samples the first token under the same constraint: every role."""
+    argv = ["--structured-outputs-backend", "llguidance", "--structured-outputs-compile-timeout", "2.5",
+            "--structured-outputs-max-bytes", "4096"]
+    monkeypatch.setenv("PDSERVE_STRUCTURED_OUTPUTS_MAX_DEPTH", "8")
+    config = parse_argv(WorkerConfig, argv, role=role)
+    engine = config.engine_config()
+    assert {name: getattr(engine, name) for name in STRUCTURED} == STRUCTURED
+    assert parse_argv(WorkerConfig, to_argv(config), role=role) == config
+
+
+@pytest.mark.parametrize("field, value", [("structured_outputs_backend", "outlines"),
+                                          ("structured_outputs_compile_timeout", 0.0),
+                                          ("structured_outputs_max_bytes", 0), ("structured_outputs_max_depth", 5000)])
+def test_a_bad_structured_outputs_flag_is_refused_naming_its_field(field, value):
+    with pytest.raises(ValueError, match=rf"^{field}: "):
+        WorkerConfig(role="mixed", **{field: value})
