@@ -330,3 +330,61 @@ def test_http_a_refusal_after_the_first_token_is_one_error_event_then_done():
     assert error["message"].startswith("response_format: refused by the grammar backend") and error["param"] == \
         "response_format"
     assert all("error" not in json.loads(e) for e in events[:-2])
+
+
+# -- gRPC: the client's keyword arguments and `pdserve generate`'s flags ----------------------
+
+
+@pytest.mark.parametrize("value, want", [
+    ({"json": SCHEMA}, schema(SCHEMA)),
+    ({"json": json.dumps(SCHEMA)}, schema(SCHEMA)),
+    ({"regex": "[0-9]+"}, StructuredOutputs(ConstraintKind.REGEX, "[0-9]+")),
+    ({"choice": ["a", "b"]}, StructuredOutputs(ConstraintKind.CHOICE, choices=("a", "b"))),
+    ({"grammar": 'root ::= "x"'}, StructuredOutputs(ConstraintKind.GRAMMAR, 'root ::= "x"')),
+    ({"json_object": True}, StructuredOutputs(ConstraintKind.JSON_OBJECT)),
+    (StructuredOutputs(ConstraintKind.REGEX, "a+"), StructuredOutputs(ConstraintKind.REGEX, "a+")),
+])
+def test_the_client_sends_a_constraint_the_workers_read_back(value, want):
+    from pdserve.services.common.convert import params_from_options
+    from pdserve.services.router.client import options_from_kwargs
+
+    options = options_from_kwargs(max_tokens=4, structured_outputs=value, logit_bias={"5": -100, 7: 2.5})
+    params = params_from_options(options)
+    assert params.structured_outputs == want and params.logit_bias == ((5, -100.0), (7, 2.5))
+    assert options_from_kwargs(structured_outputs=options.structured_outputs) == pb_options(options)
+
+
+def pb_options(options):
+    from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
+
+    return pb.SamplingOptions(structured_outputs=options.structured_outputs)
+
+
+def test_the_client_refuses_an_unknown_or_doubled_constraint_by_name():
+    from pdserve.services.router.client import options_from_kwargs
+
+    for value in ({"regex": "a", "choice": ["b"]}, {"xml": "a"}, {}):
+        with pytest.raises(ValueError, match="^structured_outputs: "):
+            options_from_kwargs(structured_outputs=value)
+
+
+def test_generate_flags_name_one_constraint(tmp_path):
+    import argparse
+
+    from pdserve.cli import _constraint, _logit_bias
+
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(SCHEMA))
+
+    def args(**given) -> argparse.Namespace:
+        fields = dict(json_schema=None, grammar=None, regex=None, choice=None, json_object=False)
+        return argparse.Namespace(**{**fields, **given})
+
+    assert _constraint(args()) is None
+    assert _constraint(args(json_schema=str(path))) == {"json": json.dumps(SCHEMA)}
+    assert _constraint(args(choice=["yes", "no"])) == {"choice": ["yes", "no"]}
+    assert _constraint(args(regex="a+")) == {"regex": "a+"}
+    assert _constraint(args(json_object=True)) == {"json_object": True}
+    assert _logit_bias(["5=-100", "7=2.5"]) == {5: -100.0, 7: 2.5} and _logit_bias(None) is None
+    with pytest.raises(SystemExit):
+        _logit_bias(["5"])
