@@ -34,10 +34,10 @@ from jsonschema.validators import validator_for
 
 from pdserve.engine.structured.params import MAX_NESTING, MAX_SPEC_BYTES, ConstraintKind, StructuredOutputs
 
-# The workers' defaults (EngineConfig): a schema of a few hundred properties is a few
-# tens of KB; xgrammar compiles one of 256 KB in seconds.
-DEFAULT_MAX_BYTES = 256 << 10
-DEFAULT_MAX_DEPTH = 128
+# The workers' defaults (EngineConfig structured_outputs_max_bytes / _max_depth, the
+# worker's flags of the same names): keep them equal.
+DEFAULT_MAX_BYTES = 64 << 10
+DEFAULT_MAX_DEPTH = 32
 MAX_QUOTED = 300  # characters of jsonschema's message an error quotes
 # Refusals by reason (pdserve:structured_outputs_refusals_total{reason}): the router's,
 # then the workers' (FailureKind, as dispatch.py classifies their failures).

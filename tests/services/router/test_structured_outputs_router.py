@@ -148,6 +148,19 @@ def test_the_validator_refuses_what_the_workers_would_naming_the_field():
     assert dict(job.options.logit_bias) == {VOCAB - 1: -100.0}
 
 
+def test_the_router_limits_default_to_the_workers():
+    """`pdserve up` parses one flag for both; a router and workers started apart agree
+    only if their defaults do (needs the workers' flags: the engine's branch)."""
+    import dataclasses
+
+    from pdserve.services.worker.config import WorkerConfig
+
+    worker = {f.name: f.default for f in dataclasses.fields(WorkerConfig)}
+    router = {f.name: f.default for f in dataclasses.fields(RouterConfig)}
+    for name in ("structured_outputs_max_bytes", "structured_outputs_max_depth"):
+        assert router[name] == worker[name], name
+
+
 def test_the_router_flags_are_checked():
     assert RouterConfig(port=0, structured_outputs_max_bytes=10, structured_outputs_max_depth=2)
     for bad in (dict(structured_outputs_max_bytes=0), dict(structured_outputs_max_depth=0),
