@@ -161,6 +161,11 @@ def test_grpc_client_constraints(up):
         (seq,) = collect(grpc_client.generate("A person: ", model=MODEL, max_tokens=MAX_TOKENS, temperature=0.0,
                                               structured_outputs={"json": PERSON})).values()
         validated(seq.text, PERSON)
+        with pytest.raises(grpc.RpcError) as info:  # the backend's refusal: final, with the reason
+            collect(grpc_client.generate("x", model=MODEL, max_tokens=4, structured_outputs={"regex": "(unclosed"}))
+        assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.details().startswith("structured_outputs: refused by the grammar backend")
+        assert "FAILURE_KIND_INVALID_CONSTRAINT" in info.value.details()
 
 
 def test_a_regex_the_backend_refuses_is_a_400_naming_the_callers_field(client, up):
