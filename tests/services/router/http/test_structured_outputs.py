@@ -8,7 +8,9 @@ the constraint, the decode worker goes on from it).
                                               with jsonschema), chat.completions.parse
                                               with a pydantic model, json_object,
                                               structured_outputs / guided_* extras,
-                                              logit_bias, streamed; a malformed schema
+                                              logit_bias, streamed; a malformed, huge or
+                                              deep schema, two constraints, a bias outside
+                                              the vocabulary, a regex the backend refuses
                                               -> openai.BadRequestError naming the field
         services/router/client.py Client      the same constraints over gRPC
         the router's /metrics                 requests by kind, refusals by reason
@@ -201,6 +203,21 @@ def test_a_malformed_schema_is_a_bad_request_naming_the_field(client, up):
                                        extra_body={"guided_json": bad})
     assert info.value.response.json()["error"]["param"] == "guided_json"
     assert router_metric(up, "structured_outputs_refusals", reason="invalid_schema") == before + 2
+
+
+def test_a_huge_or_deep_schema_is_refused_before_dispatch(client, up):
+    huge = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(4000)}}  # > 64 KiB
+    deep: dict = {"type": "integer"}
+    for _ in range(20):  # 41 brackets deep, more than --structured-outputs-max-depth 32
+        deep = {"type": "object", "properties": {"a": deep}}
+    before = {r: router_metric(up, "structured_outputs_refusals", reason=r) for r in ("too_large", "too_deep")}
+    for schema, reason in ((huge, "too_large"), (deep, "too_deep")):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8,
+                                           response_format=schema_format(schema))
+        error = info.value.response.json()["error"]
+        assert error["param"] == "response_format.json_schema", error
+        assert router_metric(up, "structured_outputs_refusals", reason=reason) == before[reason] + 1
 
 
 def test_two_constraints_are_a_bad_request_naming_both(client):
