@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.engine.structured.params import ConstraintKind, StructuredOutputs
+from pdserve.services.router.http.errors import renamed
 from pdserve.services.router.structured import ConstraintRefused
 
 BACKENDS = ("xgrammar", "llguidance", "guidance", "auto")
@@ -72,31 +73,22 @@ def constraint_of(body: Any) -> StructuredOutputs | None:
     except ConstraintRefused:
         raise
     except ValueError as e:
-        raise ConstraintRefused(_renamed(str(e), one.field), "malformed") from None
+        raise ConstraintRefused(renamed(str(e), _names(one.field)), "malformed") from None
 
 
 def aliases(body: Any) -> dict[str, str]:
     """`structured_outputs[.<kind>]` -> the field the caller used, for the errors of a
-    constraint (empty when the body has none, or gives it as `structured_outputs.<kind>`)."""
+    constraint (empty when the body has none, or more than one)."""
     try:
         given = _given(body)
     except ValueError:
         return {}
-    if len(given) != 1:
-        return {}
-    name = given[0].field
-    return {"structured_outputs": name, **{f"structured_outputs.{kind.value}": name for kind in ConstraintKind}}
+    return _names(given[0].field) if len(given) == 1 else {}
 
 
-def rename(message: str, names: dict[str, str]) -> str:
-    """`message` with its leading field (`field: ...`) renamed by `names`."""
-    field, sep, rest = message.partition(":")
-    return f"{names[field]}{sep}{rest}" if sep and field in names else message
-
-
-def _renamed(message: str, field: str) -> str:
-    return rename(message, {"structured_outputs": field,
-                            **{f"structured_outputs.{kind.value}": field for kind in ConstraintKind}})
+def _names(field: str) -> dict[str, str]:
+    """What the layers below call a constraint -> `field`."""
+    return {"structured_outputs": field, **{f"structured_outputs.{kind.value}": field for kind in ConstraintKind}}
 
 
 def _given(body: Any) -> list[_Given]:
