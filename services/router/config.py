@@ -6,9 +6,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.engine.config import DEFAULT_MAX_LOGPROBS, DEFAULT_MAX_N, DEFAULT_MODEL
+from pdserve.engine.structured.params import MAX_NESTING, MAX_SPEC_BYTES
 from pdserve.services.common.credentials import ClusterCredentials
 from pdserve.services.common.flags import check, flag
-from pdserve.engine.structured.params import MAX_NESTING, MAX_SPEC_BYTES
 from pdserve.services.router.structured import DEFAULT_MAX_BYTES, DEFAULT_MAX_DEPTH
 from pdserve.services.router.validate import DEFAULT_MAX_PROMPT_BYTES
 

@@ -12,7 +12,10 @@ Validation, admission, API-key tenants, cache salts, metrics and dispatch are th
 front end's (frontend.py), shared with gRPC; this file only frames. Bodies are read
 up to --http-max-body-bytes (413 beyond, before parsing) and parsed by protocol.py;
 every error is errors.py's shape. Every route but /health and /version wants
-`Authorization: Bearer KEY` when the router has --api-keys-file.
+`Authorization: Bearer KEY` when the router has --api-keys-file. A request's
+structured-outputs constraint (structured.py) is checked by the front end and may be
+refused by a worker; either error names the field the caller used
+(`response_format.json_schema`, `guided_regex`, ...), whenever it comes.
 
 A request runs on the front end's blocking Generations through bridge.py. Before the
 first output a request can still fail with its own HTTP status (a streaming one
@@ -190,7 +193,7 @@ class HttpApi:
                     add_special_tokens=body.add_special_tokens, fill_context=fill)
             for i, (text, ids) in enumerate(prompts)
         ]
-        runs = await _admitted(Runs.admit(self.front_end, self.pool, requests), to_api)
+        runs = await _as_api(Runs.admit(self.front_end, self.pool, requests), to_api)
         n = sampling.n
         echoes = [self._echo(text, gen.prompt_token_ids) if body.echo else "" for (text, _), gen in
                   zip(prompts, runs.generations)]
@@ -198,7 +201,7 @@ class HttpApi:
         if body.stream:
             return await self._stream(request, runs, CompletionEvents(self, runs, body, completion_id, n, echoes),
                                       to_api)
-        choices = await _admitted(self._until_gone(request, runs, _collect(runs, n)), to_api)
+        choices = await _as_api(self._until_gone(request, runs, _collect(runs, n)), to_api)
         return JSONResponse(self._completion(body, completion_id, choices, runs, n, echoes))
 
     def _completion(self, body: CompletionRequest, completion_id: str, choices: dict[int, _Choice], runs: Runs,
@@ -244,7 +247,7 @@ class HttpApi:
         chat_request = Request(token_ids=tuple(prompt), sampling=sampling, request_id=body.request_id or "",
                                cache_salt=body.cache_salt or "", authorization=authorization,
                                fill_context=max_tokens is None)
-        runs = await _admitted(Runs.admit(self.front_end, self.pool, [chat_request]), to_api)
+        runs = await _as_api(Runs.admit(self.front_end, self.pool, [chat_request]), to_api)
         n = sampling.n
         chat_id = f"chatcmpl-{runs.generations[0].request_id}"
         last = body.messages[-1]
@@ -252,7 +255,7 @@ class HttpApi:
         top_k = body.top_logprobs or 0
         if body.stream:
             return await self._stream(request, runs, ChatEvents(self, runs, body, chat_id, n, top_k, echo), to_api)
-        choices = await _admitted(self._until_gone(request, runs, _collect(runs, n)), to_api)
+        choices = await _as_api(self._until_gone(request, runs, _collect(runs, n)), to_api)
         out = []
         for index in sorted(choices):
             choice = choices[index]
@@ -516,7 +519,7 @@ def _errors(names: dict[str, str] | None, aliases: dict[str, str]) -> Callable[[
     return lambda error: api_error_of(error, names, aliases)
 
 
-async def _admitted(work: Awaitable[T], to_api: Callable[[ServeError], ApiError]) -> T:
+async def _as_api(work: Awaitable[T], to_api: Callable[[ServeError], ApiError]) -> T:
     """`work`'s result; a ServeError it raises as the request's API error."""
     try:
         return await work
