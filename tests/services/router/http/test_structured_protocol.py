@@ -1,20 +1,24 @@
 """Structured outputs and logit_bias in the HTTP request bodies, without a cluster
 (services/router/http/structured.py, protocol.py): every field form to its
 StructuredOutputs, one constraint a request (two: a 400 naming both), logit_bias's
-forms, and every bad value a ValueError (a 400) naming the field the caller used."""
+forms, and every bad value a ValueError (a 400) naming the field the caller used;
+hypothesis: any JSON in a constraint field is a constraint or such a refusal."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from pdserve.engine.structured.params import ConstraintKind, StructuredOutputs
 from pdserve.services.common.status import ServeError, Status
-from pdserve.services.router.http.errors import api_error_of, param_of
+from pdserve.services.router.http.errors import ApiError, api_error_of, param_of
 from pdserve.services.router.http.protocol import ChatCompletionRequest, CompletionRequest, parse, sampling_of
 from pdserve.services.router.http.structured import aliases
-from pdserve.services.router.structured import ConstraintRefused
+from pdserve.services.router.structured import ConstraintLimits, ConstraintRefused, check_constraint
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
           "required": ["name"]}
@@ -138,8 +142,6 @@ def test_structured_outputs_must_be_an_object():
 
 
 def parse_error(fields) -> str | None:
-    from pdserve.services.router.http.errors import ApiError
-
     with pytest.raises(ApiError) as info:
         chat(**fields)
     return info.value.param
@@ -193,3 +195,40 @@ def test_later_errors_of_a_constraint_name_the_callers_field(fields, field):
     other = api_error_of(ServeError(Status.INVALID_ARGUMENT, "n: must be <= 4"), None, names)
     assert (other.message, other.param) == ("n: must be <= 4", "n")  # other fields as they are
     assert aliases(chat()) == {}
+
+
+# -- hostile bodies: never anything but a 400 naming a field -------------------------------------
+
+json_values = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(-5, 5), st.sampled_from(["", "object", "string", "#/$defs/a",
+                                                                            "a+", "(", "x"])),
+    lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(
+        st.sampled_from(["type", "properties", "items", "required", "enum", "$ref", "$defs", "$schema", "anyOf",
+                         "minLength", "pattern", "json", "regex", "choice", "grammar", "json_object", "schema",
+                         "json_schema", "name", "strict", "backend"]), inner, max_size=4)),
+    max_leaves=12,
+)
+FIELD = re.compile(r"^[A-Za-z_][\w.\[\]$]*: ")
+
+
+@settings(deadline=None, max_examples=300, suppress_health_check=list(HealthCheck))
+@given(st.sampled_from(["response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                        "guided_grammar", "guided_decoding_backend"]), json_values)
+def test_any_constraint_field_value_is_a_constraint_or_a_refusal_naming_a_field(field, value):
+    """A body's constraint field, whatever JSON it holds: a StructuredOutputs that the
+    router's checks accept or refuse naming the field, never another exception."""
+    try:
+        body = chat(**{field: value})
+    except Exception as e:  # pydantic's refusal of the field's type: a 400 naming it
+        assert isinstance(e, ApiError) and e.param.startswith(field), e
+        return
+    try:
+        got = sampling_of(body, 16, None).structured_outputs
+    except ValueError as e:
+        assert FIELD.match(str(e)), str(e)
+        return
+    if got is not None:
+        try:
+            check_constraint(got, ConstraintLimits())
+        except ValueError as e:
+            assert str(e).startswith("structured_outputs."), str(e)
