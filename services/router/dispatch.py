@@ -80,6 +80,8 @@ from pdserve.services.router.validate import Job
 
 log = logging.getLogger(__name__)
 ABORT_TIMEOUT = 1.0
+# A request's constraint refused by a worker: its own final failure (`_constraint_failed`).
+CONSTRAINT_FAILURES = (FailureKind.INVALID_CONSTRAINT, FailureKind.CONSTRAINT_TIMEOUT)
 RESERVE_TIMEOUT = 10.0
 RESERVATION_LEASE = 30.0
 
@@ -375,7 +377,8 @@ class Dispatcher:
                     attempt.produced = attempt.decoded = True
                 yield update
         except grpc.RpcError as e:
-            if not attempt.decoded and not cancel.cancelled and (_kv_lost(e) or attempt.kv_abandoned):
+            abandoned = attempt.kv_abandoned and failure_of(e) not in CONSTRAINT_FAILURES  # those are final
+            if not attempt.decoded and not cancel.cancelled and (_kv_lost(e) or abandoned):
                 raise KVLost(e.details() or "") from None
             raise self._classify(worker, e, cancel, attempt.worker_request_id) from None
 
@@ -394,7 +397,7 @@ class Dispatcher:
         if cancel.cancelled:
             _abort_quietly(worker, rid)
             return ServeError(Status.CANCELLED, GONE)
-        if kind in (FailureKind.INVALID_CONSTRAINT, FailureKind.CONSTRAINT_TIMEOUT):
+        if kind in CONSTRAINT_FAILURES:
             return self._constraint_failed(worker, kind, details, rid)
         if kind is FailureKind.BLOCK_HASH_MISMATCH:
             log.error("worker %s hashes prompts otherwise than this router: %s", worker.worker_id, details)

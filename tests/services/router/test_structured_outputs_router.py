@@ -261,6 +261,26 @@ def test_a_prefill_workers_refusal_is_final_no_fallback_to_a_local_prefill(error
     assert spare.requests == []
 
 
+class DroppingRegistry(FakeRegistry):
+    """Its prefill workers drop as soon as they are watched (after their Prefill answered)."""
+
+    def watch(self, handle, on_drop):
+        on_drop()
+        return lambda: None
+
+
+def test_a_refusal_is_final_even_when_the_prefill_worker_dropped_meanwhile():
+    """D's reservation was abandoned (its P dropped) and D refuses the constraint: the
+    request fails, D is not asked to prefill it after all."""
+    decode = FakeWorker("d1", decode=[INVALID], kv=True)
+    prefill = FakeWorker("p1", role_code=PREFILL, kv=True, first=(7, -0.5))
+    metrics = RouterMetrics("tiny")
+    dispatcher = Dispatcher(DroppingRegistry([decode], [prefill]), CONFIG, metrics)
+    front = FrontEnd(RouterConfig(port=0, admission_timeout=0.0), LIMITS, None, dispatcher, metrics)
+    assert failed(front).status is Status.INVALID_ARGUMENT
+    assert not any(r.local_prefill for r in decode.decodes())
+
+
 @pytest.mark.parametrize("error", [INVALID, TIMEOUT], ids=["invalid", "timeout"])
 def test_a_refusal_after_tokens_is_not_migrated(error):
     first = FakeWorker("d1", decode=[message(tokens(0, [5], [-0.5])), error])
