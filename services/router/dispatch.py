@@ -418,8 +418,9 @@ class Dispatcher:
         never retried, migrated or prefilled elsewhere: INVALID_ARGUMENT when the backend
         refused it, DEADLINE_EXCEEDED when it did not compile in time. The message names
         `structured_outputs` (the HTTP API renames it to the caller's field)."""
-        self.metrics.structured_refusal(kind.value)
-        if kind is FailureKind.INVALID_CONSTRAINT:
+        invalid = kind is FailureKind.INVALID_CONSTRAINT
+        self.metrics.structured_refusal("invalid" if invalid else "timeout")
+        if invalid:
             return ServeError(Status.INVALID_ARGUMENT, f"structured_outputs: refused by the grammar backend of "
                               f"worker {worker.worker_id}: {details}")
         _abort_quietly(worker, rid)

@@ -21,7 +21,7 @@ Every refusal and failure is a ServeError (services/common/status.py), raised by
 caller is gone (`cancel`), nothing more is said to it: the iteration just ends.
 
 Structured outputs: a request whose constraint passed validation counts in
-`pdserve:structured_outputs_requests_total{kind}`, a refused one in
+`pdserve:router_structured_outputs_requests_total{kind}`, a refused one in
 `..._refusals_total{reason}` (the workers' refusals are counted by dispatch.py).
 
 The final status (`pdserve:request_failure_total{code}`): the ServeError's; for a

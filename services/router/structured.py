@@ -39,10 +39,10 @@ from pdserve.engine.structured.params import MAX_NESTING, MAX_SPEC_BYTES, Constr
 DEFAULT_MAX_BYTES = 64 << 10
 DEFAULT_MAX_DEPTH = 32
 MAX_QUOTED = 300  # characters of jsonschema's message an error quotes
-# Refusals by reason (pdserve:structured_outputs_refusals_total{reason}): the router's,
-# then the workers' (FailureKind, as dispatch.py classifies their failures).
-REFUSAL_REASONS = ("malformed", "conflict", "too_large", "too_deep", "invalid_schema", "invalid_constraint",
-                   "constraint_timeout")
+# Refusals by reason (pdserve:router_structured_outputs_refusals_total{reason}): the
+# router's, then a worker's (its FailureKind, as dispatch.py classifies it; the names
+# the workers' own structured_outputs_refusals use).
+REFUSAL_REASONS = ("malformed", "conflict", "too_large", "too_deep", "invalid_schema", "invalid", "timeout")
 
 
 class ConstraintRefused(ValueError):

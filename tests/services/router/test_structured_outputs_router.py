@@ -181,7 +181,7 @@ def front_end(*decode: FakeWorker, prefill: tuple[FakeWorker, ...] = ()) -> Fron
 
 def counted(front: FrontEnd, name: str, **labels: str) -> float:
     labels = {"model_name": "tiny", "role": "router", "worker": "router", **labels}
-    return front.metrics.registry.get_sample_value(f"pdserve:structured_outputs_{name}_total", labels) or 0.0
+    return front.metrics.registry.get_sample_value(f"pdserve:router_structured_outputs_{name}_total", labels) or 0.0
 
 
 def served(max_tokens: int = 2) -> list:
@@ -223,8 +223,7 @@ INVALID = refusal(grpc.StatusCode.INVALID_ARGUMENT, "request 'r-0': structured_o
 TIMEOUT = refusal(grpc.StatusCode.DEADLINE_EXCEEDED, "request 'r-0': grammar not compiled within 5s",
                   FailureKind.CONSTRAINT_TIMEOUT)
 CONSTRAINED = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputs(ConstraintKind.REGEX, "[a-z]+"))
-WANT = {INVALID: (Status.INVALID_ARGUMENT, "invalid_constraint"), TIMEOUT: (Status.DEADLINE_EXCEEDED,
-                                                                           "constraint_timeout")}
+WANT = {INVALID: (Status.INVALID_ARGUMENT, "invalid"), TIMEOUT: (Status.DEADLINE_EXCEEDED, "timeout")}
 
 
 def failed(front: FrontEnd, sampling: SamplingParams = CONSTRAINED) -> ServeError:
@@ -294,7 +293,7 @@ def test_a_deadline_of_the_request_itself_is_still_a_plain_deadline():
     front = front_end(worker)
     failure = failed(front)
     assert failure.status is Status.DEADLINE_EXCEEDED and failure.message.startswith("deadline passed")
-    assert counted(front, "refusals", reason="constraint_timeout") == 0
+    assert counted(front, "refusals", reason="timeout") == 0
 
 
 # -- the HTTP API, in process -------------------------------------------------------------------

@@ -171,26 +171,26 @@ def test_grpc_client_constraints(up):
 
 
 def test_a_regex_the_backend_refuses_is_a_400_naming_the_callers_field(client, up):
-    before = router_metric(up, "structured_outputs_refusals", reason="invalid_constraint")
+    before = router_metric(up, "router_structured_outputs_refusals", reason="invalid")
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL, prompt="x", max_tokens=4, extra_body={"guided_regex": "(unclosed"})
     error = info.value.response.json()["error"]
     assert error["param"] == "guided_regex" and error["message"].startswith("guided_regex: ")
-    assert router_metric(up, "structured_outputs_refusals", reason="invalid_constraint") == before + 1
+    assert router_metric(up, "router_structured_outputs_refusals", reason="invalid") == before + 1
 
 
 def test_requests_are_counted_by_kind(client, up):
-    before = router_metric(up, "structured_outputs_requests", kind="regex")
+    before = router_metric(up, "router_structured_outputs_requests", kind="regex")
     client.completions.create(model=MODEL, prompt="x", max_tokens=8, temperature=0.0,
                               extra_body={"structured_outputs": {"regex": "[ab]{2}"}})
-    assert router_metric(up, "structured_outputs_requests", kind="regex") == before + 1
+    assert router_metric(up, "router_structured_outputs_requests", kind="regex") == before + 1
 
 
 # -- the router alone (passes without the engine's side) ---------------------------------------
 
 
 def test_a_malformed_schema_is_a_bad_request_naming_the_field(client, up):
-    before = router_metric(up, "structured_outputs_refusals", reason="invalid_schema")
+    before = router_metric(up, "router_structured_outputs_refusals", reason="invalid_schema")
     bad = {"type": "object", "properties": {"age": {"type": "integr"}}}
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, response_format=schema_format(bad))
@@ -202,7 +202,7 @@ def test_a_malformed_schema_is_a_bad_request_naming_the_field(client, up):
         client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, stream=True,
                                        extra_body={"guided_json": bad})
     assert info.value.response.json()["error"]["param"] == "guided_json"
-    assert router_metric(up, "structured_outputs_refusals", reason="invalid_schema") == before + 2
+    assert router_metric(up, "router_structured_outputs_refusals", reason="invalid_schema") == before + 2
 
 
 def test_a_huge_or_deep_schema_is_refused_before_dispatch(client, up):
@@ -210,14 +210,14 @@ def test_a_huge_or_deep_schema_is_refused_before_dispatch(client, up):
     deep: dict = {"type": "integer"}
     for _ in range(20):  # 41 brackets deep, more than --structured-outputs-max-depth 32
         deep = {"type": "object", "properties": {"a": deep}}
-    before = {r: router_metric(up, "structured_outputs_refusals", reason=r) for r in ("too_large", "too_deep")}
+    before = {r: router_metric(up, "router_structured_outputs_refusals", reason=r) for r in ("too_large", "too_deep")}
     for schema, reason in ((huge, "too_large"), (deep, "too_deep")):
         with pytest.raises(openai.BadRequestError) as info:
             client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8,
                                            response_format=schema_format(schema))
         error = info.value.response.json()["error"]
         assert error["param"] == "response_format.json_schema", error
-        assert router_metric(up, "structured_outputs_refusals", reason=reason) == before[reason] + 1
+        assert router_metric(up, "router_structured_outputs_refusals", reason=reason) == before[reason] + 1
 
 
 def test_two_constraints_are_a_bad_request_naming_both(client):
