@@ -7,7 +7,8 @@
     pdserve up --launcher ray [--address auto|HOST:PORT] [--ray-* flags] [...]
                                          the same on a Ray cluster (workers as actors)
     pdserve router|prefill|decode|mixed [flags]   one service
-    pdserve generate [--addr A] [--api-key K] [--tls-ca CA] PROMPT
+    pdserve generate [--addr A] [--api-key K] [--tls-ca CA] [--json-schema FILE | --json-object |
+                     --regex R | --choice A --choice B | --grammar FILE] [--logit-bias ID=BIAS] PROMPT
                                          stream a completion from a running router
     pdserve scale --address ROUTER [--prefill N] [--decode M] [--mixed K]
                                          resize the pools of a cluster `pdserve up` runs
@@ -26,6 +27,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -141,6 +143,36 @@ def _pools_match(reply) -> bool:
                for p in POOLS if reply.target.HasField(p))
 
 
+def _constraint(args: argparse.Namespace) -> dict | None:
+    """`generate`'s structured-outputs flag (at most one: argparse refuses two), in
+    vLLM's form (services/router/client.py options_from_kwargs)."""
+    if args.json_schema is not None:
+        return {"json": Path(args.json_schema).read_text()}
+    if args.grammar is not None:
+        return {"grammar": Path(args.grammar).read_text()}
+    if args.regex is not None:
+        return {"regex": args.regex}
+    if args.choice:
+        return {"choice": args.choice}
+    return {"json_object": True} if args.json_object else None
+
+
+def _logit_bias(pairs: list[str] | None) -> dict[int, float] | None:
+    """`--logit-bias ID=BIAS` flags as a map (argparse's error on a malformed one)."""
+    if not pairs:
+        return None
+    out = {}
+    for pair in pairs:
+        token, sep, bias = pair.partition("=")
+        try:
+            out[int(token)] = float(bias)
+        except ValueError:
+            raise SystemExit(f"pdserve generate: --logit-bias: want TOKEN_ID=BIAS, got {pair!r}") from None
+        if not sep:
+            raise SystemExit(f"pdserve generate: --logit-bias: want TOKEN_ID=BIAS, got {pair!r}")
+    return out
+
+
 def _generate(args: argparse.Namespace) -> int:
     import grpc
     from google.protobuf import json_format
@@ -148,7 +180,8 @@ def _generate(args: argparse.Namespace) -> int:
     from pdserve.services.router.client import Client
 
     sampling = {"max_tokens": args.max_tokens, "temperature": args.temperature, "n": args.n,
-                "beam_width": args.beam_width, "seed": args.seed}
+                "beam_width": args.beam_width, "seed": args.seed, "structured_outputs": _constraint(args),
+                "logit_bias": _logit_bias(args.logit_bias)}
     texts: dict[int, str] = {}
     api_key = args.api_key or os.environ.get(API_KEY_ENV)
     try:
@@ -241,6 +274,17 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--tls-server-name", default=None, help="name the router's certificate carries (default: the host)")
     gen.add_argument("--cache-salt", default="", help="prefix-cache salt: requests with another salt share no "
                                                       "cached blocks with this one")
+    constraint = gen.add_mutually_exclusive_group()  # structured outputs: one constraint at most
+    constraint.add_argument("--json-schema", metavar="FILE", default=None, help="the output is JSON valid "
+                                                                                "against this JSON schema file")
+    constraint.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    constraint.add_argument("--regex", default=None, help="the whole output matches this regular expression")
+    constraint.add_argument("--choice", action="append", default=None, metavar="TEXT",
+                            help="the output is one of these strings (repeat the flag for each)")
+    constraint.add_argument("--grammar", metavar="FILE", default=None, help="the output follows this grammar "
+                                                                            "(the workers' backend's syntax)")
+    gen.add_argument("--logit-bias", action="append", default=None, metavar="TOKEN_ID=BIAS",
+                     help="add BIAS (-100..100) to a token's logit (repeat the flag for each token)")
     gen.set_defaults(func=_generate)
 
     scale = sub.add_parser("scale", help="resize the worker pools of a cluster `pdserve up` runs")

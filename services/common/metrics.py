@@ -12,8 +12,9 @@ What is recorded where (one call per event, at the place it happens):
     router   FrontEnd.generate               request_started / request_ended(code)
              ResponseBuilder                 first_token, tokens, sequence_finished,
                                              request_finished
+             FrontEnd.generate / refuse      structured_request(kind), structured_refusal(reason)
              Dispatcher                      prefill_path, local_prefill_fallback, retry, migration,
-                                             worker_chosen
+                                             worker_chosen, structured_refusal (a worker's)
              KvSubscriber (per worker)       kv_event(kind): batch, snapshot, gap
              scrape time                     live workers per pool (the registry)
     worker   EngineLoop._step                step(seconds, batch)
@@ -117,6 +118,16 @@ METRICS: Mapping[str, Spec] = types.MappingProxyType({
         "counter", "KV event messages from workers applied to the router's view of their caches: batch (a "
                    "delta), snapshot (a full resync: new subscription, restarted or lagging worker), gap (out of "
                    "order: resubscribed)", ("kind",)),
+    # structured outputs as clients sent them: each request once (the workers' own
+    # structured_outputs_* count what each worker compiles, a P/D request at both)
+    "router_structured_outputs_requests": Spec(
+        "counter", "Requests whose structured-outputs constraint passed the router's checks, by kind: json_schema, "
+                   "json_object, regex, choice, grammar", ("kind",)),
+    "router_structured_outputs_refusals": Spec(
+        "counter", "Requests whose structured-outputs constraint was refused, by reason: by the router before "
+                   "dispatch malformed, conflict (two constraints), too_large, too_deep, invalid_schema (against its "
+                   "metaschema); by a worker invalid (its grammar engine refused it), timeout (not compiled within "
+                   "--structured-outputs-compile-timeout)", ("reason",)),
     # -- every worker: the engine ----------------------------------------------------------
     "request_queue_time_seconds": Spec("histogram", "Arrival at the worker's engine to first scheduled"),
     "request_prefill_time_seconds": Spec("histogram", "First scheduled to first token sampled (prompt computed here)"),
@@ -202,6 +213,7 @@ ROUTER_METRICS = (
     "e2e_request_latency_seconds", "prompt_tokens", "generation_tokens", "request_success", "request_failure",
     "num_requests_inflight", "http_requests", "router_prefill_path", "router_local_prefill_fallbacks", "router_retries",
     "request_migrations", "router_worker_selected", "router_kv_events", "stream_write_cutoffs",
+    "router_structured_outputs_requests", "router_structured_outputs_refusals",
 )
 WORKER_METRICS = (
     "request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
@@ -428,6 +440,14 @@ class RouterMetrics(_Recorder):
 
     def kv_event(self, kind: str) -> None:
         self.child("router_kv_events", kind).inc()
+
+    def structured_request(self, kind: str) -> None:
+        """A request with a constraint of this kind passed the router's checks."""
+        self.child("router_structured_outputs_requests", kind).inc()
+
+    def structured_refusal(self, reason: str) -> None:
+        """A constraint was refused: by the router before dispatch, or by a worker."""
+        self.child("router_structured_outputs_refusals", reason).inc()
 
 
 class WorkerMetrics(_Recorder):

@@ -62,7 +62,12 @@ _SCHEMES = ("unix:", "unix-abstract:", "dns:", "ipv4:", "ipv6:", "vsock:")
 
 
 def options_from_kwargs(**sampling: object) -> pb.SamplingOptions:
-    """SamplingOptions from engine.SamplingParams-style keyword arguments (None: unset)."""
+    """SamplingOptions from engine.SamplingParams-style keyword arguments (None: unset).
+
+    `structured_outputs`: a `pb.StructuredOutputs`, the engine's `StructuredOutputs`, or
+    vLLM's form, a dict of one key: `{"json": schema (a dict or its text)}`, `{"regex":
+    str}`, `{"choice": [str, ...]}`, `{"grammar": str}`, `{"json_object": True}`.
+    `logit_bias`: {token id: bias in [-100, 100]} (ids as ints or strings, as OpenAI's)."""
     options = pb.SamplingOptions()
     for name, value in sampling.items():
         field = _OPTIONS.get(name)
@@ -74,11 +79,43 @@ def options_from_kwargs(**sampling: object) -> pb.SamplingOptions:
             value = [value]
         if name == "early_stopping" and isinstance(value, bool):
             value = str(value).lower()
-        if field.is_repeated:
+        if name == "structured_outputs":
+            options.structured_outputs.CopyFrom(constraint_option(value))
+        elif name == "logit_bias":
+            if not isinstance(value, dict):
+                raise ValueError("logit_bias: must map token ids to biases")
+            options.logit_bias.update({int(token): float(bias) for token, bias in value.items()})
+        elif field.is_repeated:
             getattr(options, name).extend(value)  # type: ignore[arg-type]
         else:
             setattr(options, name, value)
     return options
+
+
+_CONSTRAINT_KEYS = {"json": "json_schema", "json_schema": "json_schema", "regex": "regex", "choice": "choice",
+                    "grammar": "grammar", "json_object": "json_object"}
+
+
+def constraint_option(value: object) -> pb.StructuredOutputs:
+    """The message of a structured-outputs constraint (`options_from_kwargs`'s forms).
+    The router checks it (as it does every field) before any worker sees it."""
+    if isinstance(value, pb.StructuredOutputs):
+        return value
+    if not isinstance(value, dict):
+        from pdserve.services.common.convert import constraint_message  # the engine's StructuredOutputs
+
+        return constraint_message(value)  # type: ignore[arg-type]
+    if len(value) != 1:
+        raise ValueError(f"structured_outputs: one constraint of {sorted(_CONSTRAINT_KEYS)}, got {sorted(value)}")
+    ((key, spec),) = value.items()
+    kind = _CONSTRAINT_KEYS.get(key)
+    if kind is None:
+        raise ValueError(f"structured_outputs: unknown constraint {key!r} (one of {sorted(_CONSTRAINT_KEYS)})")
+    if kind == "choice":
+        return pb.StructuredOutputs(choice=pb.ChoiceList(choices=list(spec)))  # type: ignore[call-overload]
+    if kind == "json_schema" and not isinstance(spec, str):
+        spec = json.dumps(spec, ensure_ascii=False, separators=(",", ":"))
+    return pb.StructuredOutputs(**{kind: spec})
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.engine.config import DEFAULT_MAX_LOGPROBS, DEFAULT_MAX_N, DEFAULT_MODEL
+from pdserve.engine.structured.params import MAX_NESTING, MAX_SPEC_BYTES
 from pdserve.services.common.credentials import ClusterCredentials
 from pdserve.services.common.flags import check, flag
+from pdserve.services.router.structured import DEFAULT_MAX_BYTES, DEFAULT_MAX_DEPTH
 from pdserve.services.router.validate import DEFAULT_MAX_PROMPT_BYTES
 
 PREFILL_POLICIES = ("prefix", "round_robin")
@@ -47,6 +49,12 @@ class RouterConfig:
     max_prompt_bytes: int = flag(DEFAULT_MAX_PROMPT_BYTES, "largest text prompt in bytes (UTF-8), refused before "
                                                            "it is tokenized")
     max_prompt_tokens: int | None = flag(None, "largest prompt in tokens (default: max_model_len - 1)")
+    # structured outputs: the workers' limits, checked before dispatch (structured.py)
+    structured_outputs_max_bytes: int = flag(DEFAULT_MAX_BYTES, "largest structured-outputs constraint (a JSON "
+                                                                "schema, regex, grammar or the choices) in bytes; "
+                                                                "the workers' own limit")
+    structured_outputs_max_depth: int = flag(DEFAULT_MAX_DEPTH, "deepest nesting of a JSON schema (objects and "
+                                                                "arrays); the workers' own limit")
     local_prefill_threshold: int = flag(64, "uncached prompts shorter than this prefill on the decode worker")
     prefill_queue_weight: int = flag(256, "prefill choice: one queued request costs this many cached tokens")
     max_prefill_queue: int = flag(0, "a prefill worker with this many requests queued or in flight from this router "
@@ -113,6 +121,10 @@ class RouterConfig:
         check(self.max_concurrent_requests >= 1, "max_concurrent_requests", "must be >= 1", self.max_concurrent_requests)
         check(self.max_queued_requests >= 0, "max_queued_requests", "must be >= 0", self.max_queued_requests)
         check(self.max_queue_wait >= 0, "max_queue_wait", "must be >= 0", self.max_queue_wait)
+        check(1 <= self.structured_outputs_max_bytes <= MAX_SPEC_BYTES, "structured_outputs_max_bytes",
+              f"must be in [1, {MAX_SPEC_BYTES}]", self.structured_outputs_max_bytes)
+        check(1 <= self.structured_outputs_max_depth <= MAX_NESTING, "structured_outputs_max_depth",
+              f"must be in [1, {MAX_NESTING}]", self.structured_outputs_max_depth)
         check(self.max_prompt_bytes >= 1, "max_prompt_bytes", "must be >= 1", self.max_prompt_bytes)
         check(self.max_prompt_tokens is None or self.max_prompt_tokens >= 1, "max_prompt_tokens", "must be >= 1",
               self.max_prompt_tokens)

@@ -31,6 +31,10 @@
             D or P hashes the prompt otherwise (FailureKind BLOCK_HASH_MISMATCH: another
               tokenizer, block size or salt): the request fails (INTERNAL, naming
               the cause), never falling back: every prompt would mismatch there
+            D or P refuses the request's structured-outputs constraint (FailureKind
+              INVALID_CONSTRAINT: INVALID_ARGUMENT; CONSTRAINT_TIMEOUT: DEADLINE_EXCEEDED):
+              the request fails with that status, never retried, migrated or
+              prefilled elsewhere (every worker runs the same backend and limits)
         elif the prompt should cross but no P can take it (none, draining, all at
            --max-prefill-queue): prefill on D (counted by reason)
         else:
@@ -76,6 +80,8 @@ from pdserve.services.router.validate import Job
 
 log = logging.getLogger(__name__)
 ABORT_TIMEOUT = 1.0
+# A request's constraint refused by a worker: its own final failure (`_constraint_failed`).
+CONSTRAINT_FAILURES = (FailureKind.INVALID_CONSTRAINT, FailureKind.CONSTRAINT_TIMEOUT)
 RESERVE_TIMEOUT = 10.0
 RESERVATION_LEASE = 30.0
 
@@ -371,7 +377,8 @@ class Dispatcher:
                     attempt.produced = attempt.decoded = True
                 yield update
         except grpc.RpcError as e:
-            if not attempt.decoded and not cancel.cancelled and (_kv_lost(e) or attempt.kv_abandoned):
+            abandoned = attempt.kv_abandoned and failure_of(e) not in CONSTRAINT_FAILURES  # those are final
+            if not attempt.decoded and not cancel.cancelled and (_kv_lost(e) or abandoned):
                 raise KVLost(e.details() or "") from None
             raise self._classify(worker, e, cancel, attempt.worker_request_id) from None
 
@@ -390,6 +397,8 @@ class Dispatcher:
         if cancel.cancelled:
             _abort_quietly(worker, rid)
             return ServeError(Status.CANCELLED, GONE)
+        if kind in CONSTRAINT_FAILURES:
+            return self._constraint_failed(worker, kind, details, rid)
         if kind is FailureKind.BLOCK_HASH_MISMATCH:
             log.error("worker %s hashes prompts otherwise than this router: %s", worker.worker_id, details)
             return ServeError(Status.INTERNAL, f"worker {worker.worker_id} and the router hash the prompt's blocks "
@@ -402,6 +411,21 @@ class Dispatcher:
             why = "dropped" if worker.dropped else f"{code.name}: {details}"
             return WorkerFailed(f"worker {worker.worker_id} {why}", busy=code == grpc.StatusCode.RESOURCE_EXHAUSTED)
         return ServeError(status_of_rpc(code), details or code.name)
+
+    def _constraint_failed(self, worker: WorkerHandle, kind: FailureKind, details: str, rid: str) -> ServeError:
+        """The request's constraint failed on a worker: its own fault, final. Another
+        worker would refuse it alike (one backend and limits for the cluster), so it is
+        never retried, migrated or prefilled elsewhere: INVALID_ARGUMENT when the backend
+        refused it, DEADLINE_EXCEEDED when it did not compile in time. The message names
+        `structured_outputs` (the HTTP API renames it to the caller's field)."""
+        invalid = kind is FailureKind.INVALID_CONSTRAINT
+        self.metrics.structured_refusal("invalid" if invalid else "timeout")
+        if invalid:
+            return ServeError(Status.INVALID_ARGUMENT, f"structured_outputs: refused by the grammar backend of "
+                              f"worker {worker.worker_id}: {details}")
+        _abort_quietly(worker, rid)
+        return ServeError(Status.DEADLINE_EXCEEDED, f"structured_outputs: did not compile within the workers' "
+                          f"--structured-outputs-compile-timeout on worker {worker.worker_id}: {details}")
 
 
 def prefill_request(job: Job, rid: str, reservation: pb.ReserveResponse) -> pb.PrefillRequest:

@@ -20,6 +20,10 @@ Every refusal and failure is a ServeError (services/common/status.py), raised by
 `generate` or by the iteration; an adapter maps its Status to its framing. Once the
 caller is gone (`cancel`), nothing more is said to it: the iteration just ends.
 
+Structured outputs: a request whose constraint passed validation counts in
+`pdserve:router_structured_outputs_requests_total{kind}`, a refused one in
+`..._refusals_total{reason}` (the workers' refusals are counted by dispatch.py).
+
 The final status (`pdserve:request_failure_total{code}`): the ServeError's; for a
 caller gone (cancelled, or the stream closed before its end) DEADLINE_EXCEEDED when
 its deadline had passed, else CANCELLED (a client's timer fires first and resets
@@ -56,6 +60,7 @@ from pdserve.services.router.config import RouterConfig
 from pdserve.services.router.dispatch import Dispatcher
 from pdserve.services.router.records import Request, SequenceOutput
 from pdserve.services.router.responses import ResponseBuilder
+from pdserve.services.router.structured import ConstraintRefused
 from pdserve.services.router.validate import Job, Limits, Validator
 
 log = logging.getLogger(__name__)
@@ -98,7 +103,10 @@ class FrontEnd:
             try:  # a bad request is refused before it waits for a slot
                 job = self.validator.validate(request, tenant)
             except ValueError as e:
+                self._count_refusal(e)
                 raise ServeError(status_of(e), str(e)) from None
+            if job.params.structured_outputs is not None:
+                self.metrics.structured_request(job.params.structured_outputs.kind.value)
             deadline = self._deadline(request.deadline)
             if not self.admission.acquire(deadline.remaining()):
                 raise self._refusal()
@@ -112,9 +120,18 @@ class FrontEnd:
         field the engine's SamplingParams refused, naming it), counted as a refusal
         of `generate` is."""
         refusal = ServeError(status_of(error), str(error))
+        self._count_refusal(error)
         self.metrics.request_started()
         self.metrics.request_ended(refusal.status.name)
         return refusal
+
+    def _count_refusal(self, error: ValueError) -> None:
+        """A refused constraint, by reason (structured.py names them; any other error
+        about the constraint, e.g. a gRPC message's, is "malformed")."""
+        if isinstance(error, ConstraintRefused):
+            self.metrics.structured_refusal(error.reason)
+        elif str(error).startswith("structured_outputs"):
+            self.metrics.structured_refusal("malformed")
 
     def drain(self, grace: float) -> bool:
         """Admit no new request (UNAVAILABLE), let those in flight finish for up to

@@ -38,6 +38,7 @@ from pdserve.services.router.frontend import FrontEnd
 from pdserve.services.router.registry import WorkerRegistry
 from pdserve.services.router.registry_service import RegistryServicer
 from pdserve.services.router.service import GenerationServicer
+from pdserve.services.router.structured import ConstraintLimits
 from pdserve.services.router.validate import Limits
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,8 @@ class Router:
         if max_model_len > model.max_position_embeddings:
             raise ValueError(f"max_model_len: {max_model_len} exceeds the model's {model.max_position_embeddings}")
         self.limits = Limits(config.model_name, model.vocab_size, max_model_len, config.max_n, config.block_size,
-                             config.max_logprobs, config.max_prompt_bytes, config.max_prompt_tokens)
+                             config.max_logprobs, config.max_prompt_bytes, config.max_prompt_tokens,
+                             ConstraintLimits(config.structured_outputs_max_bytes, config.structured_outputs_max_depth))
         tokenizer = Tokenizer(config.model) if has_tokenizer(config.model) else None
         if tokenizer is not None:
             # the router encodes text prompts (and renders chats, with the HTTP API on):

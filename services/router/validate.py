@@ -7,7 +7,10 @@ max_model_len, in the vocabulary), every sampling field (the request's SamplingP
 checked its ranges when its adapter built it; here each value must fit its proto field,
 then the engine's own `validate_sampling_params` with the workers' limits: n and
 beam_width within --max-n, logprobs within --max-logprobs, stop strings and ids),
-prompt + max_tokens within max_model_len, cache_salt.
+prompt + max_tokens within max_model_len, cache_salt, logit_bias's token ids in the
+vocabulary, a structured-outputs constraint within --structured-outputs-max-bytes and
+--structured-outputs-max-depth and, a JSON schema, valid against its metaschema
+(structured.py: regexes and grammars are left to the workers' backends).
 
 A Job holds one sampling type, the engine's SamplingParams, salted: what each worker
 reads from the options it is sent (`Job.options`, derived, never stored).
@@ -30,6 +33,7 @@ from pdserve.engine.validation import MAX_REQUEST_ID, SamplingLimits, validate_p
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.services.common.convert import options_of
 from pdserve.services.router.records import Request
+from pdserve.services.router.structured import ConstraintLimits, check_constraint
 
 # A client's salt: half of what the engine takes, so the tenant in front of it (`key_id/`) always fits.
 MAX_CLIENT_SALT = MAX_CACHE_SALT // 2
@@ -66,6 +70,7 @@ class Limits:
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
     max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES  # of a text prompt, checked before tokenizing it
     max_prompt_tokens: int | None = None  # None: max_model_len - 1
+    constraints: ConstraintLimits = ConstraintLimits()  # --structured-outputs-max-bytes / -max-depth
 
     @property
     def prompt_token_cap(self) -> int:
@@ -108,6 +113,10 @@ class Validator:
         validate_sampling_params(params, SamplingLimits(
             lim.vocab_size, max_n=lim.max_n, max_logprobs=lim.max_logprobs, has_tokenizer=self.tokenizer is not None,
         ))
+        bad = next((token for token, _ in params.logit_bias if token >= lim.vocab_size), None)
+        check_field(bad is None, "logit_bias", f"token ids must be < vocab_size {lim.vocab_size}", bad)
+        if params.structured_outputs is not None:
+            check_constraint(params.structured_outputs, lim.constraints)
         validate_prompt(prompt, params, lim.vocab_size, lim.max_model_len, ids_field="token_ids")
         worker_id = uuid.uuid4().hex
         return Job(

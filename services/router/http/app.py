@@ -12,7 +12,10 @@ Validation, admission, API-key tenants, cache salts, metrics and dispatch are th
 front end's (frontend.py), shared with gRPC; this file only frames. Bodies are read
 up to --http-max-body-bytes (413 beyond, before parsing) and parsed by protocol.py;
 every error is errors.py's shape. Every route but /health and /version wants
-`Authorization: Bearer KEY` when the router has --api-keys-file.
+`Authorization: Bearer KEY` when the router has --api-keys-file. A request's
+structured-outputs constraint (structured.py) is checked by the front end and may be
+refused by a worker; either error names the field the caller used
+(`response_format.json_schema`, `guided_regex`, ...), whenever it comes.
 
 A request runs on the front end's blocking Generations through bridge.py. Before the
 first output a request can still fail with its own HTTP status (a streaming one
@@ -49,6 +52,7 @@ from pdserve.services.router.http.errors import ApiError, api_error_of, bad_requ
 from pdserve.services.router.http.protocol import (
     MAX_PROMPTS, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, parse, sampling_of,
 )
+from pdserve.services.router.http.structured import aliases
 from pdserve.services.router.records import Request, SequenceOutput
 from pdserve.services.router.validate import check_prompt_bytes
 
@@ -177,25 +181,27 @@ class HttpApi:
         prompt_logprobs = body.prompt_logprobs
         if body.echo and body.logprobs is not None and prompt_logprobs is None and not body.stream:
             prompt_logprobs = body.logprobs  # echoed tokens carry their logprobs too
+        to_api = _errors(None, aliases(body))
         try:
             sampling = replace(sampling_of(body, self.limits.max_model_len if fill else body.max_tokens, body.logprobs),
                                prompt_logprobs=prompt_logprobs)
         except ValueError as e:
-            raise api_error_of(self.front_end.refuse(e)) from None
+            raise to_api(self.front_end.refuse(e)) from None
         requests = [
             Request(text=text, token_ids=ids, sampling=sampling, request_id=_request_id(body.request_id, i, len(prompts)),
                     cache_salt=body.cache_salt or "", authorization=authorization,
                     add_special_tokens=body.add_special_tokens, fill_context=fill)
             for i, (text, ids) in enumerate(prompts)
         ]
-        runs = await Runs.admit(self.front_end, self.pool, requests)
+        runs = await _as_api(Runs.admit(self.front_end, self.pool, requests), to_api)
         n = sampling.n
         echoes = [self._echo(text, gen.prompt_token_ids) if body.echo else "" for (text, _), gen in
                   zip(prompts, runs.generations)]
         completion_id = f"cmpl-{runs.generations[0].request_id}"
         if body.stream:
-            return await self._stream(request, runs, CompletionEvents(self, runs, body, completion_id, n, echoes))
-        choices = await self._until_gone(request, runs, _collect(runs, n))
+            return await self._stream(request, runs, CompletionEvents(self, runs, body, completion_id, n, echoes),
+                                      to_api)
+        choices = await _as_api(self._until_gone(request, runs, _collect(runs, n)), to_api)
         return JSONResponse(self._completion(body, completion_id, choices, runs, n, echoes))
 
     def _completion(self, body: CompletionRequest, completion_id: str, choices: dict[int, _Choice], runs: Runs,
@@ -232,26 +238,24 @@ class HttpApi:
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         names = {**CHAT_NAMES, "max_tokens": "max_completion_tokens"} if body.max_completion_tokens is not None \
             else CHAT_NAMES
+        to_api = _errors(names, aliases(body))
         try:  # unset: up to max_model_len (fill_context)
             sampling = sampling_of(body, self.limits.max_model_len if max_tokens is None else max_tokens, logprobs)
         except ValueError as e:
-            raise api_error_of(self.front_end.refuse(e), names) from None
+            raise to_api(self.front_end.refuse(e)) from None
         prompt = await self._chat_prompt(body, body.add_special_tokens)
         chat_request = Request(token_ids=tuple(prompt), sampling=sampling, request_id=body.request_id or "",
                                cache_salt=body.cache_salt or "", authorization=authorization,
                                fill_context=max_tokens is None)
-        try:
-            runs = await Runs.admit(self.front_end, self.pool, [chat_request])
-        except ServeError as e:
-            raise api_error_of(e, names) from None
+        runs = await _as_api(Runs.admit(self.front_end, self.pool, [chat_request]), to_api)
         n = sampling.n
         chat_id = f"chatcmpl-{runs.generations[0].request_id}"
         last = body.messages[-1]
         echo = (last.content if isinstance(last.content, str) else "") if body.echo and last.role == "assistant" else ""
         top_k = body.top_logprobs or 0
         if body.stream:
-            return await self._stream(request, runs, ChatEvents(self, runs, body, chat_id, n, top_k, echo))
-        choices = await self._until_gone(request, runs, _collect(runs, n))
+            return await self._stream(request, runs, ChatEvents(self, runs, body, chat_id, n, top_k, echo), to_api)
+        choices = await _as_api(self._until_gone(request, runs, _collect(runs, n)), to_api)
         out = []
         for index in sorted(choices):
             choice = choices[index]
@@ -376,12 +380,17 @@ class HttpApi:
         await asyncio.wait({task})  # over before the caller closes what it ran (an async generator's aclose)
         raise ClientGone()
 
-    async def _stream(self, request: HttpRequest, runs: Runs, events: Events) -> Response:
+    async def _stream(self, request: HttpRequest, runs: Runs, events: Events,
+                      to_api: Callable[[ServeError], ApiError] = api_error_of) -> Response:
         """An SSE response: waits for the first output (a failure until then is the
-        request's HTTP status), then streams; an error later is one event, then [DONE]."""
+        request's HTTP status), then streams; an error later is one event, then [DONE]
+        (`to_api`: a failure as the request's API error)."""
         outputs = aiter(runs)
         try:
             first = await self._until_gone(request, runs, anext(outputs, None))
+        except ServeError as e:
+            await outputs.aclose()
+            raise to_api(e) from None
         except BaseException:
             await outputs.aclose()
             raise
@@ -396,7 +405,7 @@ class HttpApi:
                             yield chunk
                 yield events.end()
             except ServeError as e:
-                yield _event(api_error_of(e).body())
+                yield _event(to_api(e).body())
             finally:
                 runs.cancel()
                 await outputs.aclose()
@@ -502,6 +511,20 @@ class EventStream(StreamingResponse):
         finally:
             self._on_close()
             await self._content.aclose()
+
+
+def _errors(names: dict[str, str] | None, aliases: dict[str, str]) -> Callable[[ServeError], ApiError]:
+    """A request's failures as its API errors: the fields its messages name renamed to
+    the request's (`names` for `param`; `aliases`, a constraint's, in the message too)."""
+    return lambda error: api_error_of(error, names, aliases)
+
+
+async def _as_api(work: Awaitable[T], to_api: Callable[[ServeError], ApiError]) -> T:
+    """`work`'s result; a ServeError it raises as the request's API error."""
+    try:
+        return await work
+    except ServeError as e:
+        raise to_api(e) from None
 
 
 async def _collect(runs: Runs, n: int) -> dict[int, _Choice]:

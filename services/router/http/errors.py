@@ -84,10 +84,21 @@ def param_of(message: str, names: dict[str, str] | None = None) -> str | None:
     return {**PARAM_NAMES, **(names or {})}.get(field, field)
 
 
-def api_error_of(error: ServeError, names: dict[str, str] | None = None) -> ApiError:
+def api_error_of(error: ServeError, names: dict[str, str] | None = None,
+                 aliases: dict[str, str] | None = None) -> ApiError:
+    """`names`: front-end field -> the request's, for `param`; `aliases`: the same, for
+    the message's leading field too (a constraint's `structured_outputs.json_schema`
+    is the caller's `response_format.json_schema`), whatever the status."""
+    message = renamed(error.message, aliases or {})
     status = HTTP_STATUS.get(error.status, 500)
-    param = param_of(error.message, names) if status == 400 else None
-    return ApiError(status, error.message, param=param, retry_after_s=error.retry_after_s)
+    param = param_of(message, names) if status == 400 else None
+    return ApiError(status, message, param=param, retry_after_s=error.retry_after_s)
+
+
+def renamed(message: str, names: dict[str, str]) -> str:
+    """`message` with its leading field (`field: ...`) renamed by `names`."""
+    field, sep, rest = message.partition(":")
+    return f"{names[field]}{sep}{rest}" if sep and field in names else message
 
 
 def invalid(error: ValueError) -> ApiError:

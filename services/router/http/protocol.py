@@ -6,8 +6,10 @@
                                      type), or ValueError naming the field
 
 Unknown fields are ignored (clients send what other servers take); what pdserve
-cannot do yet (`tools`, a `response_format` other than text, a `logit_bias`,
-`suffix`) is a 400 naming the field (`unsupported`), never silently dropped. JSON is
+cannot do yet (`tools`, `suffix`) is a 400 naming the field (`unsupported`), never
+silently dropped. Structured outputs (`response_format`, vLLM's `structured_outputs`
+and `guided_*`) become one StructuredOutputs (structured.py); `logit_bias` (token id
+strings -> [-100, 100]) goes to SamplingParams as it is, which checks it. JSON is
 parsed by pydantic's own parser: NaN and infinities are refused, as are invalid
 UTF-8 and nesting deeper than its limit.
 """
@@ -20,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.services.router.http.errors import ApiError, bad_request
+from pdserve.services.router.http.structured import constraint_of
 
 M = TypeVar("M", bound=BaseModel)
 MAX_PROMPTS = 256  # prompts of one /v1/completions body (each is a request of its own)
@@ -65,6 +68,15 @@ class _Sampled(_Body):
     early_stopping: bool | Literal["never"] | None = None
     cache_salt: str | None = None
     request_id: str | None = None
+    # structured outputs (structured.py): OpenAI's, vLLM's and vLLM's older names
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
 
 
 TokenIds = list[int]
@@ -98,7 +110,6 @@ class ChatCompletionRequest(_Sampled):
     tools: list[Any] | None = None
     functions: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
@@ -147,7 +158,8 @@ def _is_type_tag(part: str) -> bool:
 def sampling_of(body: _Sampled, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
     """The sampling of a body (`max_tokens` and `logprobs` as the endpoint reads them;
     a field left unset keeps the engine's default). Raises ApiError naming a field
-    pdserve cannot honour, ValueError naming a value SamplingParams refuses."""
+    pdserve cannot honour, ValueError naming a value SamplingParams refuses (a
+    malformed or doubled constraint: ConstraintRefused, naming the caller's field)."""
     unsupported(body)
     n = 1 if body.n is None else body.n
     if body.best_of is not None and body.best_of != n:
@@ -161,14 +173,13 @@ def sampling_of(body: _Sampled, max_tokens: int | None, logprobs: int | None) ->
         stop=body.stop, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, logprobs=logprobs,
         prompt_logprobs=body.prompt_logprobs, n=n, beam_width=n if body.use_beam_search else None,
         length_penalty=body.length_penalty, early_stopping=body.early_stopping,
+        structured_outputs=constraint_of(body), logit_bias=body.logit_bias,
     )
     return SamplingParams(**{name: value for name, value in fields.items() if value is not None})
 
 
 def unsupported(body: _Sampled) -> None:
     """A 400 for each field pdserve cannot do yet, naming it (never silently ignored)."""
-    if body.logit_bias:
-        raise bad_request("logit_bias", "not supported by pdserve (send none or {})")
     if isinstance(body, CompletionRequest) and body.suffix:
         raise bad_request("suffix", "not supported by pdserve")
     if isinstance(body, ChatCompletionRequest):
@@ -178,6 +189,3 @@ def unsupported(body: _Sampled) -> None:
             raise bad_request("functions", "function calling is not supported by pdserve (send none)")
         if body.tool_choice not in (None, "none"):
             raise bad_request("tool_choice", "only 'none' is supported by pdserve")
-        kind = (body.response_format or {}).get("type", "text")
-        if kind != "text":
-            raise bad_request("response_format", f"only type 'text' is supported by pdserve, got {kind!r}")

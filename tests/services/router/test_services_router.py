@@ -351,7 +351,8 @@ def test_sampling_params_carry_every_proto_field_both_ways():
                                       stop_token_ids=(1, 2), temperature=0.0)
     assert params_from_options(options_of(sampling)) == sampling  # what every worker reads back
     sent = {f.name for f, _ in options_of(SamplingParams()).ListFields()}
-    assert sent == set(SAMPLING_FIELDS) - {"seed", "logprobs", "prompt_logprobs", "stop", "stop_token_ids"}  # None, empty
+    assert sent == set(SAMPLING_FIELDS) - {"seed", "logprobs", "prompt_logprobs", "stop", "stop_token_ids",
+                                           "structured_outputs", "logit_bias"}  # None, empty
     for early in (True, False, "never"):
         beams = SamplingParams(beam_width=2, early_stopping=early, length_penalty=0.5)
         assert params_from_options(options_of(beams)) == beams

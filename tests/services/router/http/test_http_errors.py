@@ -156,7 +156,7 @@ def test_a_valid_key_opens_every_route(guarded):
 
 @pytest.mark.parametrize("fields, param", [
     (dict(max_tokens=0), "max_tokens"), (dict(max_tokens="four"), "max_tokens"), (dict(temperature=-1), "temperature"),
-    (dict(n=100), "n"), (dict(best_of=3), "best_of"), (dict(logit_bias={"5": 1}), "logit_bias"),
+    (dict(n=100), "n"), (dict(best_of=3), "best_of"), (dict(logit_bias={"5": 101}), "logit_bias"),
     (dict(suffix="}"), "suffix"), (dict(top_k="x"), "top_k"), (dict(stream_options={"include_usage": True}),
                                                                   "stream_options"),
     (dict(prompt=[9999]), "prompt"), (dict(prompt=""), "prompt"), (dict(stop=["s"] * 100), "stop"),
