@@ -1,0 +1,93 @@
+"""What tool_choice `required` or a named function puts on decoding (as vLLM does), and
+how the constrained output becomes calls.
+
+    named f      the output is f's arguments: f's parameters schema
+    required     the output is a list of calls, at least one (exactly one without
+                 parallel_tool_calls):
+                 {"type": "array", "minItems": 1, "items": {"anyOf": [
+                     {"type": "object", "properties": {"name": {"type": "string", "enum": [f]},
+                      "parameters": <f's parameters>}, "required": ["name", "parameters"]}, ...]}}
+
+Both are StructuredOutputs JSON schemas (engine/structured/), so every worker path that
+honours a response_format honours a forced tool call too.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pdserve.engine.structured.params import StructuredOutputs
+from pdserve.services.router.http.tools.parsers import CallArguments, CallStart, Event, Extractor, TextPart
+from pdserve.services.router.http.tools.request import Tool, ToolRequest
+
+
+def required_schema(tools: tuple[Tool, ...], parallel: bool) -> dict[str, Any]:
+    items = [{"type": "object", "properties": {"name": {"type": "string", "enum": [tool.name]},
+                                               "parameters": tool.schema},
+              "required": ["name", "parameters"]} for tool in tools]
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
+
+
+def constraint_of(tools: ToolRequest | None) -> StructuredOutputs | None:
+    """The constraint a tool_choice puts on the output (None: auto / none, free text)."""
+    if tools is None or not tools.constrained:
+        return None
+    if tools.named is not None:
+        return StructuredOutputs.json_schema(tools.named.schema)
+    return StructuredOutputs.json_schema(required_schema(tools.tools, tools.parallel))
+
+
+class NamedCall(Extractor):
+    """The named function's call: its name at once, then the text as its arguments."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.started = False
+
+    def feed(self, text: str) -> list[Event]:
+        events: list[Event] = []
+        if not self.started:
+            self.started = True
+            events.append(CallStart(self.name))
+        if text:
+            events.append(CallArguments(text))
+        return events
+
+    def finish(self) -> list[Event]:
+        return self.feed("")
+
+
+class RequiredCalls(Extractor):
+    """A JSON list of calls, read when it ends (text if it does not parse as one: a
+    cut-off output)."""
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+
+    def feed(self, text: str) -> list[Event]:
+        self.text.append(text)
+        return []
+
+    def finish(self) -> list[Event]:
+        text = "".join(self.text)
+        self.text = []
+        try:
+            calls = json.loads(text)
+        except (ValueError, RecursionError):
+            return [TextPart(text)] if text else []
+        events: list[Event] = []
+        if not isinstance(calls, list) or not all(_is_call(c) for c in calls):
+            return [TextPart(text)] if text else []
+        for call in calls:
+            arguments = call.get("parameters", call.get("arguments", {}))
+            events += [CallStart(call["name"]), CallArguments(json.dumps(arguments, ensure_ascii=False))]
+        return events
+
+
+def _is_call(obj: Any) -> bool:
+    return (isinstance(obj, dict) and isinstance(obj.get("name"), str)
+            and isinstance(obj.get("parameters", obj.get("arguments", {})), dict))
