@@ -6,7 +6,7 @@
                                      type), or ValueError naming the field
 
 Unknown fields are ignored (clients send what other servers take); what pdserve
-cannot do yet (`tools`, a `response_format` other than text, a `logit_bias`,
+cannot do yet (a `response_format` other than text, a `logit_bias`, `functions`,
 `suffix`) is a 400 naming the field (`unsupported`), never silently dropped. JSON is
 parsed by pydantic's own parser: NaN and infinities are refused, as are invalid
 UTF-8 and nesting deeper than its limit.
@@ -87,6 +87,8 @@ class Message(_Body):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[Any] | None = None  # assistant turns (checked in tools/messages.py)
+    tool_call_id: str | None = None  # tool turns
 
 
 class ChatCompletionRequest(_Sampled):
@@ -98,6 +100,7 @@ class ChatCompletionRequest(_Sampled):
     tools: list[Any] | None = None
     functions: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # tools, tool_choice: checked in tools/request.py
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -172,12 +175,8 @@ def unsupported(body: _Sampled) -> None:
     if isinstance(body, CompletionRequest) and body.suffix:
         raise bad_request("suffix", "not supported by pdserve")
     if isinstance(body, ChatCompletionRequest):
-        if body.tools:
-            raise bad_request("tools", "tool calling is not supported by pdserve (send none)")
         if body.functions:
-            raise bad_request("functions", "function calling is not supported by pdserve (send none)")
-        if body.tool_choice not in (None, "none"):
-            raise bad_request("tool_choice", "only 'none' is supported by pdserve")
+            raise bad_request("functions", "the legacy function calling is not supported by pdserve (send tools)")
         kind = (body.response_format or {}).get("type", "text")
         if kind != "text":
             raise bad_request("response_format", f"only type 'text' is supported by pdserve, got {kind!r}")

@@ -15,9 +15,12 @@ honours a response_format honours a forced tool call too.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.structured.params import StructuredOutputs
+from pdserve.services.router.http.errors import bad_request
 from pdserve.services.router.http.tools.parsers import CallArguments, CallStart, Event, Extractor, TextPart
 from pdserve.services.router.http.tools.request import Tool, ToolRequest
 
@@ -91,3 +94,16 @@ class RequiredCalls(Extractor):
 def _is_call(obj: Any) -> bool:
     return (isinstance(obj, dict) and isinstance(obj.get("name"), str)
             and isinstance(obj.get("parameters", obj.get("arguments", {})), dict))
+
+
+def with_tool_constraint(sampling: SamplingParams, tools: ToolRequest | None) -> SamplingParams:
+    """`sampling` constrained as tool_choice asks (unchanged under auto / none). Raises
+    ApiError naming tool_choice beside another constraint, ValueError where SamplingParams
+    refuses a constraint (beam search)."""
+    constraint = constraint_of(tools)
+    if constraint is None:
+        return sampling
+    if sampling.structured_outputs is not None:
+        raise bad_request("tool_choice", "required or a named function constrains the output itself: it cannot go "
+                                         "with response_format or structured_outputs")
+    return replace(sampling, structured_outputs=constraint)

@@ -11,15 +11,14 @@ events of a text do not depend on how it was split, so a streamed answer and a w
 one agree. A call is announced only once its text is complete and parses, so a malformed
 one (bad JSON, a missing name, cut off by max_tokens) comes back as text, never half-sent.
 
-Parsers are registered by the name `--tool-call-parser` takes (`PARSERS`); each instance
-serves one choice of one request (it holds that choice's unread text).
+Parsers are registered by the name `--tool-call-parser` takes (registry.py); each
+instance serves one choice of one request (it holds that choice's unread text).
 """
 
 from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,21 +122,3 @@ def merged(events: list[Event]) -> tuple[str, list[tuple[str, str]]]:
 def parse_whole(extractor: Extractor, text: str) -> tuple[str, list[tuple[str, str]]]:
     """A whole text's (content, [(name, arguments JSON)])."""
     return merged(extractor.feed(text) + extractor.finish())
-
-
-def _registry() -> dict[str, Callable[[], Extractor]]:
-    from pdserve.services.router.http.tools.hermes import HermesParser
-    from pdserve.services.router.http.tools.llama3_json import Llama3JsonParser
-
-    return {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
-
-
-PARSER_NAMES = ("hermes", "llama3_json")
-
-
-def parser_factory(name: str) -> Callable[[], Extractor]:
-    """The parser registered as `name` (ValueError naming --tool-call-parser otherwise)."""
-    parsers = _registry()
-    if name not in parsers:
-        raise ValueError(f"tool_call_parser: unknown parser {name!r} (one of {', '.join(sorted(parsers))})")
-    return parsers[name]

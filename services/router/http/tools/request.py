@@ -12,12 +12,11 @@
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.engine.structured.params import MAX_NESTING, json_depth
+from pdserve.engine.structured.params import MAX_NESTING
 from pdserve.services.router.http.errors import bad_request
 
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -117,8 +116,7 @@ def _check_schema(where: str, schema: Any) -> None:
     and an object at its top: a call's arguments are one."""
     if not isinstance(schema, dict):
         raise bad_request(where, f"must be a JSON schema object, got {type(schema).__name__}")
-    text = json.dumps(schema)
-    if json_depth(text) > MAX_NESTING:
+    if _depth(schema) > MAX_NESTING:
         raise bad_request(where, f"nested more than {MAX_NESTING} deep")
     import jsonschema  # the router's check before dispatch; loads once
 
@@ -131,6 +129,19 @@ def _check_schema(where: str, schema: Any) -> None:
         raise bad_request(where, "nested too deep to check") from None
     if schema.get("type", "object") != "object":
         raise bad_request(where, f"must describe an object (a call's arguments), got type {schema.get('type')!r}")
+
+
+def _depth(value: Any) -> int:
+    """How deeply decoded JSON nests (objects and arrays), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            if depth > MAX_NESTING:
+                break
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
 
 
 def _choice(tool_choice: Any, tools: tuple[Tool, ...], names: dict[str, int]) -> tuple[str, Tool | None]:

@@ -110,7 +110,7 @@ HOSTILE = [
     (CHAT, chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), 400,
      "messages.0.content.0"),
     (CHAT, chat(messages=[{"role": "user", "content": [{"type": "text"}]}]), 400, "messages.0.content.0"),
-    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
+    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f g"}}]), 400, "tools.0.function.name"),
     (CHAT, chat(response_format={"type": "json_object"}), 400, "response_format"),
     (CHAT, chat(logit_bias={"5": 100}), 400, "logit_bias"),
     (CHAT, chat(top_logprobs=5), 400, "top_logprobs"),

@@ -244,10 +244,7 @@ def test_beam_search_and_early_stopping():
 
 
 @pytest.mark.parametrize("fields, param", [
-    (dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
     (dict(functions=[{"name": "f"}]), "functions"),
-    (dict(tool_choice="auto"), "tool_choice"),
-    (dict(tool_choice={"type": "function", "function": {"name": "f"}}), "tool_choice"),
     (dict(response_format={"type": "json_object"}), "response_format"),
     (dict(response_format={"type": "json_schema", "json_schema": {}}), "response_format"),
     (dict(logit_bias={"5": 10}), "logit_bias"),

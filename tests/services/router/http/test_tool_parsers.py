@@ -11,7 +11,8 @@ import pytest
 from pdserve.services.router.http.tools.hermes import HermesParser
 from pdserve.services.router.http.tools.llama3_json import Llama3JsonParser
 from pdserve.services.router.http.tools.output import ToolDeltas, message
-from pdserve.services.router.http.tools.parsers import merged, parse_whole, parser_factory
+from pdserve.services.router.http.tools.parsers import merged, parse_whole
+from pdserve.services.router.http.tools.registry import parser_factory
 
 WEATHER = {"city": "Paris", "note": "a } and a \" and </tool_call>? no: {\"x\": [1]}"}
 
