@@ -496,14 +496,14 @@ class ChatEvents(Events):
         if not self.roles_sent:  # with the first token, not on accept: clients time TTFT by it
             self.roles_sent = True
             for index in range(self.n):
-                role = {"role": "assistant", "content": self.echo}
+                role = {"role": "assistant", "content": "" if self._reads_calls else self.echo}
                 out += _event(self._chunk([{"index": index, "delta": role, "logprobs": None, "finish_reason": None}]))
         choice = self.choices.setdefault(output.index, _Choice())
         _grow(choice, output)
         logprobs = None
         if self.logprobs and output.logprobs:
             logprobs = {"content": render.chat_logprobs(output.logprobs, self.api.name, self.top_k), "refusal": None}
-        if self.tools is not None and self.tools.choice != "none":
+        if self._reads_calls:
             return out + self._tool_chunks(output, choice, logprobs)
         if output.text or logprobs is not None or choice.finish_reason is not None:
             delta = {"content": output.text} if output.text or logprobs is not None else {}
@@ -511,15 +511,22 @@ class ChatEvents(Events):
                                         "finish_reason": choice.finish_reason}]))
         return out
 
+    @property
+    def _reads_calls(self) -> bool:
+        return self.tools is not None and self.tools.choice != "none"
+
     def _tool_chunks(self, output: SequenceOutput, choice: _Choice, logprobs: dict | None) -> bytes:
         """An output's text as content and tool-call deltas (tools/output.py), the logprobs
-        on the first chunk, the finish reason on the last."""
+        on the first chunk, the finish reason on the last. An echoed assistant turn is
+        read first, as the whole answer reads it."""
         tools = self.tools
         deltas = self.tool_deltas.get(output.index)
+        items: list[dict] = []
         if deltas is None:
             extractor = tool_output.extractor_of(tools, self.api.tool_parser)
             deltas = self.tool_deltas[output.index] = tool_output.ToolDeltas(extractor, tools.parallel)
-        items = deltas.feed(output.text)
+            items += deltas.feed(self.echo)
+        items += deltas.feed(output.text)
         finish = choice.finish_reason
         if finish is not None:
             items += deltas.finish()
