@@ -280,7 +280,7 @@ class HttpApi:
         message = {"role": "assistant", "content": content, "refusal": None}
         if calls:
             message["tool_calls"] = calls
-        return message, tool_output.finish_reason(tools, reason or "", bool(calls)) if reason else reason
+        return message, reason if reason is None else tool_output.finish_reason(tools, reason, bool(calls))
 
     # -- tokenizer ----------------------------------------------------------------------
 
@@ -294,7 +294,8 @@ class HttpApi:
         if body.messages is not None:
             if not body.messages:
                 raise bad_request("messages", "must not be empty")
-            ids = await self._chat_prompt(body, bool(body.add_special_tokens))
+            tools = tool_request(body.tools, "none" if body.tools else None, None)
+            ids = await self._chat_prompt(body, bool(body.add_special_tokens), tools)
         else:
             try:
                 check_prompt_bytes(body.prompt, self.limits.max_prompt_bytes, "prompt")

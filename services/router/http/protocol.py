@@ -114,6 +114,7 @@ class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[Message] | None = None
+    tools: list[Any] | None = None  # with messages: rendered by the template, as chat does
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
     add_generation_prompt: bool = True
     continue_final_message: bool = False

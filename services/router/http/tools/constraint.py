@@ -21,7 +21,9 @@ from typing import Any
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.structured.params import StructuredOutputs
 from pdserve.services.router.http.errors import bad_request
-from pdserve.services.router.http.tools.parsers import CallArguments, CallStart, Event, Extractor, TextPart
+from pdserve.services.router.http.tools.parsers import (
+    CallArguments, CallStart, Event, Extractor, TextPart, json_object_end,
+)
 from pdserve.services.router.http.tools.request import Tool, ToolRequest
 
 
@@ -65,30 +67,69 @@ class NamedCall(Extractor):
 
 
 class RequiredCalls(Extractor):
-    """A JSON list of calls, read when it ends (text if it does not parse as one: a
-    cut-off output)."""
+    """A JSON list of calls, each announced once its object is complete. What does not
+    read as that list (an output cut off by max_tokens) is text from where it stops."""
 
     def __init__(self) -> None:
-        self.text: list[str] = []
+        self.buffer = ""
+        self.state = "open"  # open (before '[') | item | after (an item ended) | text
 
     def feed(self, text: str) -> list[Event]:
-        self.text.append(text)
-        return []
+        self.buffer += text
+        events: list[Event] = []
+        while self._step(events):
+            pass
+        return events
+
+    def _step(self, events: list[Event]) -> bool:
+        """Settle what the buffer allows; False when it must wait for more text."""
+        if self.state == "text":
+            if self.buffer:
+                events.append(TextPart(self.buffer))
+                self.buffer = ""
+            return False
+        rest = self.buffer.lstrip()
+        if not rest:
+            return False
+        if self.state == "open":
+            self.state, self.buffer = ("item", rest[1:]) if rest[0] == "[" else ("text", rest)
+            return True
+        if self.state == "after":
+            if rest[0] in ",]":
+                self.state, self.buffer = ("item" if rest[0] == "," else "text"), rest[1:]
+                return True
+            self.state, self.buffer = "text", rest
+            return True
+        if rest[0] != "{":
+            self.state, self.buffer = "text", rest
+            return True
+        end = json_object_end(rest)
+        if end is None:
+            self.buffer = rest
+            return False
+        call = _call(rest[:end])
+        if call is None:
+            self.state, self.buffer = "text", rest
+            return True
+        events.extend(call)
+        self.state, self.buffer = "after", rest[end:]
+        return True
 
     def finish(self) -> list[Event]:
-        text = "".join(self.text)
-        self.text = []
-        try:
-            calls = json.loads(text)
-        except (ValueError, RecursionError):
-            return [TextPart(text)] if text else []
-        events: list[Event] = []
-        if not isinstance(calls, list) or not all(_is_call(c) for c in calls):
-            return [TextPart(text)] if text else []
-        for call in calls:
-            arguments = call.get("parameters", call.get("arguments", {}))
-            events += [CallStart(call["name"]), CallArguments(json.dumps(arguments, ensure_ascii=False))]
+        events = [TextPart(self.buffer)] if self.buffer.strip() else []
+        self.buffer, self.state = "", "open"
         return events
+
+
+def _call(text: str) -> list[Event] | None:
+    try:
+        obj = json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+    if not _is_call(obj):
+        return None
+    arguments = obj.get("parameters", obj.get("arguments", {}))
+    return [CallStart(obj["name"]), CallArguments(json.dumps(arguments, ensure_ascii=False))]
 
 
 def _is_call(obj: Any) -> bool:

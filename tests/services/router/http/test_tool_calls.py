@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -115,9 +116,9 @@ def test_tool_choice_none_leaves_the_text_alone(client):
     assert r.choices[0].message.tool_calls is None and r.choices[0].message.content.startswith(CALL)
 
 
-def test_tools_and_tool_turns_go_through_the_template(client):
+def test_tools_and_tool_turns_go_through_the_template(up, client):
     """The prompt is the template's rendering of the tools and the tool turns (its
-    token count equals transformers' own rendering, tokenized)."""
+    token count equals transformers' own rendering, tokenized, and /tokenize's)."""
     call = {"id": "call_1", "type": "function",
             "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "unit": "c"}'}}
     messages = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
@@ -128,7 +129,11 @@ def test_tools_and_tool_turns_go_through_the_template(client):
         {**call, "function": {"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}}]}, messages[2]]
     text = tokenizer.render_chat(as_template, kwargs={"tools": TOOLS})
     assert "def get_weather(city: str, unit: str):" in text and "-3 C, snow" in text
-    assert r.usage.prompt_tokens == len(tokenizer.encode(text, add_special_tokens=False))
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert r.usage.prompt_tokens == len(ids)
+    tokenized = httpx.post(up.openai_url.removesuffix("/v1") + "/tokenize",
+                           json={"messages": messages, "tools": TOOLS}, timeout=30)
+    assert tokenized.status_code == 200 and tokenized.json()["tokens"] == ids
 
 
 def test_bad_tools_are_a_400_naming_the_field(client):

@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from pdserve.services.router.http.tools.constraint import NamedCall, RequiredCalls
 from pdserve.services.router.http.tools.hermes import HermesParser
 from pdserve.services.router.http.tools.llama3_json import Llama3JsonParser
 from pdserve.services.router.http.tools.output import ToolDeltas, message
@@ -47,7 +48,16 @@ LLAMA = [
     ("   ", "   ", []),
 ]
 
-CASES = [(HermesParser, *case) for case in HERMES] + [(Llama3JsonParser, *case) for case in LLAMA]
+REQUIRED = [  # tool_choice required: the constrained output is a list of calls
+    ('[{"name": "a", "parameters": ' + json.dumps(WEATHER) + '}, {"name": "b", "parameters": {}}]', "",
+     [("a", WEATHER), ("b", {})]),
+    ('  [ {"name": "a", "parameters": {"x": [1, 2]}} ]\n', "\n", [("a", {"x": [1, 2]})]),
+    ('[{"name": "a", "parameters": {}}, {"name": "b", "para', '{"name": "b", "para', [("a", {})]),  # cut off
+    ('[{"name": 1, "parameters": {}}]', '{"name": 1, "parameters": {}}]', []),
+    ("not a list", "not a list", []),
+]
+CASES = ([(HermesParser, *case) for case in HERMES] + [(Llama3JsonParser, *case) for case in LLAMA]
+         + [(RequiredCalls, *case) for case in REQUIRED])
 
 
 def _decoded(calls: list[tuple[str, str]]) -> list[tuple[str, object]]:
@@ -70,6 +80,14 @@ def test_every_split_agrees(parser, text, content, calls):
     p = parser()
     events = [e for ch in text for e in p.feed(ch)] + p.finish()
     assert merged(events) == whole
+
+
+def test_a_named_call_streams_its_arguments_as_they_come():
+    p = NamedCall("f")
+    assert merged(p.feed('{"a"')) == ("", [("f", '{"a"')])
+    assert merged(p.feed(": 1}") + p.finish()) == ("", [])  # a fragment of the call begun above
+    pieces = NamedCall("f")
+    assert merged(pieces.feed('{"a"') + pieces.feed(": 1}") + pieces.finish()) == ("", [("f", '{"a": 1}')])
 
 
 def test_content_streams_before_a_call_ends():
