@@ -139,6 +139,28 @@ def test_required_is_a_list_of_calls_of_the_tools():
         jsonschema.validate(CALLS_OK[1], one)
 
 
+def test_both_grammar_backends_take_the_constraints():
+    """The schemas compile in xgrammar (which accepts exactly the valid calls, checked by
+    its own test helper) and in llguidance (validated without a tokenizer): what the
+    engine's backends are given."""
+    import llguidance
+    import xgrammar
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    for parallel in (True, False):
+        constraint = constraint_of(tool_request([WEATHER, CLOCK], "required", parallel))
+        grammar = xgrammar.Grammar.from_json_schema(constraint.spec)
+        for calls in CALLS_OK[:1] + (CALLS_OK[1:] if parallel else []):
+            assert accepts(grammar, json.dumps(calls)), calls
+        for calls in CALLS_BAD + ([] if parallel else CALLS_OK[1:]):
+            assert not accepts(grammar, json.dumps(calls)), calls
+        assert llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_json_schema(constraint.spec)) \
+            == ""
+    named = constraint_of(tool_request([WEATHER], {"type": "function", "function": {"name": "get_weather"}}, None))
+    grammar = xgrammar.Grammar.from_json_schema(named.spec)
+    assert accepts(grammar, '{"city": "Paris", "unit": "c"}') and not accepts(grammar, '{"unit": "c"}')
+
+
 def test_a_named_function_is_its_parameters():
     named = tool_request([WEATHER, CLOCK], {"type": "function", "function": {"name": "get_weather"}}, None)
     assert constraint_of(named) == StructuredOutputs.json_schema(WEATHER["function"]["parameters"])
