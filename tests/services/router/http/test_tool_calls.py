@@ -155,7 +155,8 @@ def test_langchain_sends_a_tool_round_trip_back(up):
                      max_tokens=4)
     bound = llm.bind_tools(TOOLS)
     history = [HumanMessage(ASK[0]["content"]),
-               AIMessage("", tool_calls=[{"name": "get_weather", "args": {"city": "Lima", "unit": "c"}, "id": "call_9"}]),
+               AIMessage("", tool_calls=[{"name": "get_weather", "args": {"city": "Lima", "unit": "c"},
+                                          "id": "call_9"}]),
                ToolMessage("22 C, sunny", tool_call_id="call_9")]
     answer = bound.invoke(history)
     assert isinstance(answer, AIMessage) and answer.response_metadata["finish_reason"] in ("stop", "length",
