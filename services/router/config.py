@@ -9,6 +9,7 @@ from pdserve.engine.config import DEFAULT_MAX_LOGPROBS, DEFAULT_MAX_N, DEFAULT_M
 from pdserve.engine.structured.params import MAX_NESTING, MAX_SPEC_BYTES
 from pdserve.services.common.credentials import ClusterCredentials
 from pdserve.services.common.flags import check, flag
+from pdserve.services.router.http.tools.registry import PARSER_NAMES
 from pdserve.services.router.structured import DEFAULT_MAX_BYTES, DEFAULT_MAX_DEPTH
 from pdserve.services.router.validate import DEFAULT_MAX_PROMPT_BYTES
 
@@ -31,6 +32,8 @@ class RouterConfig:
     http_host: str | None = flag(None, "address the HTTP API listens on (default: --host)")
     chat_template: str | None = flag(None, "Jinja chat template file for /v1/chat/completions (default: the "
                                            "tokenizer's own)")
+    tool_call_parser: str = flag("hermes", "how tool calls are read from the model's text under tool_choice auto "
+                                           "(the format its chat template asks for)", choices=PARSER_NAMES)
     http_max_body_bytes: int = flag(8 << 20, "largest HTTP request body, refused (413) before it is parsed")
     # the public surface
     api_keys_file: str | None = flag(None, "file of API keys, one a line (reloaded on SIGHUP): every public call "

@@ -85,7 +85,8 @@ class Router:
             self.http_pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="http")
             template = Path(config.chat_template).read_text() if config.chat_template else None
             api = HttpApi(self.front_end, tokenizer, self.http_pool, self._healthy, template, self.api_keys,
-                          config.http_max_body_bytes, self.metrics.http_request)
+                          config.http_max_body_bytes, self.metrics.http_request,
+                          tool_call_parser=config.tool_call_parser)
             self.http_server = HttpServer(api, log_level="warning")
         self.internal_server = GrpcServer(threads=INTERNAL_THREADS, interceptors=self.auth.interceptors())
         self.registry_service = RegistryServicer(self.registry, config)

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API: FastAPI routes over the router's front end.
 
     POST /v1/completions        prompt: text, [text], [ids] or [[ids]]; one request per prompt
-    POST /v1/chat/completions   messages through the chat template (chat.py)
+    POST /v1/chat/completions   messages through the chat template (chat.py); tools,
+                                tool_choice and tool calls in answers: tools/
     GET  /v1/models, /v1/models/{model}
     POST /tokenize, /detokenize vLLM's shapes (`messages` form included)
     GET  /health                200 while a worker that can decode is registered (a decode
@@ -53,6 +54,10 @@ from pdserve.services.router.http.protocol import (
     MAX_PROMPTS, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, parse, sampling_of,
 )
 from pdserve.services.router.http.structured import aliases
+from pdserve.services.router.http.tools import output as tool_output
+from pdserve.services.router.http.tools.constraint import with_tool_constraint
+from pdserve.services.router.http.tools.registry import parser_factory
+from pdserve.services.router.http.tools.request import ToolRequest, tool_request
 from pdserve.services.router.records import Request, SequenceOutput
 from pdserve.services.router.validate import check_prompt_bytes
 
@@ -93,7 +98,7 @@ class HttpApi:
     def __init__(
         self, front_end: FrontEnd, tokenizer: Tokenizer | None, pool: Executor, healthy: Callable[[], bool],
         chat_template: str | None = None, api_keys: ApiKeys | None = None, max_body_bytes: int = 8 << 20,
-        on_request: Callable[[str, int], None] | None = None,
+        on_request: Callable[[str, int], None] | None = None, tool_call_parser: str = "hermes",
     ) -> None:
         self.front_end = front_end
         self.limits = front_end.limits
@@ -106,6 +111,7 @@ class HttpApi:
         self.body_timeout = BODY_TIMEOUT_S
         self.on_request = on_request or (lambda route, status: None)
         self.name = render.token_namer(tokenizer)
+        self.tool_parser = parser_factory(tool_call_parser)
         self.created = int(time.time())
         self.fastapi = self._build()
 
@@ -239,11 +245,13 @@ class HttpApi:
         names = {**CHAT_NAMES, "max_tokens": "max_completion_tokens"} if body.max_completion_tokens is not None \
             else CHAT_NAMES
         to_api = _errors(names, aliases(body))
+        tools = tool_request(body.tools, body.tool_choice, body.parallel_tool_calls)
         try:  # unset: up to max_model_len (fill_context)
             sampling = sampling_of(body, self.limits.max_model_len if max_tokens is None else max_tokens, logprobs)
+            sampling = with_tool_constraint(sampling, tools)
         except ValueError as e:
             raise to_api(self.front_end.refuse(e)) from None
-        prompt = await self._chat_prompt(body, body.add_special_tokens)
+        prompt = await self._chat_prompt(body, body.add_special_tokens, tools)
         chat_request = Request(token_ids=tuple(prompt), sampling=sampling, request_id=body.request_id or "",
                                cache_salt=body.cache_salt or "", authorization=authorization,
                                fill_context=max_tokens is None)
@@ -254,19 +262,30 @@ class HttpApi:
         echo = (last.content if isinstance(last.content, str) else "") if body.echo and last.role == "assistant" else ""
         top_k = body.top_logprobs or 0
         if body.stream:
-            return await self._stream(request, runs, ChatEvents(self, runs, body, chat_id, n, top_k, echo), to_api)
+            return await self._stream(request, runs, ChatEvents(self, runs, body, chat_id, n, top_k, echo, tools),
+                                      to_api)
         choices = await _as_api(self._until_gone(request, runs, _collect(runs, n)), to_api)
         out = []
         for index in sorted(choices):
             choice = choices[index]
             logprobs = ({"content": render.chat_logprobs(choice.logprobs, self.name, top_k), "refusal": None}
                         if body.logprobs else None)
-            out.append({"index": index, "message": {"role": "assistant", "content": echo + "".join(choice.text),
-                                                    "refusal": None},
-                        "logprobs": logprobs, "finish_reason": choice.finish_reason, "stop_reason": None})
+            message, finish = self._chat_message(tools, echo + "".join(choice.text), choice.finish_reason)
+            out.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish,
+                        "stop_reason": None})
         return JSONResponse({"id": chat_id, "object": "chat.completion", "created": int(time.time()),
                              "model": self.limits.model_name, "choices": out, "usage": _usage(runs, choices, n),
                              "system_fingerprint": None})
+
+    def _chat_message(self, tools: ToolRequest | None, text: str, reason: str | None) -> tuple[dict, str | None]:
+        """A whole choice's message (its tool calls read from `text`) and finish reason."""
+        if tools is None:
+            return {"role": "assistant", "content": text, "refusal": None}, reason
+        content, calls = tool_output.whole(tools, self.tool_parser, text)
+        message = {"role": "assistant", "content": content, "refusal": None}
+        if calls:
+            message["tool_calls"] = calls
+        return message, reason if reason is None else tool_output.finish_reason(tools, reason, bool(calls))
 
     # -- tokenizer ----------------------------------------------------------------------
 
@@ -280,7 +299,8 @@ class HttpApi:
         if body.messages is not None:
             if not body.messages:
                 raise bad_request("messages", "must not be empty")
-            ids = await self._chat_prompt(body, bool(body.add_special_tokens))
+            tools = tool_request(body.tools, "none" if body.tools else None, None)
+            ids = await self._chat_prompt(body, bool(body.add_special_tokens), tools)
         else:
             try:
                 check_prompt_bytes(body.prompt, self.limits.max_prompt_bytes, "prompt")
@@ -306,13 +326,16 @@ class HttpApi:
             raise bad_request("model", "this model has no tokenizer")
         return self.tokenizer
 
-    async def _chat_prompt(self, body: ChatCompletionRequest | TokenizeRequest, add_special_tokens: bool) -> list[int]:
-        """A body's messages through the chat template, tokenized off the loop (400 naming the field)."""
+    async def _chat_prompt(self, body: ChatCompletionRequest | TokenizeRequest, add_special_tokens: bool,
+                           tools: ToolRequest | None = None) -> list[int]:
+        """A body's messages (and tools) through the chat template, tokenized off the loop
+        (400 naming the field)."""
+        template_tools = tools.template_tools() if tools is not None else None
         try:
             return await self._off_loop(lambda: chat_prompt(
                 self.tokenizer, self.chat_template, body.messages, body.add_generation_prompt,
                 body.continue_final_message, body.chat_template_kwargs, add_special_tokens,
-                self.limits.max_prompt_bytes))
+                self.limits.max_prompt_bytes, template_tools))
         except ValueError as e:
             raise ApiError(400, str(e), param="messages") from None
 
@@ -470,29 +493,62 @@ class CompletionEvents(Events):
 
 class ChatEvents(Events):
     def __init__(self, api: HttpApi, runs: Runs, body: ChatCompletionRequest, request_id: str, n: int, top_k: int,
-                 echo: str) -> None:
+                 echo: str, tools: ToolRequest | None = None) -> None:
         super().__init__(api, runs, "chat.completion.chunk", request_id, body.stream_options, n)
         self.logprobs = body.logprobs
         self.top_k = top_k
         self.echo = echo
         self.roles_sent = False
+        self.tools = tools
+        self.tool_deltas: dict[int, tool_output.ToolDeltas] = {}  # per choice, under a tool_choice that reads calls
 
     def on(self, prompt_index: int, output: SequenceOutput) -> bytes:
         out = b""
         if not self.roles_sent:  # with the first token, not on accept: clients time TTFT by it
             self.roles_sent = True
             for index in range(self.n):
-                role = {"role": "assistant", "content": self.echo}
+                role = {"role": "assistant", "content": "" if self._reads_calls else self.echo}
                 out += _event(self._chunk([{"index": index, "delta": role, "logprobs": None, "finish_reason": None}]))
         choice = self.choices.setdefault(output.index, _Choice())
         _grow(choice, output)
         logprobs = None
         if self.logprobs and output.logprobs:
             logprobs = {"content": render.chat_logprobs(output.logprobs, self.api.name, self.top_k), "refusal": None}
+        if self._reads_calls:
+            return out + self._tool_chunks(output, choice, logprobs)
         if output.text or logprobs is not None or choice.finish_reason is not None:
             delta = {"content": output.text} if output.text or logprobs is not None else {}
             out += _event(self._chunk([{"index": output.index, "delta": delta, "logprobs": logprobs,
                                         "finish_reason": choice.finish_reason}]))
+        return out
+
+    @property
+    def _reads_calls(self) -> bool:
+        return self.tools is not None and self.tools.choice != "none"
+
+    def _tool_chunks(self, output: SequenceOutput, choice: _Choice, logprobs: dict | None) -> bytes:
+        """An output's text as content and tool-call deltas (tools/output.py), the logprobs
+        on the first chunk, the finish reason on the last. An echoed assistant turn is
+        read first, as the whole answer reads it."""
+        tools = self.tools
+        deltas = self.tool_deltas.get(output.index)
+        items: list[dict] = []
+        if deltas is None:
+            extractor = tool_output.extractor_of(tools, self.api.tool_parser)
+            deltas = self.tool_deltas[output.index] = tool_output.ToolDeltas(extractor, tools.parallel)
+            items += deltas.feed(self.echo)
+        items += deltas.feed(output.text)
+        finish = choice.finish_reason
+        if finish is not None:
+            items += deltas.finish()
+            finish = tool_output.finish_reason(tools, finish, deltas.calls > 0)
+        if not items and (logprobs is not None or finish is not None):
+            items = [{}]
+        out = b""
+        for i, delta in enumerate(items):
+            out += _event(self._chunk([{"index": output.index, "delta": delta,
+                                        "logprobs": logprobs if i == 0 else None,
+                                        "finish_reason": finish if i == len(items) - 1 else None}]))
         return out
 
 

@@ -2,9 +2,10 @@
 router's --chat-template), rendered by transformers' `apply_chat_template`, then
 tokenized without adding special tokens a second time (the template wrote them).
 
-    system, developer (as system), user, assistant; content a string or a list of
+    system, developer (as system), user, assistant, tool; content a string or a list of
     {"type": "text", "text": ...} parts (joined); anything else is a 400 naming the
-    message's field.
+    message's field. Assistant turns' tool_calls and tool turns' tool_call_id go to the
+    template as tools/messages.py writes them; a request's tools as `tools=`.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ from typing import Any
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.services.router.http.errors import bad_request, invalid
 from pdserve.services.router.http.protocol import Message
+from pdserve.services.router.http.tools.messages import tool_fields
 from pdserve.services.router.validate import check_prompt_bytes
 
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 # apply_chat_template's own parameters: not the template's variables a client may set.
 RESERVED_KWARGS = frozenset({
     "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
@@ -26,7 +28,7 @@ RESERVED_KWARGS = frozenset({
 })
 
 
-def conversation(messages: Sequence[Message]) -> list[dict[str, str]]:
+def conversation(messages: Sequence[Message]) -> list[dict[str, Any]]:
     """The messages as the template takes them. Raises ApiError naming the field."""
     out = []
     for i, message in enumerate(messages):
@@ -41,16 +43,18 @@ def conversation(messages: Sequence[Message]) -> list[dict[str, str]]:
                     raise bad_request(f"messages.{i}.content.{j}", f"only text parts are supported, got {part.type!r}")
                 texts.append(part.text)
             content = "".join(texts)
-        out.append({"role": role, "content": content or ""})
+        out.append({"role": role, "content": content or "",
+                    **tool_fields(i, role, message.tool_calls, message.tool_call_id)})
     return out
 
 
 def chat_prompt(
     tokenizer: Tokenizer | None, template: str | None, messages: Sequence[Message], add_generation_prompt: bool,
     continue_final_message: bool, kwargs: Mapping[str, Any] | None, add_special_tokens: bool,
-    max_prompt_bytes: int | None = None,
+    max_prompt_bytes: int | None = None, tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
-    """The prompt of a chat request. Raises ApiError (400) or ValueError naming the field.
+    """The prompt of a chat request (`tools`: the template's `tools=`, OpenAI's shape).
+    Raises ApiError (400) or ValueError naming the field.
     The rendered text is refused past `max_prompt_bytes` before it is tokenized (as a
     text prompt is: tokenizing megabytes costs the router seconds)."""
     if tokenizer is None:
@@ -62,6 +66,8 @@ def chat_prompt(
     for key in kwargs or {}:
         if key in RESERVED_KWARGS:
             raise bad_request("chat_template_kwargs", f"{key!r} is set by the request itself")
+    if tools:
+        kwargs = {**(kwargs or {}), "tools": tools}
     text = tokenizer.render_chat(conversation(messages), template, add_generation_prompt, continue_final_message,
                                  kwargs)
     if max_prompt_bytes is not None:

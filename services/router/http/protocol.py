@@ -6,10 +6,11 @@
                                      type), or ValueError naming the field
 
 Unknown fields are ignored (clients send what other servers take); what pdserve
-cannot do yet (`tools`, `suffix`) is a 400 naming the field (`unsupported`), never
+cannot do (`functions`, `suffix`) is a 400 naming the field (`unsupported`), never
 silently dropped. Structured outputs (`response_format`, vLLM's `structured_outputs`
 and `guided_*`) become one StructuredOutputs (structured.py); `logit_bias` (token id
-strings -> [-100, 100]) goes to SamplingParams as it is, which checks it. JSON is
+strings -> [-100, 100]) goes to SamplingParams as it is, which checks it; tools
+(`tools`, `tool_choice`, `parallel_tool_calls`) are checked in tools/request.py. JSON is
 parsed by pydantic's own parser: NaN and infinities are refused, as are invalid
 UTF-8 and nesting deeper than its limit.
 """
@@ -99,6 +100,8 @@ class Message(_Body):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[Any] | None = None  # assistant turns (checked in tools/messages.py)
+    tool_call_id: str | None = None  # tool turns
 
 
 class ChatCompletionRequest(_Sampled):
@@ -110,6 +113,7 @@ class ChatCompletionRequest(_Sampled):
     tools: list[Any] | None = None
     functions: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # tools, tool_choice: checked in tools/request.py
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
@@ -122,6 +126,7 @@ class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[Message] | None = None
+    tools: list[Any] | None = None  # with messages: rendered by the template, as chat does
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -183,9 +188,5 @@ def unsupported(body: _Sampled) -> None:
     if isinstance(body, CompletionRequest) and body.suffix:
         raise bad_request("suffix", "not supported by pdserve")
     if isinstance(body, ChatCompletionRequest):
-        if body.tools:
-            raise bad_request("tools", "tool calling is not supported by pdserve (send none)")
         if body.functions:
-            raise bad_request("functions", "function calling is not supported by pdserve (send none)")
-        if body.tool_choice not in (None, "none"):
-            raise bad_request("tool_choice", "only 'none' is supported by pdserve")
+            raise bad_request("functions", "the legacy function calling is not supported by pdserve (send tools)")

@@ -185,12 +185,15 @@ def bad_requests(client: openai.OpenAI) -> None:
     # A message the template cannot take is a clear 400, never a 5xx (a model without a
     # template: test_openai_without_chat_template.py).
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model=MODEL, messages=[{"role": "tool", "content": "hi"}])
+        client.chat.completions.create(model=MODEL, messages=[{"role": "wizard", "content": "hi"}])
     assert "role" in error_shape(info.value.body, "messages.0.role")["message"]
     with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "tool", "content": "hi"}])
+    error_shape(info.value.body, "messages.0.tool_call_id")
+    with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
-                                       tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
-    error_shape(info.value.body, "tools")
+                                       tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}])
+    error_shape(info.value.body, "tools.0.function.parameters")
 
 
 def test_an_unknown_model_or_route_is_a_404(guarded):

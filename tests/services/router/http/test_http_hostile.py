@@ -110,7 +110,7 @@ HOSTILE = [
     (CHAT, chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), 400,
      "messages.0.content.0"),
     (CHAT, chat(messages=[{"role": "user", "content": [{"type": "text"}]}]), 400, "messages.0.content.0"),
-    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
+    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f g"}}]), 400, "tools.0.function.name"),
     (CHAT, chat(response_format={"type": "xml"}), 400, "response_format.type"),
     (CHAT, chat(logit_bias={"five": 100}), 400, "logit_bias"),
     (CHAT, chat(logit_bias={"5": 1e9}), 400, "logit_bias"),

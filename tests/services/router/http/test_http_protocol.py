@@ -244,10 +244,7 @@ def test_beam_search_and_early_stopping():
 
 
 @pytest.mark.parametrize("fields, param", [
-    (dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
     (dict(functions=[{"name": "f"}]), "functions"),
-    (dict(tool_choice="auto"), "tool_choice"),
-    (dict(tool_choice={"type": "function", "function": {"name": "f"}}), "tool_choice"),
 ])
 def test_what_pdserve_cannot_do_is_a_400_naming_the_field_on_chat(fields, param):
     assert refused_sampling(chat(**fields)).param == param
