@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import tomllib
+import zipfile
 from pathlib import Path
 
 from packaging.markers import default_environment
@@ -31,7 +32,8 @@ from packaging.utils import canonicalize_name
 REPO = Path(__file__).resolve().parent.parent
 LOCK = REPO / "deploy" / "docker" / "requirements.lock"
 PYTHON_VERSION = "3.11"
-PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
+# Both variants' bases have glibc >= 2.31 (bookworm 2.36, Ubuntu 24.04 2.39): llguidance ships manylinux_2_31 only.
+PLATFORMS = ("manylinux_2_31_x86_64", "manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
 # Installed by torch from its own index, pinned exactly by torch.
 TORCH_CUDA_PREFIXES = ("nvidia-", "cuda-")
 ENVIRONMENT = {**default_environment(), "python_version": PYTHON_VERSION, "python_full_version": f"{PYTHON_VERSION}.0",
@@ -46,7 +48,7 @@ def project_requirements() -> tuple[list[Requirement], Requirement]:
     return [d for d in deps if d is not torch], torch
 
 
-def _pip_report(requirements: list[str], no_deps: bool = False) -> list[dict]:
+def _pip_report(requirements: list[str], no_deps: bool = False, find_links: Path | None = None) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.json"
         command = [sys.executable, "-m", "pip", "--isolated", "install", "--dry-run", "--ignore-installed", "--quiet",
@@ -56,6 +58,8 @@ def _pip_report(requirements: list[str], no_deps: bool = False) -> list[dict]:
             command += ["--platform", platform]
         if no_deps:
             command.append("--no-deps")
+        if find_links is not None:
+            command += ["--find-links", str(find_links)]
         cert = Path("/etc/ssl/certs/ca-certificates.crt")
         if cert.is_file():  # --isolated drops PIP_CERT; a proxy may need the system CAs
             command += ["--cert", str(cert)]
@@ -78,10 +82,30 @@ def torch_requirements(torch: Requirement) -> list[str]:
     return kept
 
 
+def _torch_stand_in(folder: Path, version: str) -> None:
+    """A wheel named torch at the pinned version with no requirements: packages that
+    require torch themselves (xgrammar) resolve against the pin, not an old torch whose
+    CUDA libraries pip can find, while torch's own requirements come in explicitly. Its
+    local label (+lock) sorts it above PyPI's wheel of the same version, which the pin
+    matches as well."""
+    version = f"{version}+lock"
+    name = f"torch-{version}.dist-info"
+    files = {f"{name}/METADATA": f"Metadata-Version: 2.1\nName: torch\nVersion: {version}\n",
+             f"{name}/WHEEL": "Wheel-Version: 1.0\nGenerator: pdserve\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    files[f"{name}/RECORD"] = "".join(f"{path},,\n" for path in files) + f"{name}/RECORD,,\n"
+    with zipfile.ZipFile(folder / f"torch-{version}-py3-none-any.whl", "w") as wheel:
+        for path, text in files.items():
+            wheel.writestr(path, text)
+
+
 def lock_text() -> str:
     deps, torch = project_requirements()
-    resolved = _pip_report([str(d) for d in deps] + torch_requirements(torch))
-    pins = sorted((canonicalize_name(i["metadata"]["name"]), i["metadata"]["version"]) for i in resolved)
+    (version,) = [spec.version for spec in torch.specifier]
+    with tempfile.TemporaryDirectory() as tmp:
+        _torch_stand_in(Path(tmp), version)
+        resolved = _pip_report([str(d) for d in deps] + torch_requirements(torch) + [str(torch)], find_links=Path(tmp))
+    pins = sorted((canonicalize_name(i["metadata"]["name"]), i["metadata"]["version"]) for i in resolved
+                  if canonicalize_name(i["metadata"]["name"]) != "torch")
     header = [
         "# The pdserve image's Python packages besides torch and pdserve, pinned (both variants).",
         f"# Written by scripts/lock_image_requirements.py from pyproject.toml and {torch}'s requirements,",
