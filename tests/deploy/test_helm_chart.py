@@ -452,7 +452,7 @@ def test_every_values_key_reaches_the_cli(monkeypatch, capsys) -> None:
     strings = {"dtype": "bfloat16", "attentionBackend": "triton", "logLevel": "DEBUG", "device": "cuda:1",
                "kvConnector": "zmq_ipc", "cpuAffinity": "0,2-3", "decodeCaptureSizes": "1,4",
                "prefillPolicy": "round_robin", "speculativeConfig": SPEC_JSON,
-               "kvOffloadPolicy": "arc", "kvOffloadDiskPolicy": "lru",
+               "kvOffloadPolicy": "arc", "kvOffloadDiskPolicy": "lru", "structuredOutputsBackend": "llguidance",
                "gpuMemoryUtilization": 0.75}  # a number in (0, 1]
     blocks = {"engine": ("engine",), "router": ("router", "config"), "prefill": ("prefill", "config"),
               "decode": ("decode", "config")}
@@ -462,7 +462,8 @@ def test_every_values_key_reaches_the_cli(monkeypatch, capsys) -> None:
         for key, prop in schema_props(*path).items():
             kind = prop["type"] if isinstance(prop["type"], str) else next(k for k in prop["type"] if k != "null")
             settings[block][key] = strings[key] if key in strings else samples[kind]
-    settings["engine"].update(blockSize=32, maxModelLen=128, maxN=4, torchThreads=3)
+    settings["engine"].update(blockSize=32, maxModelLen=128, maxN=4, torchThreads=3,
+                              structuredOutputsMaxBytes=4096, structuredOutputsMaxDepth=8)  # below their caps
     for pool in POOLS:
         settings[pool]["grpcThreads"] = 64
     values = {"engine": settings["engine"], **{c: {"config": settings[c]} for c in COMPONENTS}}

@@ -97,6 +97,45 @@ def test_logprobs_of_the_first_token_come_from_prefill(cluster, llm):
     assert got.logprobs[0].logprob == pytest.approx(want.logprobs[0][want.token_ids[0]], abs=1e-4)
 
 
+def test_a_constrained_request_is_masked_on_both_workers(cluster, llm):
+    """A JSON-schema request through the router: the prefill worker samples the first
+    token under the constraint, the decode worker's matcher goes on after it; the tokens
+    are the colocated engine's (greedy, seeded, n > 1), and a constraint the backend
+    refuses is INVALID_ARGUMENT with its reason. (Built as a raw GenerateRequest: the
+    client's keyword form does not take constraints yet.)"""
+    from pdserve.engine.structured.params import ConstraintKind, StructuredOutputs
+    from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
+    from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+    from pdserve.services.common.convert import options_of
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["name", "n"]}
+    constraint = StructuredOutputs.json_schema(schema)
+    prompt = "import json\n\n\ndef load(" * 5  # long: prefilled remotely
+    with grpc.insecure_channel(cluster["router"].address) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+
+        def generate(params: SamplingParams) -> list:
+            got = collect(stub.Generate(pb.GenerateRequest(text=prompt, sampling=options_of(params)), timeout=60))
+            return [got[i] for i in sorted(got)]
+
+        before = shipped(cluster["prefill"])
+        for kw in (dict(temperature=0.0), dict(temperature=1.0, seed=5), dict(temperature=1.0, seed=5, n=2)):
+            params = SamplingParams(max_tokens=64, structured_outputs=constraint, **kw)
+            want = llm.generate([prompt], params)[0].outputs
+            got = generate(params)
+            assert [list(g.token_ids) for g in got] == [w.token_ids for w in want]
+            assert all(w.finish_reason == "stop" for w in want)
+        wait_for(lambda: shipped(cluster["prefill"]) > before, 10, "the prompt's KV to cross")
+        assert cluster["prefill"].engine.stats().structured_outputs.requests
+        bad = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputs(ConstraintKind.REGEX, "(a"))
+        with pytest.raises(grpc.RpcError) as err:
+            generate(bad)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "structured_outputs.regex: xgrammar refused it" in err.value.details()
+
+
 def test_cancel_during_disaggregated_stream_frees_both_sides(cluster):
     call = cluster["client"].generate("x = 1\n" * 40, max_tokens=500, temperature=0.0, ignore_eos=True)
     next(call)
@@ -329,3 +368,4 @@ def test_an_eagle3_pair_drafts_as_a_local_prefill_would(tmp_path):
         prefill.stop()
         decode.stop()
         router.stop()
+

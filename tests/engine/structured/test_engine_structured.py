@@ -45,22 +45,21 @@ def family_dir(tmp_path_factory):
     return str(path)
 
 
-_LLMS: dict[tuple[str, str], LLM] = {}
-
-
 @pytest.fixture(scope="module")
 def llm(family_dir):
     """LLM per (model, backend), built once for the module."""
+    built: dict[tuple[str, str], LLM] = {}
 
     def get(model: str, backend: str) -> LLM:
         key = (model, backend)
-        if key not in _LLMS:
-            _LLMS[key] = LLM(DEFAULT_MODEL if model == "tiny" else family_dir, num_blocks=1024,
+        if key not in built:
+            built[key] = LLM(DEFAULT_MODEL if model == "tiny" else family_dir, num_blocks=1024,
                              structured_outputs_backend=backend)
-        return _LLMS[key]
+        return built[key]
 
     yield get
-    _LLMS.clear()
+    for engine in built.values():
+        engine.engine.close()
 
 
 def constrained(c: StructuredOutputs, **kw) -> SamplingParams:
