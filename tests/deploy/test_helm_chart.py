@@ -453,6 +453,7 @@ def test_every_values_key_reaches_the_cli(monkeypatch, capsys) -> None:
                "kvConnector": "zmq_ipc", "cpuAffinity": "0,2-3", "decodeCaptureSizes": "1,4",
                "prefillPolicy": "round_robin", "speculativeConfig": SPEC_JSON,
                "kvOffloadPolicy": "arc", "kvOffloadDiskPolicy": "lru", "structuredOutputsBackend": "llguidance",
+               "toolCallParser": "llama3_json",
                "gpuMemoryUtilization": 0.75}  # a number in (0, 1]
     blocks = {"engine": ("engine",), "router": ("router", "config"), "prefill": ("prefill", "config"),
               "decode": ("decode", "config")}

@@ -134,7 +134,9 @@ the cluster shares, and the credentials mounted from Secrets.
   "blockSize" .Values.engine.blockSize
   "maxModelLen" .Values.engine.maxModelLen
   "maxN" .Values.engine.maxN
-  "maxLogprobs" .Values.engine.maxLogprobs }}
+  "maxLogprobs" .Values.engine.maxLogprobs
+  "structuredOutputsMaxBytes" .Values.engine.structuredOutputsMaxBytes
+  "structuredOutputsMaxDepth" .Values.engine.structuredOutputsMaxDepth }}
 {{- if $p.http }}
 {{- $_ := set $set "httpHost" "0.0.0.0" }}
 {{- $_ := set $set "httpPort" $p.http }}
