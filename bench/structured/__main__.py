@@ -70,8 +70,9 @@ class Config:
 
 def config_from(f: StructuredFlags) -> Config:
     requests, concurrency, repeats = (8, (1, 4), 1) if f.quick else (48, (1, 16), 3)
-    cfg = Config(f.requests or requests, tuple(f.concurrency or concurrency), f.repeats or repeats, f.backend,
-                 f.model, f.temperature, f.torch_threads, f.seed)
+    cfg = Config(requests if f.requests is None else f.requests,
+                 tuple(concurrency if f.concurrency is None else f.concurrency),
+                 repeats if f.repeats is None else f.repeats, f.backend, f.model, f.temperature, f.torch_threads, f.seed)
     if cfg.requests < 1 or not cfg.concurrency or min(cfg.concurrency) < 1 or cfg.repeats < 1:
         raise ValueError("requests, concurrency and repeats: must be >= 1")
     return cfg

@@ -106,6 +106,31 @@ def test_parse_with_a_pydantic_model(client):
     assert isinstance(parsed, Answer) and 0 <= parsed.score <= 9
 
 
+def test_instructor_gets_a_validated_model(up):
+    """instructor (its JSON-schema mode: response_format json_schema) over the openai client."""
+    import instructor
+
+    with openai.OpenAI(base_url=up.url, api_key="unused", max_retries=0, timeout=120) as raw:
+        patched = instructor.from_openai(raw, mode=instructor.Mode.JSON_SCHEMA)
+        answer = patched.chat.completions.create(model=MODEL, response_model=Answer, max_retries=1,
+                                                 messages=[{"role": "user", "content": "Is 2 > 1?"}],
+                                                 max_tokens=MAX_TOKENS, temperature=0.0)
+    assert isinstance(answer, Answer) and 0 <= answer.score <= 9
+
+
+@pytest.mark.parametrize("method", ["json_schema", "function_calling"])
+def test_langchain_with_structured_output(up, method):
+    """LangChain's with_structured_output: by response_format (json_schema) and by a
+    forced tool call (function_calling: tools + a named tool_choice), both parsed into
+    the pydantic model."""
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(base_url=up.url, api_key="unused", model=MODEL, max_retries=0, temperature=0,
+                     max_tokens=MAX_TOKENS)
+    answer = llm.with_structured_output(Answer, method=method).invoke("Is 2 > 1?")
+    assert isinstance(answer, Answer) and 0 <= answer.score <= 9
+
+
 def test_json_object_is_a_json_object(client):
     # Any JSON object may be endless (a string that never closes): this prompt's greedy
     # object, on the embedded model, is short.

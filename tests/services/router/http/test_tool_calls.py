@@ -196,7 +196,10 @@ def test_required_gives_at_least_one_valid_call(client, parallel):
     (choice,) = r.choices
     calls = valid_calls(choice.message.tool_calls)
     assert len(calls) >= 1 and (parallel or len(calls) == 1)
-    assert choice.finish_reason == "tool_calls"
+    # With parallel calls the list has no upper bound (as OpenAI's and vLLM's): the tiny
+    # greedy model may go on calling until max_tokens cuts it ("length"), and every call
+    # completed before the cut is still returned, valid.
+    assert choice.finish_reason == "tool_calls" or (parallel and choice.finish_reason == "length")
 
 
 @needs_engine
