@@ -23,6 +23,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 # Hard caps, whatever the flags say: a request message is at most a few MB.
@@ -124,12 +125,12 @@ def _canonical_schema(text: str, field_name: str) -> str:
     return _dumps(schema)
 
 
-def json_depth(text: str) -> int:
-    """How deeply JSON text nests, by a scan of its brackets outside strings (no parse,
-    no recursion: a hostile text of a million '[' is counted, not recursed into)."""
-    depth = deepest = 0
+def bracket_depths(text: str) -> Iterator[tuple[int, int]]:
+    """(index, depth after it) of each JSON bracket of `text` outside strings: a scan, no
+    parse and no recursion (a hostile text of a million '[' is counted, not recursed into)."""
+    depth = 0
     in_string = escaped = False
-    for ch in text:
+    for i, ch in enumerate(text):
         if in_string:
             if escaped:
                 escaped = False
@@ -141,7 +142,12 @@ def json_depth(text: str) -> int:
             in_string = True
         elif ch in "[{":
             depth += 1
-            deepest = max(deepest, depth)
+            yield i, depth
         elif ch in "]}":
             depth -= 1
-    return deepest
+            yield i, depth
+
+
+def json_depth(text: str) -> int:
+    """How deeply JSON text nests (objects and arrays)."""
+    return max((depth for _, depth in bracket_depths(text)), default=0)

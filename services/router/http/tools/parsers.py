@@ -22,6 +22,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve.engine.structured.params import bracket_depths
+
 
 @dataclass(frozen=True)
 class TextPart:
@@ -85,25 +87,7 @@ def held_back(text: str, marker: str) -> int:
 def json_object_end(text: str) -> int | None:
     """The end (exclusive) of the JSON object `text` starts with, by its brackets outside
     strings; None while it is still open. `text` must start with '{'."""
-    depth = 0
-    in_string = escaped = False
-    for i, ch in enumerate(text):
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        elif ch in "[{":
-            depth += 1
-        elif ch in "]}":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    return None
+    return next((i + 1 for i, depth in bracket_depths(text) if depth == 0), None)
 
 
 def merged(events: list[Event]) -> tuple[str, list[tuple[str, str]]]:
