@@ -12,7 +12,13 @@ What runs (bench/structured/run.py), on one engine in this process:
      grammar ends it), every output checked: JSON that validates against its schema;
   3. per concurrency, k interleaved repetitions of constrained, then the unconstrained
      twins (each generating exactly its twin's tokens): TPOT p50 and output
-     throughput, ratios as median (min, max, k).
+     throughput, ratios as median (min, max, k);
+  4. hostile (--no-hostile skips it): a greedy victim decodes alone, then again while
+     an invalid, a too deep, a too large, an endlessly recursive schema, a bad regex
+     and a regex that compiles for seconds (past a 1 s deadline) are sent beside it:
+     each must fail alone (refused at admission, INVALID_CONSTRAINT, CONSTRAINT_TIMEOUT),
+     the victim's tokens unchanged; printed `victim_tpot_ratio=R` (beside / alone,
+     target <= 1.5).
 
 The last line:
 
@@ -20,7 +26,8 @@ The last line:
 
 N/N: constrained outputs that validated, of all generated; X: TPOT p50 constrained /
 unconstrained at concurrency 16 (the largest asked for, with --concurrency). The exit
-status is 1 when an output did not validate, never because of a speed.
+status is 1 when an output did not validate or a hostile request did not fail alone,
+never because of a speed.
 """
 
 from __future__ import annotations
@@ -36,7 +43,9 @@ from pdserve.bench.common.stats import Ratio, fmt, median
 from pdserve.bench.structured.run import (
     SCHEMAS,
     constrained_jobs,
+    hostile_problems,
     run_closed_loop,
+    run_hostile,
     unconstrained_twins,
     validate_outputs,
 )
@@ -54,6 +63,8 @@ class StructuredFlags:
     temperature: float = flag(0.0, "sampling temperature (seeded per request when > 0)")
     torch_threads: int = flag(1, "torch threads of the engine")
     seed: int = flag(0, "seed of the requests' samples")
+    hostile: bool = flag(True, "the hostile phase: a victim decoding beside invalid, huge, deep, endless and slow "
+                               "constraints (a 1 s compile deadline)")
 
 
 @dataclass(frozen=True)
@@ -66,13 +77,15 @@ class Config:
     temperature: float
     torch_threads: int
     seed: int
+    hostile: bool = True
 
 
 def config_from(f: StructuredFlags) -> Config:
     requests, concurrency, repeats = (8, (1, 4), 1) if f.quick else (48, (1, 16), 3)
     cfg = Config(requests if f.requests is None else f.requests,
                  tuple(concurrency if f.concurrency is None else f.concurrency),
-                 repeats if f.repeats is None else f.repeats, f.backend, f.model, f.temperature, f.torch_threads, f.seed)
+                 repeats if f.repeats is None else f.repeats, f.backend, f.model, f.temperature, f.torch_threads, f.seed,
+                 f.hostile)
     if cfg.requests < 1 or not cfg.concurrency or min(cfg.concurrency) < 1 or cfg.repeats < 1:
         raise ValueError("requests, concurrency and repeats: must be >= 1")
     return cfg
@@ -127,11 +140,34 @@ def run(cfg: Config) -> tuple[str, list[str]]:
         ratios[c] = (tpot, tput)
         print(f"concurrency {c}: tpot_p50 constrained/unconstrained {tpot}; "
               f"throughput constrained/unconstrained {tput}", flush=True)
+    if cfg.hostile:
+        problems += _hostile(cfg, model, tokenizer)
     top = max(cfg.concurrency)
     last = f"structured_valid={valid}/{generated} structured_tpot_ratio_c{top}={fmt(ratios[top][0].median)}"
     if top != 16:  # the issue's figure is at 16: say which one this is
         print(f"note: the largest concurrency run was {top}, not 16")
     return last, problems
+
+
+def _hostile(cfg: Config, model: str, tokenizer) -> list[str]:
+    """The hostile phase on an engine of its own (a 1 s compile deadline, default limits)."""
+    from pdserve.engine.config import CacheConfig, EngineConfig
+    from pdserve.engine.engine import LLMEngine
+
+    config = EngineConfig(model=model, cache=CacheConfig(block_size=16, num_blocks=256),
+                          structured_outputs_backend=cfg.backend, structured_outputs_compile_timeout=1.0)
+    engine = LLMEngine(config)
+    try:
+        result = run_hostile(engine, tokenizer.encode("def main():\n    "), config.structured_outputs_max_bytes,
+                             config.structured_outputs_max_depth)
+    finally:
+        engine.close()
+    for name, outcome in result.outcomes.items():
+        print(f"hostile {name:<18} {outcome}")
+    print(f"victim: tpot_p50 alone {result.victim_alone.tpot_p50 * 1e3:.2f} ms, beside the hostile requests "
+          f"{result.victim_beside.tpot_p50 * 1e3:.2f} ms: victim_tpot_ratio={result.tpot_ratio:.3f} (target <= 1.5)",
+          flush=True)
+    return hostile_problems(result)
 
 
 def _compile_times(engine, tokenizer) -> list[float]:

@@ -161,3 +161,102 @@ def validate_outputs(jobs: Sequence[Job], result: RunResult) -> list[str]:
         except (ValueError, jsonschema.ValidationError) as exc:
             problems.append(f"request {job.index}: {type(exc).__name__}: {str(exc)[:120]} in {text[:80]!r}")
     return problems
+
+
+# -- hostile constraints beside a victim ----------------------------------------------------
+
+# What an attacker sends, and what each must come to: refused at admission (ValueError,
+# a 400 before any compile), refused by the grammar engine (INVALID_CONSTRAINT) or past
+# the compile deadline (CONSTRAINT_TIMEOUT); never an output, never INTERNAL.
+SLOW_REGEX = "|".join(f"[a-z]{{{i},{i + 300}}}q{i}" for i in range(40))  # seconds of xgrammar's compile
+
+
+def hostile_constraints(max_bytes: int, max_depth: int) -> dict[str, StructuredOutputs | None]:
+    """name -> constraint (None: the engine must refuse to build it at all)."""
+    deep: dict = {"type": "string"}
+    for _ in range(max_depth + 1):
+        deep = {"type": "array", "items": deep}
+    huge = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(max_bytes // 16)}}
+    endless = {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+    return {
+        "invalid_type": StructuredOutputs.json_schema({"type": "no-such-type"}),
+        "too_deep": StructuredOutputs.json_schema(deep),
+        "too_large": StructuredOutputs.json_schema(huge),
+        "endless_recursion": StructuredOutputs.json_schema(endless),
+        "bad_regex": StructuredOutputs("regex", "(unclosed"),
+        "slow_regex": StructuredOutputs("regex", SLOW_REGEX),
+    }
+
+
+@dataclass(frozen=True)
+class HostileResult:
+    victim_alone: RunResult
+    victim_beside: RunResult
+    outcomes: dict[str, str]  # hostile request -> how it ended
+
+    @property
+    def tpot_ratio(self) -> float:
+        return self.victim_beside.tpot_p50 / self.victim_alone.tpot_p50 if self.victim_alone.tpot_p50 else math.nan
+
+
+def run_hostile(engine, prompt: list[int], max_bytes: int, max_depth: int, victim_tokens: int = 64) -> HostileResult:
+    """A greedy victim alone, then again with every hostile constraint sent beside it (one
+    a step while it decodes). Each hostile request must fail alone; the victim's tokens must
+    not change."""
+    victim = Job(0, prompt, SamplingParams(max_tokens=victim_tokens, temperature=0.0, ignore_eos=True), None)
+    alone = run_closed_loop(engine, [victim], 1, "victim alone", "va")
+    hostile = list(hostile_constraints(max_bytes, max_depth).items())
+    outcomes: dict[str, str] = {}
+    outputs: dict[str, object] = {}
+    engine.add_request("vb", prompt, victim.params)
+    start = time.perf_counter()
+    deadline = time.monotonic() + 600
+    while engine.has_unfinished():
+        if time.monotonic() > deadline:
+            raise RuntimeError("hostile phase: not done within 600 s")
+        if hostile:
+            name, constraint = hostile.pop(0)
+            try:
+                for out in engine.add_request(f"h-{name}", prompt, SamplingParams(max_tokens=8, structured_outputs=constraint)):
+                    outputs[out.request_id] = out
+            except ValueError as exc:
+                outcomes[name] = f"refused at admission: {str(exc)[:90]}"
+        for out in engine.step():
+            outputs[out.request_id] = out
+    wall = time.perf_counter() - start
+    for request_id, out in outputs.items():
+        if request_id.startswith("h-"):
+            failure = out.failure.name if out.failure is not None else "none"
+            outcomes[request_id[2:]] = f"{failure}: {(out.error or '')[:90]}"
+    v = outputs["vb"]
+    n = len(v.outputs[0].token_ids)
+    times = v.times
+    tpot = [(times.finished - times.first_token) / (n - 1)] if n >= 2 and times and times.first_token else []
+    beside = RunResult("victim beside", 1, wall, n, tpot, [n], [""], [v.outputs[0].finish_reason or ""])
+    if list(v.outputs[0].token_ids) != list(alone_tokens(engine, victim)):
+        outcomes["victim"] = "TOKENS CHANGED"
+    return HostileResult(alone, beside, outcomes)
+
+
+def alone_tokens(engine, victim: Job) -> list[int]:
+    """The victim's tokens alone (greedy: the same every run)."""
+    engine.add_request("va-check", victim.prompt, victim.params)
+    out = None
+    while engine.has_unfinished():
+        for done in engine.step():
+            out = done
+    return list(out.outputs[0].token_ids) if out is not None else []
+
+
+def hostile_problems(result: HostileResult) -> list[str]:
+    """Every hostile request failed alone (at admission, INVALID_CONSTRAINT or
+    CONSTRAINT_TIMEOUT), and the victim's tokens are unchanged."""
+    problems = []
+    for name, outcome in result.outcomes.items():
+        if name == "victim":
+            problems.append("hostile phase: the victim's tokens changed beside hostile constraints")
+        elif name == "slow_regex" and outcome.startswith("none"):
+            continue  # compiled within the deadline on a fast machine: served, which is right too
+        elif not outcome.startswith(("refused at admission", "INVALID_CONSTRAINT", "CONSTRAINT_TIMEOUT")):
+            problems.append(f"hostile request {name}: {outcome}")
+    return problems

@@ -48,6 +48,10 @@ def test_quick_run_validates_every_output_and_prints_the_ratio(capsys):
     assert bench.main(["--quick", "--requests", "5", "--concurrency", "1,3"]) == 0
     out = capsys.readouterr().out
     assert "isa=" in out and "compile per schema" in out
+    # every hostile constraint failed alone (else the exit status is 1), the victim's ratio printed
+    assert re.search(r"victim_tpot_ratio=\d+\.\d+", out)
+    assert re.search(r"hostile slow_regex +(CONSTRAINT_TIMEOUT|none)", out)
+    assert re.search(r"hostile endless_recursion +INVALID_CONSTRAINT", out)
     last = out.strip().splitlines()[-1]
     match = re.fullmatch(r"structured_valid=(\d+)/(\d+) structured_tpot_ratio_c3=(\S+)", last)
     assert match, last
