@@ -1,8 +1,9 @@
 """Constrained decoding under speculative decoding (ngram, draft model, EAGLE-3) on the
 embedded model: constrained sequences draft, their drafts are scored, and the output
 is spec-off's token for token (greedy and seeded, both backends); every output
-validates; unconstrained neighbours in the batch keep their tokens. And the masks of
-a verification's rows, one grammar position each, with a draft the grammar refuses."""
+validates (unseeded too); unconstrained neighbours in the batch keep their tokens; a
+decode engine speculates after a prefill engine's first token. And the masks of a
+verification's rows, one grammar position each, with a draft the grammar refuses."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import torch
 
 from engine_helpers import one_thread  # noqa: F401  (autouse: one torch thread)
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine.config import DEFAULT_DRAFT_MODEL, DEFAULT_EAGLE3_HEAD, DEFAULT_MODEL
+from pdserve.engine.config import DEFAULT_DRAFT_MODEL, DEFAULT_EAGLE3_HEAD, DEFAULT_MODEL, CacheConfig, EngineConfig
+from pdserve.engine.engine import LLMEngine
 from pdserve.engine.structured.backend import allocate_bitmask, bitmask_to_bool
 from pdserve.engine.structured.compiler import GrammarCompiler
 from pdserve.engine.structured.manager import StructuredOutputsManager
@@ -172,3 +174,57 @@ def test_a_verifications_rows_take_the_mask_at_their_own_positions(engines, back
     finally:
         manager.release("s")
         manager.forget_group("g")
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_unseeded_sampling_under_speculation_stays_valid(engines, backend):
+    """Unseeded rows are not reproducible, but every output still satisfies its grammar."""
+    params = [p for p in batch(seeded=True) if p.structured_outputs is not None]
+    params = [constrained(p.structured_outputs, temperature=1.0) for p in params]
+    spec = engines(backend, "ngram")
+    outs = spec.generate([PROMPT] * len(params), params)
+    for p, out in zip(params, outs):
+        assert out.error is None and out.outputs[0].finish_reason == "stop", (out.error, out.outputs[0].text)
+        check_valid(p, out.outputs[0].text)
+    spec.check_integrity()
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_the_decode_role_speculates_after_the_prefill_roles_first_token(engines, backend):
+    """P/D in one process: the prefill engine (no speculation) samples the first token
+    under the constraint; the decode engine drafts from its matcher's place after it.
+    The output is the colocated spec-off one, and drafts were scored."""
+    cache = CacheConfig(num_blocks=128)
+    prefill = LLMEngine(EngineConfig(model=DEFAULT_MODEL, cache=cache, structured_outputs_backend=backend))
+    decode = LLMEngine(EngineConfig(model=DEFAULT_MODEL, cache=cache, structured_outputs_backend=backend,
+                                    speculative=METHODS["ngram"]))
+    params = constrained(StructuredOutputs.json_schema(SCHEMAS[1]))
+    prompt = prefill.tokenizer.encode(PROMPT)
+    colocated = engines(backend).generate([prompt], params)[0].outputs[0]
+    try:
+        reservation = decode.reserve_remote("r", prompt, params)
+
+        def on_layer(layer, slices):
+            for s in slices:
+                for i in range(s.start // 16, -(-s.end // 16)):
+                    decode.runner.kv_cache[layer, reservation.block_ids[i]] = \
+                        prefill.runner.kv_cache[layer, s.block_ids[i]]
+
+        prefill.layer_hook = on_layer
+        prefill.add_request("r", prompt, constrained(params.structured_outputs, max_tokens=1), export_kv=True)
+        firsts = []
+        while prefill.has_unfinished():
+            firsts += [o.outputs[0].token_ids for o in prefill.step()]
+        prefill.release("r")
+        outs = decode.commit_remote("r", firsts[0][0])
+        while decode.has_unfinished():
+            outs += decode.step()
+        assert outs[0].outputs[0].token_ids == colocated.token_ids
+        assert outs[0].outputs[0].finish_reason == "stop" and outs[0].num_draft_tokens > 0
+        check_valid(params, outs[0].outputs[0].text)
+        for e in (prefill, decode):
+            e.check_integrity()
+            assert e.stats().num_free_blocks == e.stats().num_blocks
+    finally:
+        prefill.close()
+        decode.close()
