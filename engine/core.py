@@ -361,9 +361,9 @@ class EngineCore:
 
     def _may_draft(self, request: Request) -> bool:
         """A running sequence that is decoding: all but its newest output token computed,
-        not a beam (constrained or not). (A prompt whose last token is recomputed, as after a commit of remote
-        KV without a first token, looks the same but has no output yet: it samples, and
-        fans out, as usual.)"""
+        not a beam (constrained or not: its grammar cuts and masks its drafts). (A prompt
+        whose last token is recomputed, as after a commit of remote KV without a first
+        token, looks the same but has no output yet: it samples, and fans out, as usual.)"""
         group = self._seq_group.get(request.request_id)
         return (group is not None and group.beam is None and not group.needs_fan_out
                 and request.status == RequestStatus.RUNNING
