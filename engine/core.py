@@ -24,7 +24,11 @@ scheduler only when its grammar has compiled (polled at the start of each step, 
 waited for while anything can run); what was to happen on admission (queueing, a first
 token, a commit of remote KV) waits with it (`when_ready`). Its rows are masked before
 the sampler; `apply_token` advances the matcher; a complete grammar ends the sequence
-("stop"). Constrained sequences do not draft (speculation stays lossless).
+("stop"). Constrained sequences speculate like the others: their drafts are cut where
+the grammar refuses one (`_constrain_drafts`, before the forward pass), and each of a
+verification's K+1 rows takes the grammar's mask at its own position (the matcher
+walks the drafts and rolls back: manager.py), so a draft is kept exactly when the
+masked sampler would have chosen it without speculation (lossless, valid).
 
 Stalls. When nothing can run (only beams waiting for a sibling that cannot get
 blocks), the group at the head of the queue (the oldest with a waiting sequence: the
@@ -58,7 +62,7 @@ from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.engine.spec.draft_state import DraftState
 from pdserve.engine.spec.speculator import Speculator
 from pdserve.engine.spec.verify import accept_matching, positions
-from pdserve.engine.structured.manager import StructuredOutputsManager
+from pdserve.engine.structured.manager import MaskRows, StructuredOutputsManager
 from pdserve.engine.validation import MAX_REQUEST_ID
 
 log = logging.getLogger(__name__)
@@ -119,8 +123,8 @@ class EngineCore:
         )
         beam = None
         constraint = params.structured_outputs
-        if (params.use_beam_search or constraint is not None) and self.speculator is not None:
-            self.speculator.skip()  # beams fork every step, constrained sequences are masked: no drafts
+        if params.use_beam_search and self.speculator is not None:
+            self.speculator.skip()  # beams fork every step: no drafts
         if params.use_beam_search:
             # HF's beam search takes stop ids as more EOS ids
             eos = () if params.ignore_eos else self.eos_token_ids
@@ -336,15 +340,33 @@ class EngineCore:
             log.warning("speculative proposer failed (%s: %s): this step runs without drafts", type(exc).__name__, exc)
             for request in running:
                 request.spec_token_ids.clear()
+            return
+        if self.structured is not None:
+            self._constrain_drafts(self.structured, running)
+
+    def _constrain_drafts(self, structured: StructuredOutputsManager, running: Sequence[Request]) -> None:
+        """Cut each constrained sequence's drafts at the first one its grammar refuses (and
+        after one that completes it): no slot is scored for a draft that could never be
+        emitted. A matcher that fails here costs the sequence its drafts this step (its
+        mask, next, fails the request)."""
+        for request in running:
+            drafts = request.spec_token_ids
+            if not drafts or not structured.has(request.request_id):
+                continue
+            try:
+                del drafts[structured.valid_drafts(request.request_id, drafts):]
+            except Exception as exc:
+                log.info("request %s: drafts dropped: %s: %s", request.request_id, type(exc).__name__, exc)
+                drafts.clear()
 
     def _may_draft(self, request: Request) -> bool:
         """A running sequence that is decoding: all but its newest output token computed,
-        not a beam. (A prompt whose last token is recomputed, as after a commit of remote
-        KV without a first token, looks the same but has no output yet: it samples, and
-        fans out, as usual.)"""
+        not a beam (constrained or not: its grammar cuts and masks its drafts). (A prompt
+        whose last token is recomputed, as after a commit of remote KV without a first
+        token, looks the same but has no output yet: it samples, and fans out, as usual.)"""
         group = self._seq_group.get(request.request_id)
         return (group is not None and group.beam is None and not group.needs_fan_out
-                and group.params.structured_outputs is None and request.status == RequestStatus.RUNNING
+                and request.status == RequestStatus.RUNNING
                 and request.num_output_tokens > 0
                 and request.num_computed_tokens == request.num_tokens - 1)
 
@@ -476,21 +498,23 @@ class EngineCore:
 
     def _mask(self, structured: StructuredOutputsManager, jobs: list[SampleJob], logits: torch.Tensor,
               finished: list[RequestOutput]) -> None:
-        """Mask the rows of constrained sequences (one row each: they never draft). A
-        matcher that fails fails its request; its row is sampled and then dropped."""
-        rows, at = [], 0
+        """Mask the rows of constrained sequences: one row, or a verification's K+1 rows,
+        each at its own position in the grammar (StructuredOutputsManager.mask). A matcher
+        that fails fails its request; its rows are sampled and then dropped."""
+        rows: list[MaskRows] = []
+        at = 0
         for seq, num_rows in jobs:
-            if num_rows == 1 and structured.has(seq.request_id):
-                rows.append((at, seq.request_id))
+            if structured.has(seq.request_id):
+                rows.append((at, seq.request_id, seq.spec_token_ids if num_rows > 1 else ()))
             at += num_rows
         try:
             structured.mask(logits, rows)
         except Exception:
-            for row, seq_id in rows:
+            for one in rows:
                 try:
-                    structured.mask(logits, [(row, seq_id)])
+                    structured.mask(logits, [one])
                 except Exception as exc:
-                    group = self._seq_group.get(seq_id)
+                    group = self._seq_group.get(one[1])
                     if group is not None:
                         self.fail(group, exc, finished)
 

@@ -20,7 +20,9 @@ drafting does not pay on this engine's own timings (adaptive.Payoff).
 Drafts are capped so that no draft position lies past `max_tokens` (the bonus token
 is the last one the request may have), past `max_model_len`, or after a drafted stop
 token or EOS: verification never scores a token that could not be emitted (a stop
-string, known only from the text, can still cut an accepted run short).
+string, known only from the text, can still cut an accepted run short). A constrained
+sequence's drafts are also cut, by the engine (core.py `_constrain_drafts`), at the
+first one its grammar refuses; its verification's rows are masked by the grammar.
 """
 
 from __future__ import annotations

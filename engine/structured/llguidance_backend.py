@@ -3,7 +3,8 @@ escaped strings) and Lark grammars, for one vocabulary.
 
 llguidance has no separate compile step: building a matcher checks and prepares the
 grammar (it drops the GIL while it does). So compiling builds one matcher off the
-step, and each sequence's matcher is a deep copy of it."""
+step, and each sequence's matcher is a deep copy of it. Its `rollback` undoes any
+number of consumed tokens (speculative drafts, manager.py); nothing to set for it."""
 
 from __future__ import annotations
 

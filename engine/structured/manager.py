@@ -5,13 +5,28 @@ constrained sequence's matcher.
     new group  start(group_id, constraint)   compiling starts; the group is not scheduled
     each step  poll() -> ready / failed        ready: matchers built (the resumed tokens
                                                accepted), the group may be scheduled
-    sampling   mask(logits, rows)             before the sampler: -inf where not allowed
+    drafting   valid_drafts(seq, drafts) -> a   how many drafts the grammar takes (the rest are cut)
+    sampling   mask(logits, rows)             before the sampler: -inf where not allowed; a
+                                               verification's K+1 rows each at its own position
     appending  accept(seq, token) -> done      the one place a token enters a matcher
     forking    fork(parent, child)             n > 1: each sample its own matcher
     the end    release(seq)
 
 A sequence's matcher has accepted exactly the sequence's output tokens (and the
 resumed ones of a migrated sequence): tokens are appended only through `accept`.
+Speculative drafts only pass through it: `valid_drafts` and `mask` advance the matcher
+draft by draft and roll it back before they return (on every path out).
+
+A verification of drafts d0 .. d(K-1) (engine/spec/verify.py) samples K+1 rows; row i
+is sampled as if d0 .. d(i-1) had been emitted, so it takes the grammar's mask there:
+
+    row:    0          1               2                     K
+    mask:   place      place + d0      place + d0 d1   ...   place + d0 .. d(K-1)
+
+A draft the grammar refuses (d_i) ends the walk: row i's mask forbids d_i, so the
+token sampled there is never d_i, the draft is rejected, and rows after i are never
+used (left unmasked). A draft that completes the grammar ends the walk too: if it is
+accepted, the sequence ends with it.
 """
 
 from __future__ import annotations
@@ -28,6 +43,11 @@ from pdserve.engine.structured.backend import (
 )
 from pdserve.engine.structured.compiler import CompileJob, GrammarCompiler, StructuredStats
 from pdserve.engine.structured.params import StructuredOutputs
+
+
+# What `mask` masks for one sequence: (its first logits row, its id, its drafts: none for
+# one row, K for a verification's K+1 rows).
+MaskRows = tuple[int, str, Sequence[int]]
 
 
 @dataclass(frozen=True)
@@ -142,16 +162,28 @@ class StructuredOutputsManager:
         if matcher is not None:
             matcher.rollback(num_tokens)
 
-    def mask(self, logits: torch.Tensor, rows: Sequence[tuple[int, str]]) -> None:
-        """In place: each (row, sequence) of a constrained sequence keeps only the
-        tokens its grammar allows next. Other rows are untouched."""
-        picked = [(row, self._matchers[seq_id]) for row, seq_id in rows if seq_id in self._matchers]
+    def valid_drafts(self, seq_id: str, drafts: Sequence[int]) -> int:
+        """How many of `drafts`, in order, the grammar takes from the sequence's place (one
+        that completes the grammar is the last: nothing after it could be emitted). The
+        matcher is left where it was. An unconstrained sequence keeps them all."""
+        matcher = self._matchers.get(seq_id)
+        return len(drafts) if matcher is None else _walk(matcher, drafts)
+
+    def mask(self, logits: torch.Tensor, rows: Sequence[MaskRows]) -> None:
+        """In place: each (first row, sequence, drafts) of a constrained sequence keeps only
+        the tokens its grammar allows: at `first` the next token's, and with drafts (a
+        verification's rows first .. first + K) each row's at its own position (the
+        module's diagram). Other rows, and other sequences, are untouched."""
+        picked = [(first, self._matchers[seq_id], drafts) for first, seq_id, drafts in rows
+                  if seq_id in self._matchers]
         if not picked:
             return
-        bitmask = allocate_bitmask(len(picked), self.vocab_size)
-        for i, (_, matcher) in enumerate(picked):
-            matcher.fill_bitmask(bitmask, i)
-        apply_bitmask(logits, [row for row, _ in picked], bitmask)
+        bitmask = allocate_bitmask(sum(len(drafts) + 1 for _, _, drafts in picked), self.vocab_size)
+        masked: list[int] = []
+        for first, matcher, drafts in picked:
+            _walk(matcher, drafts, bitmask, len(masked))
+            masked += range(first, first + len(drafts) + 1)
+        apply_bitmask(logits, masked, bitmask)
 
     def release(self, seq_id: str) -> None:
         self._matchers.pop(seq_id, None)
@@ -168,3 +200,22 @@ class StructuredOutputsManager:
         stray = set(self._matchers) - live
         if stray:
             raise RuntimeError(f"structured outputs: matchers of ended sequences {sorted(stray)[:4]}")
+
+
+def _walk(matcher: GrammarMatcher, drafts: Sequence[int], bitmask: torch.Tensor | None = None, at: int = 0) -> int:
+    """Advance `matcher` through `drafts` while the grammar takes them (a draft that
+    completes it is the last), writing the mask of each position reached into bitmask
+    rows at, at + 1, ...; then roll it back, on every path out. Returns how many drafts
+    it took. Rows past the walk's end keep what they held (allocate_bitmask: all)."""
+    taken = 0
+    try:
+        while True:
+            if bitmask is not None:
+                matcher.fill_bitmask(bitmask, at + taken)
+            if taken == len(drafts) or not matcher.accept_token(drafts[taken]):
+                return taken
+            taken += 1
+            if matcher.is_terminated():
+                return taken
+    finally:
+        matcher.rollback(taken)

@@ -1,6 +1,9 @@
 """The xgrammar backend (the default): JSON schema, any JSON object, regex, choice (as a
 regex of its escaped strings) and GBNF/EBNF grammars, compiled for one vocabulary.
 
+Rollback (speculative drafts, manager.py): xgrammar 0.2.9's matcher rolls back any number
+of tokens (its `max_rollback_tokens` is deprecated, always unlimited), so none is set.
+
 The JSON kinds' masks are also ANDed with a static row refusing tokens that hold a raw
 control byte: xgrammar 0.2.9 lets strings with a maxLength take them, JSON does not."""
 

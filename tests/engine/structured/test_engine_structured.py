@@ -3,8 +3,8 @@ random model of another family (Qwen2, the embedded model's tokenizer beside it)
 constrained output finishes with "stop" and parses and validates (jsonschema), for
 both backends, greedy and seeded, n > 1; the mask leaves batch neighbours' tokens
 alone; logprobs are the constrained distribution's; logit_bias; the prefill role and
-a migration's resumed tokens go through the same matcher; constrained sequences do
-not draft."""
+a migration's resumed tokens go through the same matcher. (Under speculative decoding:
+test_spec_structured.py.)"""
 
 from __future__ import annotations
 
@@ -237,21 +237,6 @@ def test_prefill_role_samples_the_first_token_under_the_constraint(family_dir):
     for e in (prefill, decode):
         e.check_integrity()
         assert e.stats().num_free_blocks == e.stats().num_blocks
-
-
-def test_constrained_sequences_do_not_draft(llm):
-    spec = LLM(DEFAULT_MODEL, num_blocks=256, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
-                                                                   "prompt_lookup_min": 1})
-    cases = schemas(4, start=20)
-    params = [constrained(StructuredOutputs.json_schema(s)) for s in cases]
-    plain = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    outs = spec.generate([PROMPT] * 5, params + [plain])
-    base = llm("tiny", "xgrammar").generate([PROMPT] * 5, params + [plain])
-    for schema, out, ref in zip(cases, outs, base):
-        assert out.outputs[0].token_ids == ref.outputs[0].token_ids and out.num_draft_tokens == 0
-        check_json(out.outputs[0].text, schema)
-    assert outs[-1].outputs[0].token_ids == base[-1].outputs[0].token_ids
-    spec.check_integrity()
 
 
 def test_stats_count_kinds_and_cache_hits(llm):
