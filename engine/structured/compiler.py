@@ -89,7 +89,7 @@ class GrammarCompiler:
     def check(self, constraint: StructuredOutputs) -> None:
         """Refuse, before any compiling, a constraint over this server's limits."""
         name = f"structured_outputs.{constraint.kind.value}"
-        size = len(constraint.spec.encode()) + sum(len(c.encode()) for c in constraint.choices)
+        size = constraint.size_bytes
         if size > self.max_bytes:
             self.refused("too_large")
             raise ValueError(f"{name}: {size} bytes, more than structured_outputs_max_bytes={self.max_bytes}")

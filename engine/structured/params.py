@@ -66,7 +66,7 @@ class StructuredOutputs:
         if isinstance(self.choices, (str, bytes)) or not isinstance(self.choices, (list, tuple)):
             raise ValueError(f"{name}.choice: must be a list of strings")
         object.__setattr__(self, "choices", tuple(self.choices))
-        size = len(self.spec.encode()) + sum(len(c.encode()) for c in self.choices if isinstance(c, str))
+        size = self.size_bytes
         if size > MAX_SPEC_BYTES:
             raise ValueError(f"{field_name}: {size} bytes, more than {MAX_SPEC_BYTES}")
         if self.kind is ConstraintKind.JSON_SCHEMA:
@@ -91,6 +91,11 @@ class StructuredOutputs:
     def json_schema(cls, schema: object) -> StructuredOutputs:
         """From a schema as a dict (or its JSON text)."""
         return cls(ConstraintKind.JSON_SCHEMA, schema if isinstance(schema, str) else _dumps(schema))
+
+    @property
+    def size_bytes(self) -> int:
+        """What a size limit counts: the spec's UTF-8 bytes and the choices'."""
+        return len(self.spec.encode()) + sum(len(c.encode()) for c in self.choices if isinstance(c, str))
 
     @property
     def key(self) -> str:

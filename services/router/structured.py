@@ -74,7 +74,7 @@ def check_constraint(constraint: StructuredOutputs, limits: ConstraintLimits) ->
     """Raise ConstraintRefused naming the field when the router can tell the workers
     would refuse `constraint` (the module docstring)."""
     name = field_of(constraint)
-    size = len(constraint.spec.encode()) + sum(len(c.encode()) for c in constraint.choices)
+    size = constraint.size_bytes
     if size > limits.max_bytes:
         raise ConstraintRefused(f"{name}: {size} bytes, more than {limits.max_bytes} "
                                 f"(--structured-outputs-max-bytes)", "too_large")

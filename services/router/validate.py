@@ -6,9 +6,9 @@ reaches a worker: model name, prompt (text or ids, non-empty, text within
 max_model_len, in the vocabulary), every sampling field (the request's SamplingParams
 checked its ranges when its adapter built it; here each value must fit its proto field,
 then the engine's own `validate_sampling_params` with the workers' limits: n and
-beam_width within --max-n, logprobs within --max-logprobs, stop strings and ids),
-prompt + max_tokens within max_model_len, cache_salt, logit_bias's token ids in the
-vocabulary, a structured-outputs constraint within --structured-outputs-max-bytes and
+beam_width within --max-n, logprobs within --max-logprobs, stop strings and ids,
+logit_bias's token ids in the vocabulary), prompt + max_tokens within max_model_len,
+cache_salt, a structured-outputs constraint within --structured-outputs-max-bytes and
 --structured-outputs-max-depth and, a JSON schema, valid against its metaschema
 (structured.py: regexes and grammars are left to the workers' backends).
 
@@ -113,8 +113,6 @@ class Validator:
         validate_sampling_params(params, SamplingLimits(
             lim.vocab_size, max_n=lim.max_n, max_logprobs=lim.max_logprobs, has_tokenizer=self.tokenizer is not None,
         ))
-        bad = next((token for token, _ in params.logit_bias if token >= lim.vocab_size), None)
-        check_field(bad is None, "logit_bias", f"token ids must be < vocab_size {lim.vocab_size}", bad)
         if params.structured_outputs is not None:
             check_constraint(params.structured_outputs, lim.constraints)
         validate_prompt(prompt, params, lim.vocab_size, lim.max_model_len, ids_field="token_ids")
