@@ -10,8 +10,7 @@ which renders tools; the router's default `--tool-call-parser hermes`).
                           template (prompt_tokens equal the template's, by transformers)
     named / required      decoding constrained to a valid call (a StructuredOutputs JSON
                           schema): arguments validated with jsonschema; LangChain's
-                          bind_tools round trip. These need the engine's constrained
-                          decoding (engine/structured/ with a backend): skipped until then.
+                          bind_tools round trip (the engine's constrained decoding).
 
 One decode worker (it prefills itself), one cluster for the module.
 """
@@ -27,7 +26,7 @@ import pytest
 from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 from langchain_openai import ChatOpenAI
 
-from cluster_helpers import REPO, UpProcess
+from cluster_helpers import UpProcess
 from pdserve.engine.config import DEFAULT_MODEL
 from pdserve.engine.tokenizer import Tokenizer
 
@@ -46,10 +45,6 @@ TOOLS = [WEATHER, CLOCK]
 SCHEMAS = {"get_weather": PARAMETERS, "now": CLOCK["function"]["parameters"]}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}</tool_call>'
-# What a constrained call needs: engine/structured/ with more than the interface (params.py).
-ENGINE_CONSTRAINS = any(p.stem not in ("__init__", "params") for p in (REPO / "engine" / "structured").glob("*.py"))
-needs_engine = pytest.mark.skipif(not ENGINE_CONSTRAINS, reason="needs the engine's constrained decoding "
-                                                                "(engine/structured/ backend, the engine branch)")
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +161,6 @@ def test_langchain_sends_a_tool_round_trip_back(up):
 # -- with the engine's constraints --------------------------------------------------------
 
 
-@needs_engine
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_named_function_gives_its_valid_call(client, stream):
     choice = {"type": "function", "function": {"name": "get_weather"}}
@@ -188,7 +182,6 @@ def test_a_named_function_gives_its_valid_call(client, stream):
     jsonschema.validate(json.loads(arguments), PARAMETERS)
 
 
-@needs_engine
 @pytest.mark.parametrize("parallel", [True, False])
 def test_required_gives_at_least_one_valid_call(client, parallel):
     r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
@@ -202,7 +195,6 @@ def test_required_gives_at_least_one_valid_call(client, parallel):
     assert choice.finish_reason == "tool_calls" or (parallel and choice.finish_reason == "length")
 
 
-@needs_engine
 def test_langchain_bind_tools_round_trip(up):
     """The model's (forced) call, the tool's result sent back as a ToolMessage, a final answer."""
     llm = ChatOpenAI(base_url=up.openai_url, api_key="unused", model=MODEL, max_retries=0, temperature=0,
