@@ -259,6 +259,8 @@ class Cluster(ABC):
         self.python = python
         self.log_dir = Path(log_dir) if log_dir else None
         self.processes: dict[str, subprocess.Popen] = {}  # the routers (and a LocalCluster's workers)
+        self.router_cpus: tuple[int, ...] = ()  # the cores the routers are pinned to (none: unpinned)
+        self._cpus: dict[str, tuple[int, ...]] = {}  # a child's cores, for its restarts
         self.routers: list[RouterEndpoint] = []  # as they bound their ports
         self.address = ""  # the first router's public address, as it bound it (what `ready` prints)
         self.internal_address = ""  # its Registry, as it bound it
@@ -497,7 +499,7 @@ class Cluster(ABC):
         for index in range(self.spec.launch.routers):
             name = router_name(index)
             configs[name] = render_router(self.spec, Path(self._tmp.name) / f"{name}.address", self.credentials, index)
-            self._spawn(name, ["router", *to_argv(configs[name])])
+            self._spawn(name, ["router", *to_argv(configs[name])], self.router_cpus)
         routers = []
         for name, config in configs.items():
             address_file = Path(config.address_file)
@@ -514,8 +516,10 @@ class Cluster(ABC):
             routers.append(RouterEndpoint(name, public, internal, http[0] if http else "", for_workers))
         return routers
 
-    def _spawn(self, name: str, args: list[str]) -> None:
-        """`python -m pdserve ARGS` as a child that exits when this process is gone."""
+    def _spawn(self, name: str, args: list[str], cpus: tuple[int, ...] = ()) -> None:
+        """`python -m pdserve ARGS` as a child that exits when this process is gone; on
+        `cpus` when given (kept for its restarts), pinned before it runs a line of Python
+        so that every thread it starts inherits them."""
         command = [self.python, "-m", "pdserve", *args]
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
@@ -527,7 +531,11 @@ class Cluster(ABC):
             self._logs.append(out)
         log.info("starting %s: %s", name, " ".join(command))
         self._argv.setdefault(name, args)
-        self.processes[name] = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=out)
+        pinned = self._cpus.setdefault(name, cpus)
+        # preexec_fn: only a system call between fork and exec
+        pin = (lambda: os.sched_setaffinity(0, pinned)) if pinned else None
+        self.processes[name] = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                                                preexec_fn=pin)
 
     def _check_startup(self, deadline: float, stop: threading.Event | None, waiting: set[str]) -> None:
         if stop is not None and stop.is_set():

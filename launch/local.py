@@ -23,6 +23,11 @@ every launcher shares (the router, configs, pool sizes) is launch/cluster.py.
 
 from __future__ import annotations
 
+import logging
+import sys
+import threading
+from pathlib import Path
+
 from pdserve.launch.cluster import (  # noqa: F401  (the names callers import from here)
     PER_WORKER,
     Cluster,
@@ -32,8 +37,12 @@ from pdserve.launch.cluster import (  # noqa: F401  (the names callers import fr
     kv_connector,
     stop_processes,
 )
+from pdserve.launch.placement import place_local
+from pdserve.services.common.cpus import this_process
 from pdserve.services.common.flags import to_argv
 from pdserve.services.worker.config import WorkerConfig
+
+log = logging.getLogger(__name__)
 
 
 def worker_argv(config: WorkerConfig) -> list[str]:
@@ -42,7 +51,20 @@ def worker_argv(config: WorkerConfig) -> list[str]:
 
 
 class LocalCluster(Cluster):
+    """Workers as child processes of this one, each on its own share of this machine's
+    cores unless the spec says otherwise (launch/placement.py)."""
+
     name = "local"
+
+    def __init__(self, spec: ClusterSpec, log_dir: str | Path | None = None, python: str = sys.executable) -> None:
+        spec, placement, self.placement_line = place_local(spec, this_process())
+        super().__init__(spec, log_dir, python)
+        if placement is not None:
+            self.router_cpus = placement.routers
+
+    def start(self, stop: threading.Event | None = None) -> str:
+        log.info("placement: %s", self.placement_line)
+        return super().start(stop)
 
     def _start_worker(self, worker_id: str, config: WorkerConfig) -> None:
         self._spawn(worker_id, worker_argv(config))

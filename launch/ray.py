@@ -148,6 +148,8 @@ class RayCluster(Cluster):
 
     def __init__(self, spec: ClusterSpec, ray_config: RayConfig = RayConfig(), log_dir: str | Path | None = None,
                  python: str = sys.executable) -> None:
+        if spec.worker.torch_threads is None:  # an actor's share is what it reserves, not its node's cores
+            spec = replace(spec, worker=replace(spec.worker, torch_threads=max(1, int(ray_config.ray_cpus_per_worker))))
         super().__init__(spec, log_dir, python)
         self.ray_config = ray_config
         self.actors: dict[str, ray.actor.ActorHandle] = {}

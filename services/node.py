@@ -27,6 +27,7 @@ from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from pdserve.services.common import log as service_log
 from pdserve.services.common.convert import ROLES
+from pdserve.services.common.cpus import this_process
 from pdserve.services.common.credentials import ClusterAuth
 from pdserve.services.common.metrics import metrics_host, worker_metrics
 from pdserve.services.common.server import GrpcServer, announce, shutdown_event
@@ -189,8 +190,19 @@ def prepare(config: WorkerConfig) -> None:
     if config.cpus is not None:
         pin(config.cpus)
         log.info("pinned to CPUs %s", sorted(config.cpus))
-    if config.torch_threads:
-        torch.set_num_threads(config.torch_threads)
+    threads, why = torch_threads(config.torch_threads)
+    if threads:
+        torch.set_num_threads(threads)
+    log.info("torch threads: %d (%s)", torch.get_num_threads(), why)
+
+
+def torch_threads(asked: int | None) -> tuple[int, str]:
+    """The intra-op thread count a worker takes (0: leave torch's) and why: --torch-threads
+    when given, else one per CPU this process may use (read after pinning)."""
+    if asked is not None:
+        return asked, "--torch-threads 0: torch's default" if asked == 0 else "--torch-threads"
+    cpus = this_process()
+    return cpus.usable, f"one per usable CPU: {cpus.describe()}"
 
 
 def run(config: WorkerConfig) -> int:

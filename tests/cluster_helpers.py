@@ -27,7 +27,9 @@ T = TypeVar("T")
 
 
 def child_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
+    """This environment without the user's PDSERVE_* settings (every flag reads one), but
+    with the suite's one torch thread per worker (tests/conftest.py)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_") or k == "PDSERVE_TORCH_THREADS"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     return env
 
@@ -37,15 +39,17 @@ class UpProcess:
     Registry) once it printed `ready <address> internal <registry>`; with --http-port,
     `openai_url` (`http://HOST:PORT/v1`) once it printed `openai <url>`. It keeps the
     launch's credentials in `secrets` (beside the log): `auth` presents them, as an
-    operator's tool would, to the cluster's internal services."""
+    operator's tool would, to the cluster's internal services. `env` adds to the
+    child's environment (None: removes that variable)."""
 
-    def __init__(self, args: list[str], log_path: Path, timeout: float = 240.0, env: dict[str, str] | None = None) -> None:
+    def __init__(self, args: list[str], log_path: Path, timeout: float = 240.0,
+                 env: dict[str, str | None] | None = None) -> None:
         self.log_path = log_path
         self.log = open(log_path, "wb")
         self.secrets = log_path.parent / "secrets"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pdserve", "up", "--port", "0", "--secrets-dir", str(self.secrets), *args],
-            cwd=REPO, env={**child_env(), **(env or {})}, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=self.log,
+            cwd=REPO, env={k: v for k, v in {**child_env(), **(env or {})}.items() if v is not None}, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=self.log,
             text=True,
         )
         self.lines: queue.Queue[str] = queue.Queue()

@@ -10,11 +10,14 @@ if not os.environ.get("CUDA_VISIBLE_DEVICES") and not os.path.exists("/dev/nvidi
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # One intra-op thread for torch in this process and in every child it starts (bench
-# runs; workers set theirs with --torch-threads, 1 by default): the test models are
-# tiny, and OpenMP threads spinning beside the cluster processes a test starts (or
-# beside another pytest-xdist worker) made the engine tests several times slower.
-# Read by torch when it is first imported, so set here, before any test module.
+# runs; workers through PDSERVE_TORCH_THREADS, their --torch-threads, whose default is
+# one per usable CPU): the test models are tiny, and OpenMP threads spinning beside the
+# cluster processes a test starts (or beside another pytest-xdist worker) made the
+# engine tests several times slower. The default placement has tests of its own, which
+# drop the variable (tests/launch/test_placement.py). Read by torch when it is first
+# imported, so set here, before any test module.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("PDSERVE_TORCH_THREADS", "1")
 
 # Under pytest-xdist (`make test`: `-n 2 --dist loadfile`), each test file is one unit of
 # work, so that a module's cluster starts once. Two markers order the units (pyproject.toml

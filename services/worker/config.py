@@ -79,7 +79,9 @@ class WorkerConfig:
     device: str = flag("cpu", "torch device")
     attention_backend: str = flag("auto", "auto | torch | triton")
     seed: int = flag(0, "seed of the sampler's shared generator")
-    torch_threads: int = flag(1, "torch intra-op threads (0: torch's default)")
+    torch_threads: int | None = flag(None, "torch intra-op threads (unset: one per CPU this worker may use: its "
+                                           "affinity, capped by its cgroup's CPU limit; `pdserve up` gives each "
+                                           "local worker its own share of the cores; 0: torch's own default)")
     enforce_eager: bool = flag(False, "run every step on the eager path (vLLM's flag): full-precision linear "
                                       "layers stay plain instead of oneDNN-prepacked on a CPU")
     decode_capture_sizes: str | None = flag(None, "compile the pure decode step at start-up for these batch sizes, "
@@ -155,7 +157,7 @@ class WorkerConfig:
         parse_kv_cache_dtype(self.kv_cache_dtype)  # raises ValueError naming kv_cache_dtype
         check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "must be in (0, 1]",
               self.gpu_memory_utilization)
-        check(self.torch_threads >= 0, "torch_threads", "must be >= 0", self.torch_threads)
+        check(self.torch_threads is None or self.torch_threads >= 0, "torch_threads", "must be >= 0", self.torch_threads)
         if self.cpu_affinity is not None:
             parse_cpus(self.cpu_affinity)  # raises ValueError naming the field
         check(self.grpc_threads is None or self.grpc_threads >= 4, "grpc_threads", "must be >= 4", self.grpc_threads)
