@@ -54,6 +54,42 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     return getattr(torch, name)
 
 
+AUTO_DTYPE = "auto"
+
+
+def resolve_dtype(name: str | torch.dtype, device: str | torch.device,
+                  checkpoint: str | None = None) -> tuple[torch.dtype, str]:
+    """The weights' and activations' dtype for `name` on `device`, and why. "auto" keeps
+    a float32 checkpoint in float32 (its own precision: fewer bits would change its
+    tokens) and runs a half-precision one (`checkpoint`, or none named) in bfloat16 where
+    the hardware computes in it natively (a CPU with AMX or AVX512-BF16, a GPU that has
+    it; else a GPU's float16), on a CPU without those in float32: emulated bfloat16 is
+    slower than float32."""
+    import torch
+
+    if name != AUTO_DTYPE:
+        return parse_dtype(name), "as asked (--dtype)"
+    if checkpoint == "float32":
+        return torch.float32, "auto: the checkpoint is float32"
+    device = torch.device(device)
+    saved = f"the checkpoint is {checkpoint}" if checkpoint else "the checkpoint names no dtype"
+    if device.type == "cpu":
+        cpu = torch.cpu
+        if cpu._is_amx_tile_supported():
+            return torch.bfloat16, f"auto: {saved}, this CPU has AMX"
+        if cpu._is_avx512_bf16_supported():
+            return torch.bfloat16, f"auto: {saved}, this CPU has AVX512-BF16"
+        return torch.float32, (f"auto: {saved}, this CPU ({torch.backends.cpu.get_cpu_capability()}) has neither "
+                               "AMX nor AVX512-BF16")
+    if device.type == "cuda":
+        if checkpoint == "float16":
+            return torch.float16, f"auto: {saved}"
+        if torch.cuda.is_bf16_supported():
+            return torch.bfloat16, f"auto: {saved}, this GPU computes in bfloat16"
+        return torch.float16, f"auto: {saved}, this GPU has no bfloat16"
+    return torch.float32, f"auto: {saved}, {device.type} device"
+
+
 @dataclass(frozen=True)
 class RopeConfig:
     """One RoPE's parameters, as transformers' rope_parameters holds them, with the
@@ -104,6 +140,9 @@ class ModelConfig:
     final_logit_softcapping: float | None = None  # the same on the LM head's logits (Gemma)
     # Sliding-window layers' own RoPE (Gemma 3's local base); None: `rope` everywhere.
     rope_local: RopeConfig | None = None
+    # The dtype the checkpoint was saved in (config.json "dtype", formerly "torch_dtype"),
+    # one of DTYPES; None when it says none or another (--dtype auto then takes float32).
+    checkpoint_dtype: str | None = None
 
     @property
     def q_size(self) -> int:
@@ -165,7 +204,14 @@ class ModelConfig:
             attn_logit_softcapping=_optional_float(cfg, "attn_logit_softcapping") if fam.attn_softcap else None,
             final_logit_softcapping=_optional_float(cfg, "final_logit_softcapping"),
             rope_local=rope_local,
+            checkpoint_dtype=_checkpoint_dtype(cfg),
         )
+
+
+def _checkpoint_dtype(cfg: dict[str, Any]) -> str | None:
+    name = cfg.get("dtype") or cfg.get("torch_dtype")
+    name = {"float": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16"}.get(name, name)
+    return name if name in DTYPES else None
 
 
 def _eos_ids(cfg: dict[str, Any], generation: dict[str, Any]) -> tuple[int, ...]:
@@ -339,7 +385,7 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class EngineConfig:
     model: str
-    dtype: str = "float32"
+    dtype: str = AUTO_DTYPE  # resolve_dtype: the checkpoint's, in what the device computes natively
     device: str = "cpu"
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()

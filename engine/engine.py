@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import torch
 
 from pdserve.engine.block_pool import BlockPool
-from pdserve.engine.config import EngineConfig, ModelConfig, parse_dtype
+from pdserve.engine.config import EngineConfig, ModelConfig, resolve_dtype
 from pdserve.engine.core import EngineCore
 from pdserve.engine.disagg import NoCapacityError, RemoteKV, Reservation
 from pdserve.engine.export import ExportSlice, LayerHook
@@ -74,8 +74,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.model_config = ModelConfig.from_dir(config.model)
-        dtype = parse_dtype(config.dtype)
         device = torch.device(config.device)
+        dtype, why = resolve_dtype(config.dtype, device, self.model_config.checkpoint_dtype)
+        log.info("dtype: %s (%s)", str(dtype).removeprefix("torch."), why)
         sched = config.scheduler
         self.max_model_len = sched.max_model_len or self.model_config.max_position_embeddings
         if self.max_model_len > self.model_config.max_position_embeddings:

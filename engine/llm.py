@@ -24,7 +24,7 @@ class LLM:
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 2048,
         max_model_len: int | None = None,
-        dtype: str = "float32",
+        dtype: str = "auto",
         device: str = "cpu",
         kv_cache_memory: int | None = None,
         attention_backend: str = "auto",

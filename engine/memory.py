@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pdserve.engine.config import ModelConfig, parse_dtype
+from pdserve.engine.config import ModelConfig, resolve_dtype
 from pdserve.engine.quant.config import kv_torch_dtype
 
 if TYPE_CHECKING:  # torch loads on first use: `pdserve plan`'s parser and the launchers import this
@@ -147,7 +147,7 @@ def plan_memory(
     from pdserve.engine.quant import apply
 
     cfg = ModelConfig.from_dir(model)
-    torch_dtype = parse_dtype(dtype)
+    torch_dtype, _ = resolve_dtype(dtype, device, cfg.checkpoint_dtype)
     fmt, scheme = apply.resolve_scheme(model, quantization)  # type: ignore[arg-type]
     skeleton = build_model(cfg, torch_dtype, torch.device("meta"), 1, scheme, online=fmt is None)
     if fmt is None and scheme is not None:

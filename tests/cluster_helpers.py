@@ -26,10 +26,13 @@ REPO = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
 
 
+SUITE_SETTINGS = ("PDSERVE_TORCH_THREADS", "PDSERVE_DTYPE")  # set by tests/conftest.py
+
+
 def child_env() -> dict[str, str]:
     """This environment without the user's PDSERVE_* settings (every flag reads one), but
-    with the suite's one torch thread per worker (tests/conftest.py)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_") or k == "PDSERVE_TORCH_THREADS"}
+    with the suite's one torch thread per worker and float32 (tests/conftest.py)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_") or k in SUITE_SETTINGS}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     return env
 

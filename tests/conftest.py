@@ -18,6 +18,10 @@ if not os.environ.get("CUDA_VISIBLE_DEVICES") and not os.path.exists("/dev/nvidi
 # imported, so set here, before any test module.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("PDSERVE_TORCH_THREADS", "1")
+# Workers compute in float32, whatever the machine (--dtype auto would take bfloat16 on
+# one with AMX): the suite compares tokens with transformers and with in-process engines
+# in float32.
+os.environ.setdefault("PDSERVE_DTYPE", "float32")
 
 # Under pytest-xdist (`make test`: `-n 2 --dist loadfile`), each test file is one unit of
 # work, so that a module's cluster starts once. Two markers order the units (pyproject.toml

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.engine.config import (
-    DEFAULT_MAX_LOGPROBS, DEFAULT_MAX_N, DEFAULT_MODEL, STRUCTURED_FIELDS, STRUCTURED_OUTPUTS_BACKENDS, CacheConfig,
+    AUTO_DTYPE, DTYPES, DEFAULT_MAX_LOGPROBS, DEFAULT_MAX_N, DEFAULT_MODEL, STRUCTURED_FIELDS, STRUCTURED_OUTPUTS_BACKENDS, CacheConfig,
     EngineConfig, SchedulerConfig, check_structured_fields,
 )
 from pdserve.engine.offload.config import check_offload_fields
@@ -70,7 +70,8 @@ class WorkerConfig:
     max_model_len: int | None = flag(None, "longest prompt + output (default: the model's)")
     max_n: int = flag(DEFAULT_MAX_N, "largest n and beam_width accepted (registered: the router checks it)")
     max_logprobs: int = flag(DEFAULT_MAX_LOGPROBS, "largest logprobs and prompt_logprobs accepted (registered)")
-    dtype: str = flag("float32", "float32 | float16 | bfloat16")
+    dtype: str = flag("auto", "auto | float32 | float16 | bfloat16 (auto: on a CPU bfloat16 where it has AMX or "
+                              "AVX512-BF16, else float32; on a GPU bfloat16, else float16); every role alike")
     quantization: str | None = flag(None, f"quantize the full-precision checkpoint while loading it: "
                                           f"{' | '.join(QUANTIZATION_METHODS)} (unset: the checkpoint's own format); "
                                           "every role alike: a prefill and a decode worker must share it")
@@ -154,6 +155,7 @@ class WorkerConfig:
         check(self.max_logprobs >= 0, "max_logprobs", "must be >= 0", self.max_logprobs)
         check(self.quantization is None or self.quantization in QUANTIZATION_METHODS, "quantization",
               f"must be one of {QUANTIZATION_METHODS}", self.quantization)
+        check(self.dtype in (AUTO_DTYPE, *DTYPES), "dtype", f"must be one of {(AUTO_DTYPE, *DTYPES)}", self.dtype)
         parse_kv_cache_dtype(self.kv_cache_dtype)  # raises ValueError naming kv_cache_dtype
         check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "must be in (0, 1]",
               self.gpu_memory_utilization)
