@@ -6,7 +6,8 @@ path against `--enforce-eager` (the path before it), beside the bandwidth floor.
 One process, one model (`bench.engine.offline`'s 100M-parameter fp32 Llama, seeded), three
 engines on the same weights: `LLM(enforce_eager=True)`, `LLM()` (the fast path:
 oneDNN-prepacked linear layers, engine/prepacked.py) and `LLM(decode_capture_sizes=
-<the batch sizes>)` (the decode step compiled per batch size, engine/captured.py).
+<the batch sizes>)` (the decode step compiled per batch size, engine/captured.py; with
+`--quick` for the largest alone, the smaller batches running in it padded).
 Each repetition runs, for each batch size, the three engines (rotated: bench/common/repeat.py): B
 requests of 128 random prompt tokens are prefilled, then `--steps` (64) pure decode
 steps are timed one by one (`time.perf_counter`); a repetition's figure is its
@@ -62,6 +63,14 @@ class DecodeConfig:
     profile: bool = False
     threads: int = 2
     model: ModelSpec = ModelSpec()
+    # buckets of the captured engine; None: one per batch size. --quick compiles only the
+    # largest (a smaller batch runs in it padded, the captured path all the same): each
+    # bucket is an Inductor compile of seconds from a cold cache
+    capture_sizes: tuple[int, ...] | None = None
+
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        return self.batches if self.capture_sizes is None else self.capture_sizes
 
 
 def weight_bytes_read(spec: ModelSpec) -> int:
@@ -150,15 +159,16 @@ def profile_step(llm, prompts: Sequence[Sequence[int]], steps: int) -> dict[str,
     return parts
 
 
-def load(model_dir: str, mode: str, batches: Sequence[int]):
+def load(model_dir: str, mode: str, batches: Sequence[int], buckets: Sequence[int] | None = None):
     """The engine of `mode`: eager (--enforce-eager), fast (the default: prepacked
-    linears) or captured (the decode step compiled for each of `batches`)."""
+    linears) or captured (the decode step compiled for each of `buckets`, by default
+    `batches`)."""
     from pdserve.engine import LLM
 
     blocks = max(batches) * (-(-(PROMPT_LEN + 400) // 16))
     return LLM(model=model_dir, num_blocks=blocks, block_size=16, enable_prefix_caching=False,
                max_num_seqs=max(256, max(batches)), max_num_batched_tokens=2048, dtype="float32",
-               enforce_eager=mode == "eager", decode_capture_sizes=tuple(batches) if mode == "captured" else ())
+               enforce_eager=mode == "eager", decode_capture_sizes=tuple(buckets or batches) if mode == "captured" else ())
 
 
 def run(model_dir: str, cfg: DecodeConfig, log: Callable[[str], None]) -> str:
@@ -167,7 +177,7 @@ def run(model_dir: str, cfg: DecodeConfig, log: Callable[[str], None]) -> str:
     engines = {}
     for mode in MODES:
         start = time.perf_counter()
-        engines[mode] = load(model_dir, mode, cfg.batches)
+        engines[mode] = load(model_dir, mode, cfg.batches, cfg.buckets)
         log(f"{mode}: engine ready in {time.perf_counter() - start:.1f} s")
     for llm in engines.values():  # warm-up: first-call allocations, oneDNN primitives
         decode_steps(llm, _prompts(2, spec.vocab_size, -1), 4)

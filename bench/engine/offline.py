@@ -630,7 +630,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         spec = decode.DecodeConfig(batches=cfg.decode_batches, steps=cfg.decode_steps, repeats=cfg.repeats,
                                    profile=cfg.profile, model=cfg.model)
         if cfg.quick:
-            spec = replace(spec, steps=min(cfg.decode_steps, 8))
+            spec = replace(spec, steps=min(cfg.decode_steps, 8), capture_sizes=(max(cfg.decode_batches),))
         with temporary_dir("pdserve-bench-") as model_dir:
             save_random_model(cfg.model, model_dir, cfg.seed)
             print(decode.run(str(model_dir), spec, log), flush=True)

@@ -54,14 +54,16 @@ from pdserve.bench.offload.tiers import (
 from pdserve.bench.serving.run import write_json
 from pdserve.services.common.flags import flag
 
-QUICK = OffloadConfig(workload=replace(OffloadConfig.workload, num_requests=12, turns=(5, 6), prompt_tokens=(24, 40),
-                                       output_tokens=(4, 6), think_time=0.1),
+# 12 conversations of 5 turns, answers of 2-3 tokens: every tier and policy runs, for the
+# fewest engine steps (seeded: the device pool comes out at 25 % of the KV, above its floor)
+QUICK = OffloadConfig(workload=replace(OffloadConfig.workload, num_requests=12, turns=(5, 5), prompt_tokens=(24, 40),
+                                       output_tokens=(2, 3), think_time=0.1),
                       request_rate=20.0, embedded=True, disk_block_sizes=(16,), repeats=2)
 
 
 @dataclass(frozen=True)
 class OffloadFlags:
-    quick: bool = flag(False, "the embedded model, 8 short conversations, under a minute (explicit flags still win)")
+    quick: bool = flag(False, "the embedded model, 12 short conversations, under a minute (explicit flags still win)")
     conversations: int | None = flag(None, f"conversations per repetition ({OffloadConfig.workload.num_requests})")
     turns: tuple[int, int] | None = flag(None, "MIN MAX turns per conversation")
     prompt_tokens: tuple[int, int] | None = flag(None, "MIN MAX tokens of each new user message")
