@@ -1,0 +1,81 @@
+"""pdserve services (workers, routers) forked from one interpreter that has already
+imported them: a multiprocessing forkserver, started on a test process's first use
+(and kept for its later test files), preloading torch, the worker and the router. For
+tests that start workers or routers by hand.
+
+Each is a real process of its own running `pdserve ROLE ARGS...` (the same
+`pdserve.cli.main` as `python -m pdserve`), its stderr in a log, signalled and reaped
+like a `subprocess.Popen`; only the ~2.5 CPU-s of importing torch and pdserve again
+in every process is spared (the forkserver pays it once). The forkserver starts with
+this process's environment, and each child drops the `PDSERVE_*` variables as
+`child_env()` does, so flags come from the command line alone.
+
+    proc = spawn_pdserve(["mixed", "--router", registry, ...], log_path)
+    proc.pid;  proc.poll();  proc.wait(timeout);  proc.send_signal(sig);  proc.terminate();  proc.kill()
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+PRELOAD = ["torch", "pdserve.cli", "pdserve.services.node", "pdserve.services.router.main"]
+
+
+def _context() -> multiprocessing.context.ForkServerContext:
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # read when the forkserver starts (once per test process)
+    return ctx
+
+
+def _run(argv: list[str], log: str) -> None:
+    """The child: stdin and stdout /dev/null, stderr the log, then `pdserve ARGV`."""
+    for name in [k for k in os.environ if k.startswith("PDSERVE_")]:
+        del os.environ[name]
+    null = os.open(os.devnull, os.O_RDWR)
+    err = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    for fd, target in ((null, 0), (null, 1), (err, 2)):
+        os.dup2(fd, target)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # as a fresh `pdserve` process has it
+    from pdserve.cli import main
+
+    sys.exit(main(argv))
+
+
+class ForkedProcess:
+    """The `subprocess.Popen` calls the tests make, over a forked `multiprocessing.Process`."""
+
+    def __init__(self, argv: list[str], log: Path) -> None:
+        self.args = argv
+        self._process = _context().Process(target=_run, args=(argv, str(log)), daemon=True)
+        # daemon: one left running when the test process exits is terminated, not awaited
+        self._process.start()
+        self.pid = self._process.pid
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self._process.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        if self._process.exitcode is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def spawn_pdserve(argv: list[str], log: Path) -> ForkedProcess:
+    """`pdserve ARGV` (a service and its flags) in a forked process, its stderr in `log`."""
+    return ForkedProcess(argv, log)
