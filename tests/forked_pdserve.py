@@ -32,13 +32,13 @@ def _context() -> multiprocessing.context.ForkServerContext:
     return ctx
 
 
-def _run(argv: list[str], log: str) -> None:
-    """The child: stdin and stdout /dev/null, stderr the log, then `pdserve ARGV`."""
+def _run(argv: list[str], log: str, stdout_to_log: bool) -> None:
+    """The child: stdin /dev/null, stderr the log, stdout the log too or /dev/null, then `pdserve ARGV`."""
     for name in [k for k in os.environ if k.startswith("PDSERVE_")]:
         del os.environ[name]
     null = os.open(os.devnull, os.O_RDWR)
     err = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    for fd, target in ((null, 0), (null, 1), (err, 2)):
+    for fd, target in ((null, 0), (err if stdout_to_log else null, 1), (err, 2)):
         os.dup2(fd, target)
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # as a fresh `pdserve` process has it
     from pdserve.cli import main
@@ -49,9 +49,9 @@ def _run(argv: list[str], log: str) -> None:
 class ForkedProcess:
     """The `subprocess.Popen` calls the tests make, over a forked `multiprocessing.Process`."""
 
-    def __init__(self, argv: list[str], log: Path) -> None:
+    def __init__(self, argv: list[str], log: Path, stdout_to_log: bool = False) -> None:
         self.args = argv
-        self._process = _context().Process(target=_run, args=(argv, str(log)), daemon=True)
+        self._process = _context().Process(target=_run, args=(argv, str(log), stdout_to_log), daemon=True)
         # daemon: one left running when the test process exits is terminated, not awaited
         self._process.start()
         self.pid = self._process.pid
@@ -76,6 +76,7 @@ class ForkedProcess:
         self.send_signal(signal.SIGKILL)
 
 
-def spawn_pdserve(argv: list[str], log: Path) -> ForkedProcess:
-    """`pdserve ARGV` (a service and its flags) in a forked process, its stderr in `log`."""
-    return ForkedProcess(argv, log)
+def spawn_pdserve(argv: list[str], log: Path, stdout_to_log: bool = False) -> ForkedProcess:
+    """`pdserve ARGV` (a service and its flags) in a forked process, its stderr (and with
+    `stdout_to_log` its stdout) in `log`."""
+    return ForkedProcess(argv, log, stdout_to_log)
