@@ -11,7 +11,7 @@ this process's environment, and each child drops the `PDSERVE_*` variables as
 `child_env()` does, so flags come from the command line alone.
 
     proc = spawn_pdserve(["mixed", "--router", registry, ...], log_path)
-    proc.pid;  proc.poll();  proc.wait(timeout);  proc.send_signal(sig);  proc.terminate();  proc.kill()
+    proc.pid;  proc.returncode;  proc.poll();  proc.wait(timeout);  proc.send_signal(sig);  proc.terminate();  proc.kill()
 """
 
 from __future__ import annotations
@@ -33,11 +33,11 @@ def _context() -> multiprocessing.context.ForkServerContext:
 
 
 def _run(argv: list[str], log: str, stdout_to_log: bool) -> None:
-    """The child: stdin /dev/null, stderr the log, stdout the log too or /dev/null, then `pdserve ARGV`."""
+    """The child: stdin /dev/null, stderr appended to the log (stdout too, or /dev/null), then `pdserve ARGV`."""
     for name in [k for k in os.environ if k.startswith("PDSERVE_")]:
         del os.environ[name]
     null = os.open(os.devnull, os.O_RDWR)
-    err = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    err = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     for fd, target in ((null, 0), (err if stdout_to_log else null, 1), (err, 2)):
         os.dup2(fd, target)
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # as a fresh `pdserve` process has it
@@ -55,6 +55,10 @@ class ForkedProcess:
         # daemon: one left running when the test process exits is terminated, not awaited
         self._process.start()
         self.pid = self._process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
 
     def poll(self) -> int | None:
         return self._process.exitcode
@@ -78,5 +82,5 @@ class ForkedProcess:
 
 def spawn_pdserve(argv: list[str], log: Path, stdout_to_log: bool = False) -> ForkedProcess:
     """`pdserve ARGV` (a service and its flags) in a forked process, its stderr (and with
-    `stdout_to_log` its stdout) in `log`."""
+    `stdout_to_log` its stdout) appended to `log`."""
     return ForkedProcess(argv, log, stdout_to_log)
