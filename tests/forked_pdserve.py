@@ -6,12 +6,14 @@ tests that start workers or routers by hand.
 Each is a real process of its own running `pdserve ROLE ARGS...` (the same
 `pdserve.cli.main` as `python -m pdserve`), its stderr in a log, signalled and reaped
 like a `subprocess.Popen`; only the ~2.5 CPU-s of importing torch and pdserve again
-in every process is spared (the forkserver pays it once). The forkserver starts with
-this process's environment, and each child drops the `PDSERVE_*` variables as
-`child_env()` does, so flags come from the command line alone.
+in every process is spared (the forkserver pays it once). Each child takes this
+process's environment as it is at the spawn, less the `PDSERVE_*` variables (as
+`child_env()`), so flags come from the command line alone; what is read at import
+(torch's OMP_NUM_THREADS, set by tests/conftest.py) is the forkserver's.
 
     proc = spawn_pdserve(["mixed", "--router", registry, ...], log_path)
-    proc.pid;  proc.returncode;  proc.poll();  proc.wait(timeout);  proc.send_signal(sig);  proc.terminate();  proc.kill()
+    proc.pid;  proc.returncode;  proc.poll();  proc.wait(timeout)
+    proc.send_signal(sig);  proc.terminate();  proc.kill()
 """
 
 from __future__ import annotations
@@ -32,10 +34,11 @@ def _context() -> multiprocessing.context.ForkServerContext:
     return ctx
 
 
-def _run(argv: list[str], log: str, stdout_to_log: bool) -> None:
-    """The child: stdin /dev/null, stderr appended to the log (stdout too, or /dev/null), then `pdserve ARGV`."""
-    for name in [k for k in os.environ if k.startswith("PDSERVE_")]:
-        del os.environ[name]
+def _run(argv: list[str], log: str, stdout_to_log: bool, env: dict[str, str]) -> None:
+    """The child: `env`, stdin /dev/null, stderr appended to the log (stdout too, or
+    /dev/null), then `pdserve ARGV`."""
+    os.environ.clear()
+    os.environ.update(env)
     null = os.open(os.devnull, os.O_RDWR)
     err = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     for fd, target in ((null, 0), (err if stdout_to_log else null, 1), (err, 2)):
@@ -46,12 +49,16 @@ def _run(argv: list[str], log: str, stdout_to_log: bool) -> None:
     sys.exit(main(argv))
 
 
+def _env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
+
+
 class ForkedProcess:
     """The `subprocess.Popen` calls the tests make, over a forked `multiprocessing.Process`."""
 
     def __init__(self, argv: list[str], log: Path, stdout_to_log: bool = False) -> None:
         self.args = argv
-        self._process = _context().Process(target=_run, args=(argv, str(log), stdout_to_log), daemon=True)
+        self._process = _context().Process(target=_run, args=(argv, str(log), stdout_to_log, _env()), daemon=True)
         # daemon: one left running when the test process exits is terminated, not awaited
         self._process.start()
         self.pid = self._process.pid

@@ -341,8 +341,8 @@ class Bare:
 
     def join(self) -> None:
         """A mixed worker (a process of its own) joins and serves."""
-        self.worker = spawn_pdserve(["mixed", "--router", self.internal, "--worker-id", "lonely", "--num-blocks", "128"],
-                                    self.tmp / "worker.log")
+        self.worker = spawn_pdserve(
+            ["mixed", "--router", self.internal, "--worker-id", "lonely", "--num-blocks", "128"], self.tmp / "worker.log")
         wait_for(lambda: self.http.get("/health").status_code == 200, 120, "the worker to make /health 200")
         (info,) = list_workers(self.internal)
         self.worker_address = info.address
