@@ -22,6 +22,7 @@ import pytest
 
 from cluster_helpers import REPO, Stream, UpProcess, child_env, pid_alive, wait_for
 from engine_helpers import one_thread  # noqa: F401 (an autouse fixture: one torch thread)
+from forked_pdserve import spawn_pdserve
 from pdserve.engine import LLM, SamplingParams
 from pdserve.services.router.client import Client, collect
 
@@ -326,11 +327,10 @@ def test_killed_worker_s_stream_migrates_and_the_queued_are_retried(pair, llm):
 
 
 def test_a_worker_joins_while_serving(pair, tmp_path):
-    log = open(tmp_path / "late.log", "wb")
-    late = subprocess.Popen(
-        [sys.executable, "-m", "pdserve", "decode", "--router", pair.internal, "--worker-id", "late-0",
-         "--num-blocks", "256", "--max-num-seqs", "1", "--cluster-token-file", str(pair.secrets / "cluster-token")],
-        cwd=REPO, env=child_env(), stdout=log, stderr=log,
+    late = spawn_pdserve(
+        ["decode", "--router", pair.internal, "--worker-id", "late-0", "--num-blocks", "256", "--max-num-seqs", "1",
+         "--cluster-token-file", str(pair.secrets / "cluster-token")],
+        tmp_path / "late.log", stdout_to_log=True,
     )
     try:
         wait_for(lambda: "late-0" in {w.worker_id for w in pair.list_workers()}, 120, "late-0 to register")
@@ -343,7 +343,6 @@ def test_a_worker_joins_while_serving(pair, tmp_path):
     finally:
         late.send_signal(signal.SIGTERM)
         late.wait(30)
-        log.close()
     wait_for(lambda: "late-0" not in {w.worker_id for w in pair.list_workers()}, 10, "late-0 to be dropped")
 
 

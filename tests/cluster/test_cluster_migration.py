@@ -1,6 +1,7 @@
 """Stream migration (issue 21), with real worker processes SIGKILLed mid-stream.
 
-A router (in this process, to read its metrics) and two mixed workers (processes):
+A router (in this process, to read its metrics) and two mixed workers (processes,
+forked from one that imported pdserve once: tests/forked_pdserve.py):
   - greedy: the worker serving a stream is killed after some tokens reached the
     client; the stream continues on the other worker, and the client's tokens are
     the uninterrupted run's, token for token, none twice, none missing;
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -33,8 +33,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from cluster_helpers import REPO, all_blocks_free, child_env, stats, wait_for
+from cluster_helpers import all_blocks_free, stats, wait_for
 from engine_helpers import one_thread  # noqa: F401 (an autouse fixture: one torch thread)
+from forked_pdserve import ForkedProcess, spawn_pdserve
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.text import SequenceText
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
@@ -60,7 +61,7 @@ class Cluster:
     def __init__(self, router: Router, tmp: Path) -> None:
         self.router = router
         self.tmp = tmp
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.procs: dict[str, ForkedProcess] = {}
         self.spawned = 0
 
     def alive(self) -> list[str]:
@@ -79,11 +80,9 @@ class Cluster:
         while len(self.alive()) < n:
             self.spawned += 1
             name = f"mig-{self.spawned}"
-            self.procs[name] = subprocess.Popen(
-                [sys.executable, "-m", "pdserve", "mixed", "--router", self.router.internal_address, "--worker-id",
-                 name, "--num-blocks", "256"],
-                cwd=REPO, env=child_env(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                stderr=open(self.tmp / f"{name}.log", "wb"))
+            self.procs[name] = spawn_pdserve(
+                ["mixed", "--router", self.router.internal_address, "--worker-id", name, "--num-blocks", "256"],
+                self.tmp / f"{name}.log")
         wait_for(lambda: sorted(h.worker_id for h in self.router.registry.live()) == sorted(self.alive()), 120,
                  f"{n} workers to serve (and no other to be registered)")
 

@@ -21,15 +21,14 @@ for workers that met without this router's check) are in tests/services/worker/t
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from cluster_helpers import REPO, UpProcess, all_blocks_free, child_env, wait_for
+from cluster_helpers import UpProcess, all_blocks_free, wait_for
 from engine_helpers import one_thread  # noqa: F401 (an autouse fixture: one torch thread)
+from forked_pdserve import ForkedProcess, spawn_pdserve
 from pdserve.engine import LLM, SamplingParams
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.services.router.client import Client, collect
@@ -70,18 +69,16 @@ def clusters(tmp_path_factory):
             up.stop()
 
 
-def start_prefill(up: UpProcess, log_dir: Path, worker_id: str, *flags: str) -> tuple[subprocess.Popen, Path]:
-    """A prefill worker started by hand with `flags`, registering with `up` (with the
-    launch's credentials); its log's path."""
+def start_prefill(up: UpProcess, log_dir: Path, worker_id: str, *flags: str) -> tuple[ForkedProcess, Path]:
+    """A prefill worker started by hand with `flags` (a process forked: tests/forked_pdserve.py),
+    registering with `up` (with the launch's credentials); its log's path."""
     kv = up.secrets / "kv"
     log = log_dir / f"{worker_id}.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "pdserve", "prefill", "--port", "0", "--router", up.internal, "--worker-id",
-             worker_id, "--num-blocks", "64", "--kv-connector", "zmq", *flags,
-             "--cluster-token-file", str(up.secrets / "cluster-token"), "--kv-curve-cert",
-             str(kv / "prefill.key_secret"), "--kv-curve-authorized", str(kv / "senders")],
-            cwd=REPO, env=child_env(), stdin=subprocess.DEVNULL, stdout=out, stderr=out)
+    proc = spawn_pdserve(
+        ["prefill", "--port", "0", "--router", up.internal, "--worker-id", worker_id, "--num-blocks", "64",
+         "--kv-connector", "zmq", *flags, "--cluster-token-file", str(up.secrets / "cluster-token"),
+         "--kv-curve-cert", str(kv / "prefill.key_secret"), "--kv-curve-authorized", str(kv / "senders")],
+        log, stdout_to_log=True)
     return proc, log
 
 

@@ -23,8 +23,6 @@ Real processes killed or frozen:
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -32,8 +30,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from cluster_helpers import REPO, all_blocks_free, child_env, list_workers, stats, wait_for
+from cluster_helpers import all_blocks_free, list_workers, stats, wait_for
 from engine_helpers import one_thread  # noqa: F401 (an autouse fixture: one torch thread)
+from forked_pdserve import ForkedProcess, spawn_pdserve
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.config import CacheConfig
 from pdserve.engine.engine import EngineConfig, LLMEngine
@@ -168,9 +167,9 @@ def test_without_a_decode_worker_a_request_waits_for_one_to_join(llm):
 # -- SIGTERM --------------------------------------------------------------------------
 
 
-def spawn(args: list[str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "pdserve", *args], cwd=REPO, env=child_env(),
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=open(log, "wb"))
+def spawn(args: list[str], log: Path) -> ForkedProcess:
+    """`pdserve ARGS` as a process of its own (forked: tests/forked_pdserve.py)."""
+    return spawn_pdserve(args, log)
 
 
 def test_sigterm_on_a_worker_finishes_its_stream_and_leaves_the_pools(tmp_path, llm):

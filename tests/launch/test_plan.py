@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from cluster_helpers import REPO, child_env, wait_for
+from forked_pdserve import ForkedProcess, spawn_pdserve
 from hf_models import build_model
 from pdserve import cli
 from pdserve.engine.memory import plan_memory
@@ -58,16 +59,15 @@ def plan_here(capsys, model_dir: Path, *flags: str) -> tuple[int, str, str]:
     return code, out, err
 
 
-def start_worker(model_dir: Path, flags: list[str], log: Path) -> subprocess.Popen:
-    """`pdserve mixed` standalone: no router, so it only loads, logs and serves."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "pdserve", "mixed", "--model", str(model_dir), "--port", "0", "--no-metrics",
-         "--kv-cache-memory", str(KV_BYTES), "--max-model-len", str(MAX_MODEL_LEN), *flags],
-        cwd=REPO, env=child_env(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=open(log, "wb"),
-    )
+def start_worker(model_dir: Path, flags: list[str], log: Path) -> ForkedProcess:
+    """`pdserve mixed` standalone: no router, so it only loads, logs and serves (a process
+    of its own, forked: tests/forked_pdserve.py)."""
+    return spawn_pdserve(
+        ["mixed", "--model", str(model_dir), "--port", "0", "--no-metrics", "--kv-cache-memory", str(KV_BYTES),
+         "--max-model-len", str(MAX_MODEL_LEN), *flags], log)
 
 
-def reported(proc: subprocess.Popen, log: Path) -> dict[str, int | str]:
+def reported(proc: ForkedProcess, log: Path) -> dict[str, int | str]:
     def line():
         assert proc.poll() is None, f"the worker exited: {log.read_text()[-3000:]}"
         return MEMORY_LINE.search(log.read_text())

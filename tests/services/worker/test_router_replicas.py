@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from cluster_helpers import REPO, child_env, list_workers, wait_for
+from cluster_helpers import list_workers, wait_for
+from forked_pdserve import spawn_pdserve
 from pdserve.engine.llm import DEFAULT_MODEL
 from pdserve.services.router.client import Client, collect
 from pdserve.services.worker.config import WorkerConfig
@@ -93,12 +93,11 @@ def pb_info():
 
 
 class Proc:
-    """`python -m pdserve ARGS`, its stderr in a log file."""
+    """`pdserve ARGS` as a process of its own (forked: tests/forked_pdserve.py), its stderr in a log file."""
 
     def __init__(self, args: list[str], log: Path) -> None:
         self.log = log
-        self.proc = subprocess.Popen([sys.executable, "-m", "pdserve", *args], cwd=REPO, env=child_env(),
-                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=open(log, "ab"))
+        self.proc = spawn_pdserve(args, log)
 
     def kill(self) -> None:
         if self.proc.poll() is None:

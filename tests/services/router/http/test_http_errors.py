@@ -28,8 +28,6 @@ from __future__ import annotations
 import os
 import signal
 import ssl
-import subprocess
-import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +37,8 @@ import openai
 import pytest
 
 from certs import CA
-from cluster_helpers import REPO, all_blocks_free, child_env, list_workers, metric, wait_for
+from cluster_helpers import all_blocks_free, list_workers, metric, wait_for
+from forked_pdserve import ForkedProcess, spawn_pdserve
 from http_checks import HttpUp, error_of, error_shape, events, stream_text
 
 pytestmark = pytest.mark.cluster(seconds=35)
@@ -315,12 +314,10 @@ def test_http_requests_are_counted_by_route_and_status(guarded):
 def bare(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bare")
     address_file = tmp / "router.address"
-    log = open(tmp / "router.log", "wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pdserve", "router", "--port", "0", "--http-port", "0", "--admission-timeout", "0",
-         "--request-timeout", str(REQUEST_TIMEOUT), "--address-file", str(address_file), "--heartbeat-interval",
-         "0.5", "--worker-timeout", "5", "--log-level", "WARNING"],
-        cwd=REPO, env=child_env(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log)
+    proc = spawn_pdserve(
+        ["router", "--port", "0", "--http-port", "0", "--admission-timeout", "0", "--request-timeout",
+         str(REQUEST_TIMEOUT), "--address-file", str(address_file), "--heartbeat-interval", "0.5", "--worker-timeout",
+         "5", "--log-level", "WARNING"], tmp / "router.log")
     try:
         wait_for(lambda: address_file.is_file() and len(address_file.read_text().split()) == 3, 120,
                  "the router to serve")
@@ -331,7 +328,6 @@ def bare(tmp_path_factory):
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
-        log.close()
 
 
 @dataclass
@@ -340,16 +336,13 @@ class Bare:
     http: httpx.Client
     internal: str  # the Registry's address
     tmp: Path
-    worker: subprocess.Popen | None = None
+    worker: ForkedProcess | None = None
     worker_address: str = ""
 
     def join(self) -> None:
         """A mixed worker (a process of its own) joins and serves."""
-        self.log = open(self.tmp / "worker.log", "wb")
-        self.worker = subprocess.Popen(
-            [sys.executable, "-m", "pdserve", "mixed", "--router", self.internal, "--worker-id", "lonely",
-             "--num-blocks", "128"], cwd=REPO, env=child_env(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=self.log)
+        self.worker = spawn_pdserve(
+            ["mixed", "--router", self.internal, "--worker-id", "lonely", "--num-blocks", "128"], self.tmp / "worker.log")
         wait_for(lambda: self.http.get("/health").status_code == 200, 120, "the worker to make /health 200")
         (info,) = list_workers(self.internal)
         self.worker_address = info.address
@@ -381,7 +374,6 @@ def served(bare):
     if bare.worker.poll() is None:
         bare.worker.kill()
     bare.worker.wait(10)
-    bare.log.close()
 
 
 def test_without_a_worker_a_request_is_a_503_at_once_and_health_is_503(bare):
