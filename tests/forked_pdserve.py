@@ -7,8 +7,8 @@ Each is a real process of its own running `pdserve ROLE ARGS...` (the same
 `pdserve.cli.main` as `python -m pdserve`), its stderr in a log, signalled and reaped
 like a `subprocess.Popen`; only the ~2.5 CPU-s of importing torch and pdserve again
 in every process is spared (the forkserver pays it once). Each child takes this
-process's environment as it is at the spawn, less the `PDSERVE_*` variables (as
-`child_env()`), so flags come from the command line alone; what is read at import
+process's environment as it is at the spawn, less the `PDSERVE_*` variables but the
+suite's settings (as `child_env()`), so flags come from the command line alone; what is read at import
 (torch's OMP_NUM_THREADS, set by tests/conftest.py) is the forkserver's.
 
     proc = spawn_pdserve(["mixed", "--router", registry, ...], log_path)
@@ -24,6 +24,8 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+
+from cluster_helpers import SUITE_SETTINGS
 
 PRELOAD = ["torch", "pdserve.cli", "pdserve.services.node", "pdserve.services.router.main"]
 
@@ -50,7 +52,7 @@ def _run(argv: list[str], log: str, stdout_to_log: bool, env: dict[str, str]) ->
 
 
 def _env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
+    return {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_") or k in SUITE_SETTINGS}
 
 
 class ForkedProcess:
