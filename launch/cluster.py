@@ -261,6 +261,7 @@ class Cluster(ABC):
         self.processes: dict[str, subprocess.Popen] = {}  # the routers (and a LocalCluster's workers)
         self.router_cpus: tuple[int, ...] = ()  # the cores the routers are pinned to (none: unpinned)
         self._cpus: dict[str, tuple[int, ...]] = {}  # a child's cores, for its restarts
+        self._extra_env: dict[str, dict[str, str]] = {}  # what a child's environment adds, for its restarts
         self.routers: list[RouterEndpoint] = []  # as they bound their ports
         self.address = ""  # the first router's public address, as it bound it (what `ready` prints)
         self.internal_address = ""  # its Registry, as it bound it
@@ -516,7 +517,8 @@ class Cluster(ABC):
             routers.append(RouterEndpoint(name, public, internal, http[0] if http else "", for_workers))
         return routers
 
-    def _spawn(self, name: str, args: list[str], cpus: tuple[int, ...] = ()) -> None:
+    def _spawn(self, name: str, args: list[str], cpus: tuple[int, ...] = (), extra_env: dict[str, str] | None = None,
+               ) -> None:
         """`python -m pdserve ARGS` as a child that exits when this process is gone; on
         `cpus` when given (kept for its restarts), pinned before it runs a line of Python
         so that every thread it starts inherits them."""
@@ -524,6 +526,8 @@ class Cluster(ABC):
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
         env[LAUNCHER_PID_ENV] = str(os.getpid())
+        # what the launch adds (kept for restarts); never what the operator set
+        env.update({k: v for k, v in self._extra_env.setdefault(name, extra_env or {}).items() if k not in env})
         out: IO | int = 2  # the launcher's stderr: stdout stays for the launcher's own result
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)

@@ -59,6 +59,7 @@ class LocalCluster(Cluster):
     def __init__(self, spec: ClusterSpec, log_dir: str | Path | None = None, python: str = sys.executable) -> None:
         spec, placement, self.placement_line = place_local(spec, this_process())
         super().__init__(spec, log_dir, python)
+        self.worker_env = placement.worker_env if placement is not None else {}
         if placement is not None:
             self.router_cpus = placement.routers
 
@@ -67,7 +68,7 @@ class LocalCluster(Cluster):
         return super().start(stop)
 
     def _start_worker(self, worker_id: str, config: WorkerConfig) -> None:
-        self._spawn(worker_id, worker_argv(config))
+        self._spawn(worker_id, worker_argv(config), extra_env=self.worker_env)
 
     def _stop_worker(self, worker_id: str, grace: float) -> None:
         proc = self.processes.pop(worker_id, None)  # stopped on purpose: no "exited" report, no restart

@@ -34,6 +34,15 @@ class Placement:
     workers: tuple[tuple[int, ...], ...]  # each worker's cores, in start order (prefill, mixed, decode)
     routers: tuple[int, ...]  # the routers' cores; () when none is to spare (they float)
 
+    @property
+    def worker_env(self) -> dict[str, str]:
+        """What the workers' environment adds: with the routers on their cores, OpenMP
+        threads that wait passively. An idle OpenMP thread spins for a while after each
+        parallel region by default, taking the cycles a router streaming tokens needs
+        (measured on 2 cores, one mixed worker at 64 requests in flight: 0.90x the
+        one-thread throughput spinning, 1.10x passive; docs/benchmarks.md, issue 38)."""
+        return {} if self.routers else {"OMP_WAIT_POLICY": "PASSIVE"}
+
 
 def place(cores: Sequence[int], workers: int) -> Placement | None:
     """Disjoint shares of `cores` for `workers` workers and the rest for the routers;
@@ -65,7 +74,8 @@ def place_local(spec: ClusterSpec, cpus: Cpus) -> tuple[ClusterSpec, Placement |
     names = ([f"prefill-{i}" for i in range(launch.prefill)] + [f"mixed-{i}" for i in range(launch.mixed)]
              + [f"decode-{i}" for i in range(launch.decode)])
     shares = ", ".join(f"{name} {format_cpus(share)}" for name, share in zip(names, placement.workers))
-    routers = f"routers {format_cpus(placement.routers)}" if placement.routers else "routers unpinned (no core to spare)"
+    routers = (f"routers {format_cpus(placement.routers)}" if placement.routers
+               else "routers unpinned (no core to spare), so workers' OpenMP threads wait passively")
     worker_cpus = ";".join(format_cpus(share) for share in placement.workers)
     return (replace(spec, launch=replace(launch, worker_cpus=worker_cpus)), placement,
             f"{cpus.describe()}: {shares}, one torch thread per core; {routers}")

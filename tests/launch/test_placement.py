@@ -35,6 +35,11 @@ def test_shares_are_disjoint_and_the_rest_goes_to_the_routers(cores, workers, ex
     assert place(list(range(cores)), workers) == expected
 
 
+def test_workers_wait_passively_only_where_they_share_cores_with_the_routers():
+    assert place(list(range(2)), 1).worker_env == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert place(list(range(3)), 2).worker_env == {}
+
+
 def spec(**launch) -> ClusterSpec:
     return ClusterSpec(RouterConfig(), WorkerConfig(torch_threads=None), LaunchConfig(**launch))
 
@@ -89,6 +94,9 @@ def test_up_with_default_flags_pins_each_worker_and_matches_a_one_thread_engine(
             for worker_id, share in zip(("prefill-0", "decode-0"), expected.workers):
                 assert allowed(workers[worker_id]) == set(share), worker_id
                 assert f"torch threads: {len(share)} (one per usable CPU" in log
+                environ = dict(item.split(b"=", 1) for item in Path(f"/proc/{workers[worker_id]}/environ").read_bytes()
+                               .split(b"\0") if b"=" in item)
+                assert environ.get(b"OMP_WAIT_POLICY") == (None if expected.routers else b"PASSIVE"), worker_id
             routers = [pid for pid in up.children() if pid not in workers.values()]
             assert routers and all(allowed(pid) == set(expected.routers or cpus.ids) for pid in routers)
         prompt = "def fibonacci(n):"
