@@ -5,7 +5,7 @@ when a kernel is launched (`GridExecutor.__call__` -> `_patch_lang`, undone afte
 grid), and again on *every* call of a `@triton.jit` helper from inside that kernel
 (`InterpretedFunction.__call__` -> `_patch_lang`, whose scope it drops). The second
 patching walks every module of `triton.language` with `inspect.getmembers` and sets the
-same attributes to equivalent wrappers: a third of the CPU time of the kernel tests, for
+same attributes to equivalent wrappers: a fifth of the CPU time of the kernel tests, for
 helpers (`_dot`, `_load_rows`, `_fold_tile`, ...) called in every KV tile of every program.
 
 `skip_repatching()` skips that second patching for helpers that live in the launched
