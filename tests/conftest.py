@@ -16,13 +16,6 @@ if not os.environ.get("CUDA_VISIBLE_DEVICES") and not os.path.exists("/dev/nvidi
 # Read by torch when it is first imported, so set here, before any test module.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-# Inductor compiles (the captured decode step's buckets) in this process and in every
-# worker a test starts, not in a pool of compile processes beside it (by default one per
-# core, each importing torch: seconds of CPU per process that compiles, for kernels that
-# take a second each on a machine whose other core runs the other pytest-xdist worker).
-# Read when torch._inductor's config is first imported, so set here as well.
-os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
-
 # Under pytest-xdist (`make test`: `-n 2 --dist loadfile`), each test file is one unit of
 # work, so that a module's cluster starts once. Two markers order the units (pyproject.toml
 # registers them); the files say what they are, nothing here lists them:
