@@ -5,14 +5,16 @@ when a kernel is launched (`GridExecutor.__call__` -> `_patch_lang`, undone afte
 grid), and again on *every* call of a `@triton.jit` helper from inside that kernel
 (`InterpretedFunction.__call__` -> `_patch_lang`, whose scope it drops). The second
 patching walks every module of `triton.language` with `inspect.getmembers` and sets the
-same attributes to equivalent wrappers: a fifth of the CPU time of the kernel tests, for
-helpers (`_dot`, `_load_rows`, `_fold_tile`, ...) called in every KV tile of every program.
+same attributes to equivalent wrappers: a third of the CPU time of the kernel tests, for
+helpers (`tl.sum`, `tl.max`, `tl.zeros`: `@triton.jit` functions of triton.language) called
+in every KV tile of every program.
 
-`skip_repatching()` skips that second patching for helpers that live in the launched
-kernel's module (the same `triton.language` globals, already patched for this launch);
-a helper from any other module, and every launch, patch as before. The kernels compute
-exactly what they computed: only the redundant work is gone. Where this Triton has no
-such internals (a later version may change them), nothing is changed.
+`skip_repatching()` skips that second patching inside a launch, for a helper whose
+module sees no `triton.language` module that the launch did not patch already (the
+patching is of those module objects, shared by every kernel); every launch, and any
+other call, patches as before. The kernels compute exactly what they computed: only the
+redundant work is gone. Where this Triton has no such internals (a later version may
+change them), nothing is changed.
 """
 
 from __future__ import annotations
@@ -32,22 +34,29 @@ def skip_repatching() -> None:
     patch_lang = getattr(interpreter, "_patch_lang", None)
     if executor is None or patch_lang is None or getattr(patch_lang, "skips_repatching", False):
         return
-    launch: dict[str, Any] = {"module": None, "patched": None}  # this launch's kernel globals
+    import triton.language as tl
+
+    def languages(fn) -> frozenset[int]:
+        """The `triton.language` modules `_patch_lang` patches for `fn` (by identity)."""
+        return frozenset(id(v) for v in fn.__globals__.values() if v is tl or v is tl.core)
+
+    launch: dict[str, Any] = {"running": False, "patched": None}  # modules patched in this launch
     launch_grid = executor.__call__
 
     def call(self, *args, **kwargs):
-        launch["module"], launch["patched"] = self.fn.__globals__, None
+        launch["running"], launch["patched"] = True, None
         try:
             return launch_grid(self, *args, **kwargs)
         finally:
-            launch["module"] = launch["patched"] = None
+            launch["running"], launch["patched"] = False, None
 
     def patch_once(fn):
-        if launch["patched"] is not None and fn.__globals__ is launch["patched"]:
-            return None  # a helper's call: its module's language is patched for this launch
+        langs = languages(fn)
+        if launch["patched"] is not None and langs <= launch["patched"]:
+            return None  # a helper's call: those modules are patched for this launch
         scope = patch_lang(fn)
-        if fn.__globals__ is launch["module"]:
-            launch["patched"] = fn.__globals__  # the launch's own patching, restored after it
+        if launch["running"]:  # the launch's own patching, or a helper's first of `core`
+            launch["patched"] = (launch["patched"] or frozenset()) | langs
         return scope
 
     patch_once.skips_repatching = True  # type: ignore[attr-defined]
