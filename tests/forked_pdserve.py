@@ -60,6 +60,7 @@ class ForkedProcess:
 
     def __init__(self, argv: list[str], log: Path, stdout_to_log: bool = False) -> None:
         self.args = argv
+        log.touch()  # there from the start, as a Popen's log opened by the caller is
         self._process = _context().Process(target=_run, args=(argv, str(log), stdout_to_log, _env()), daemon=True)
         # daemon: one left running when the test process exits is terminated, not awaited
         self._process.start()

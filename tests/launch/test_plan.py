@@ -8,13 +8,11 @@ from __future__ import annotations
 import json
 import re
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from cluster_helpers import REPO, child_env, wait_for
+from cluster_helpers import wait_for
 from forked_pdserve import ForkedProcess, spawn_pdserve
 from hf_models import build_model
 from pdserve import cli
@@ -39,24 +37,20 @@ def model_dir(tmp_path_factory) -> Path:
     return path
 
 
-def pdserve(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pdserve", *argv], cwd=REPO, env=child_env(), capture_output=True,
-                          text=True, timeout=timeout)
-
-
-def plan_rows(model_dir: Path, *flags: str) -> list[dict]:
-    """`pdserve plan --json` as a process of its own, as a user runs it."""
-    run = pdserve("plan", "--model", str(model_dir), "--json", *flags)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout)
-
-
 def plan_here(capsys, model_dir: Path, *flags: str) -> tuple[int, str, str]:
     """`pdserve plan` in this process: (exit status, stdout, stderr)."""
     capsys.readouterr()
     code = cli.main(["plan", "--model", str(model_dir), *flags])
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def plan_rows(capsys, model_dir: Path, *flags: str) -> list[dict]:
+    """`pdserve plan --json` through the command line's own entry point (cli.main), in
+    this process: the workers it is compared with are the processes of their own."""
+    code, out, err = plan_here(capsys, model_dir, "--json", *flags)
+    assert code == 0, err[-3000:]
+    return json.loads(out)
 
 
 def start_worker(model_dir: Path, flags: list[str], log: Path) -> ForkedProcess:
@@ -76,7 +70,7 @@ def reported(proc: ForkedProcess, log: Path) -> dict[str, int | str]:
     return {k: v if k in ("weight_scheme", "kv_cache_dtype") else int(v) for k, v in found.items()}
 
 
-def test_plan_agrees_with_the_workers_own_report(model_dir, tmp_path):
+def test_plan_agrees_with_the_workers_own_report(model_dir, tmp_path, capsys):
     """Each storage choice: the plan's row for those flags has the weight bytes, scheme,
     activation peak, KV dtype and bytes per token, blocks and max concurrency that a
     worker started with the same flags logs."""
@@ -85,7 +79,7 @@ def test_plan_agrees_with_the_workers_own_report(model_dir, tmp_path):
     try:
         for i, (name, flags) in enumerate(STORAGE.items()):
             worker = reported(workers[name], tmp_path / f"{i}.log")
-            rows = plan_rows(model_dir, "--kv-cache-memory", str(KV_BYTES), "--max-model-len", str(MAX_MODEL_LEN),
+            rows = plan_rows(capsys, model_dir, "--kv-cache-memory", str(KV_BYTES), "--max-model-len", str(MAX_MODEL_LEN),
                              "--concurrency", "100", *flags)
             given = rows[0]
             assert given["given"] and not any(r["given"] for r in rows[1:])

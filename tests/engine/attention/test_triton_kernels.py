@@ -38,6 +38,10 @@ if not _HAS_CUDA:
             allow_module_level=True,
         )
 
+    from triton_interpreter import skip_repatching  # noqa: E402
+
+    skip_repatching()
+
 DEVICE = torch.device("cuda" if _HAS_CUDA else "cpu")
 
 # Tolerances, against a float64 reference computed from the *same* (already

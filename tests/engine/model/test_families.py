@@ -21,6 +21,7 @@ from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.config import CacheConfig, SchedulerConfig
 from pdserve.engine.engine import EngineConfig, LLMEngine
 from hf_models import build_model, hf_greedy
+from triton_interpreter import skip_repatching
 
 MAX_NEW = 16
 ORIGINAL = 64  # original_max_position_embeddings of the yarn and longrope configs
@@ -265,6 +266,7 @@ def test_gemma_on_triton_kernels_matches_transformers(reference_by_name, name):
     """Soft-capped attention (Gemma 2), per-head q/k norms and two RoPE bases (Gemma 3)
     and alternating windows through the Triton kernels (the interpreter on a CPU)."""
     path, ps, greedy, logprobs = reference_by_name(name)[:4]
+    skip_repatching()  # on a CPU: the interpreter, without its redundant per-call work
     llm = LLM(model=path, attention_backend="triton", max_num_batched_tokens=64)
     params = [greedy_params(max_tokens=4) for _ in ps[:-1]] + [greedy_params(max_tokens=1, prompt_logprobs=1)]
     outs = llm.generate(ps, params)
