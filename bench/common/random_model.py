@@ -99,3 +99,15 @@ def temporary_dir(prefix: str) -> Iterator[Path]:
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def decode_shapes(spec: ModelSpec) -> list[tuple[str, int, int]]:
+    """(name, in, out) of each GEMM a decode step runs, fused as the loader fuses them."""
+    h = spec.hidden_size
+    return [
+        ("qkv_proj", h, spec.q_size + 2 * spec.kv_size),
+        ("o_proj", spec.q_size, h),
+        ("gate_up_proj", h, 2 * spec.intermediate_size),
+        ("down_proj", spec.intermediate_size, h),
+        ("lm_head", h, spec.vocab_size),
+    ]

@@ -24,22 +24,10 @@ import torch.nn.functional as F
 
 from pdserve.bench.common.entry import parse
 from pdserve.bench.common.machine import read_bandwidth
-from pdserve.bench.common.random_model import ModelSpec
+from pdserve.bench.common.random_model import ModelSpec, decode_shapes  # noqa: F401  (gemm.decode_shapes)
 from pdserve.bench.common.stats import median
 from pdserve.engine.prepacked import PrepackedLinear
 from pdserve.services.common.flags import flag
-
-
-def decode_shapes(spec: ModelSpec) -> list[tuple[str, int, int]]:
-    """(name, in, out) of each GEMM a decode step runs, fused as the loader fuses them."""
-    h = spec.hidden_size
-    return [
-        ("qkv_proj", h, spec.q_size + 2 * spec.kv_size),
-        ("o_proj", spec.q_size, h),
-        ("gate_up_proj", h, 2 * spec.intermediate_size),
-        ("down_proj", spec.intermediate_size, h),
-        ("lm_head", h, spec.vocab_size),
-    ]
 
 
 def _timed(fn: Callable[[], None]) -> float:

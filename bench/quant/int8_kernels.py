@@ -34,9 +34,8 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.bench.common.entry import parse
-from pdserve.bench.common.random_model import ModelSpec
+from pdserve.bench.common.random_model import ModelSpec, decode_shapes
 from pdserve.bench.common.stats import median
-from pdserve.bench.engine.gemm import decode_shapes
 from pdserve.engine.prepacked import PrepackedLinear
 from pdserve.engine.quant.config import online_scheme
 from pdserve.engine.quant.linear import QuantLinear
