@@ -57,6 +57,18 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 AUTO_DTYPE = "auto"
 
 
+def cpu_bf16_native() -> str | None:
+    """What makes this CPU compute in bfloat16 natively ("AMX", "AVX512-BF16"), or None:
+    elsewhere bfloat16 arithmetic is emulated, slower than float32."""
+    import torch
+
+    if torch.cpu._is_amx_tile_supported():
+        return "AMX"
+    if torch.cpu._is_avx512_bf16_supported():
+        return "AVX512-BF16"
+    return None
+
+
 def resolve_dtype(name: str | torch.dtype, device: str | torch.device,
                   checkpoint: str | None = None) -> tuple[torch.dtype, str]:
     """The weights' and activations' dtype for `name` on `device`, and why. "auto" keeps
@@ -74,11 +86,9 @@ def resolve_dtype(name: str | torch.dtype, device: str | torch.device,
     device = torch.device(device)
     saved = f"the checkpoint is {checkpoint}" if checkpoint else "the checkpoint names no dtype"
     if device.type == "cpu":
-        cpu = torch.cpu
-        if cpu._is_amx_tile_supported():
-            return torch.bfloat16, f"auto: {saved}, this CPU has AMX"
-        if cpu._is_avx512_bf16_supported():
-            return torch.bfloat16, f"auto: {saved}, this CPU has AVX512-BF16"
+        native = cpu_bf16_native()
+        if native is not None:
+            return torch.bfloat16, f"auto: {saved}, this CPU has {native}"
         return torch.float32, (f"auto: {saved}, this CPU ({torch.backends.cpu.get_cpu_capability()}) has neither "
                                "AMX nor AVX512-BF16")
     if device.type == "cuda":

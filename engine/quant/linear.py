@@ -4,12 +4,14 @@ A `QuantLinear` is built empty with its scheme's canonical buffers (formats.py),
 by the loader (from a checkpoint, or by quantizing a full-precision layer), then
 `prepare()`d once for its device:
 
-    CPU   int8  torch._weight_int8pack_mm (decode-sized batches) or a bf16 GEMM of the
-                int8 weight (larger ones), 16-bit activations: W8A16
+    CPU   int8  torch._weight_int8pack_mm (decode-sized batches, bf16 activations: W8A16)
+                or one GEMM of the int8 weight widened per call (larger ones): to bf16
+                where the CPU computes in it natively (AMX, AVX512-BF16), else to fp32
+                with the activations as they are
                 per group: the weight regrouped once to [K/G, N, G] (same bytes), then
                 torch._weight_int8pack_mm per group, its [M, N] sums scaled and added
-                in fp32 (decode-sized batches), or W dequantized to bf16 per call and
-                one GEMM (larger ones)
+                in fp32 (decode-sized batches), or W dequantized per call (bf16 or fp32,
+                as above) and one GEMM (larger ones)
           int4  torch._weight_int4pack_mm_for_cpu, its own packed layout, bf16 activations
           fp8   torch._scaled_mm on E4M3 activations (per token or static) and weights
           fp4   dequantized to the activations' dtype, then one GEMM (FP4 is storage here)
@@ -26,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.engine.config import cpu_bf16_native
 from pdserve.engine.quant import formats
 from pdserve.engine.quant.config import FP4_BLOCK, WeightScheme
 
@@ -149,6 +152,10 @@ class QuantLinear(nn.Module):
             if self.group_size is not None:
                 self._regroup_int8()
             self.register_buffer("_ones", torch.ones(self.out_features, dtype=CPU_ACT_DTYPE, device=device))
+            # beyond decode-sized batches the int8 weight is widened for one GEMM: to bfloat16
+            # where the CPU computes in it natively, else to float32 (emulated bfloat16 GEMMs
+            # ran 3-8x slower than float32 ones: docs/benchmarks.md, "Fast by default (issue 38)")
+            self._wide_dtype = CPU_ACT_DTYPE if cpu_bf16_native() is not None else torch.float32
         self._kernel = "cuda" if cuda else "cpu"
 
     def _regroup_int8(self) -> None:
@@ -178,13 +185,12 @@ class QuantLinear(nn.Module):
     def _cpu(self, x: torch.Tensor) -> torch.Tensor:
         m, out_dtype = self.method, x.dtype
         if m == "int8":
-            xa = x.to(CPU_ACT_DTYPE)
             if self.group_size is not None:
-                return self._int8_groups_cpu(xa).to(out_dtype)
+                return self._int8_groups_cpu(x).to(out_dtype)
             if x.shape[0] <= INT8PACK_MAX_ROWS:
-                y = torch._weight_int8pack_mm(xa, self.weight, self._ones)
+                y = torch._weight_int8pack_mm(x.to(CPU_ACT_DTYPE), self.weight, self._ones)
             else:
-                y = F.linear(xa, self.weight.to(CPU_ACT_DTYPE))
+                y = F.linear(x.to(self._wide_dtype), self.weight.to(self._wide_dtype))
             return (y.float() * self.weight_scale).to(out_dtype)
         if m == "int4":
             xa = x.to(CPU_ACT_DTYPE)
@@ -201,22 +207,24 @@ class QuantLinear(nn.Module):
         w = formats.dequantize_fp4(self.weight_packed, self.weight_scale, self.weight_global_scale)
         return F.linear(x, w.to(out_dtype))
 
-    def _int8_groups_cpu(self, xa: torch.Tensor) -> torch.Tensor:
-        """Grouped int8, bf16 x [M, K] -> fp32 y [M, N] = sum over groups i of
+    def _int8_groups_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        """Grouped int8, x [M, K] -> fp32 y [M, N] = sum over groups i of
         (x_i @ W_i^T) * s_i. Decode-sized batches: torch's int8 kernel per group (it reads
         int8 only), the partial sums stacked, scaled and summed in fp32 in one step;
-        larger ones: W dequantized to bf16 per call, then one GEMM. Measured on this
+        larger ones: W dequantized per call (bf16 or fp32: prepare()), then one GEMM. Measured on this
         2-core CPU, G=128, 1 row: N=4096, K=768 0.16 ms per group vs 0.9-4 ms dequantized
         (the bf16 copy leaves the cache); N=768, K=4096 0.24 ms (32 kernel calls of
         ~5 us; per channel 0.1 ms, fp32 F.linear 0.23 ms); 8 rows 0.6-0.7 ms vs 0.9-4;
         by 16-32 rows the dequantized GEMM wins on smaller layers (N=2304: 0.5 vs 0.6 ms)."""
         g, n = self.group_size, self.out_features
-        if xa.shape[0] <= INT8PACK_MAX_ROWS:
+        if x.shape[0] <= INT8PACK_MAX_ROWS:
+            xa = x.to(CPU_ACT_DTYPE)
             partial = torch.stack([torch._weight_int8pack_mm(x_i, w_i, self._ones)
                                    for x_i, w_i in zip(xa.split(g, dim=1), self._weight_groups)])  # [K/G, M, N]
             return (partial.float() * self._group_scales[:, None, :]).sum(0)
-        w = self._weight_groups.to(CPU_ACT_DTYPE) * self._group_scales.to(CPU_ACT_DTYPE)[..., None]
-        return F.linear(xa, w.transpose(0, 1).reshape(n, self.in_features))
+        wide = self._wide_dtype
+        w = self._weight_groups.to(wide) * self._group_scales.to(wide)[..., None]
+        return F.linear(x.to(wide), w.transpose(0, 1).reshape(n, self.in_features)).float()
 
     def _cuda(self, x: torch.Tensor) -> torch.Tensor:
         from pdserve.engine.quant import triton_gemm as tg
