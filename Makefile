@@ -36,7 +36,7 @@ endif
 
 # The suite on two pytest-xdist workers (one per core), each test file one unit of work
 # (its module's cluster started once), in the order tests/conftest.py derives from the
-# files' markers: 14.5 min from a fresh clone on a 2-core AVX2 machine, install included
+# files' markers: 13.7-14.7 min from a fresh clone on a 2-core AVX2 machine, install included
 # (docs/benchmarks.md, "make test wall time").
 # `make test TEST_WORKERS=1` runs it in one process. Bytecode is written (even where
 # PYTHONDONTWRITEBYTECODE is set): the suite's few hundred processes then compile each
