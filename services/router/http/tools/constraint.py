@@ -14,7 +14,6 @@ honours a response_format honours a forced tool call too.
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from typing import Any
 
@@ -22,7 +21,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.structured.params import StructuredOutputs
 from pdserve.services.router.http.errors import bad_request
 from pdserve.services.router.http.tools.parsers import (
-    CallArguments, CallStart, Event, Extractor, TextPart, json_object_end,
+    ARGUMENTS_KEYS, CallArguments, CallStart, Event, Extractor, TextPart, leading_call,
 )
 from pdserve.services.router.http.tools.request import Tool, ToolRequest
 
@@ -100,14 +99,10 @@ class RequiredCalls(Extractor):
                 return True
             self.state, self.buffer = "text", rest
             return True
-        if rest[0] != "{":
-            self.state, self.buffer = "text", rest
-            return True
-        end = json_object_end(rest)
+        call, end = leading_call(rest, ARGUMENTS_KEYS)
         if end is None:
             self.buffer = rest
             return False
-        call = _call(rest[:end])
         if call is None:
             self.state, self.buffer = "text", rest
             return True
@@ -119,22 +114,6 @@ class RequiredCalls(Extractor):
         events = [TextPart(self.buffer)] if self.buffer.strip() else []
         self.buffer, self.state = "", "open"
         return events
-
-
-def _call(text: str) -> list[Event] | None:
-    try:
-        obj = json.loads(text)
-    except (ValueError, RecursionError):
-        return None
-    if not _is_call(obj):
-        return None
-    arguments = obj.get("parameters", obj.get("arguments", {}))
-    return [CallStart(obj["name"]), CallArguments(json.dumps(arguments, ensure_ascii=False))]
-
-
-def _is_call(obj: Any) -> bool:
-    return (isinstance(obj, dict) and isinstance(obj.get("name"), str)
-            and isinstance(obj.get("parameters", obj.get("arguments", {})), dict))
 
 
 def with_tool_constraint(sampling: SamplingParams, tools: ToolRequest | None) -> SamplingParams:

@@ -10,10 +10,8 @@ call (a malformed object, or text where ';' or the end should be), from that poi
 
 from __future__ import annotations
 
-import json
-
 from pdserve.services.router.http.tools.parsers import (
-    Event, Extractor, TextPart, call_events, held_back, json_object_end,
+    ARGUMENTS_KEYS, Event, Extractor, TextPart, held_back, leading_call,
 )
 
 TAG = "<|python_tag|>"
@@ -61,14 +59,10 @@ class Llama3JsonParser(Extractor):
                 return True
             self.buffer, self.after_call = rest[1:], False
             return True
-        if rest[0] != "{":
-            self.state, self.buffer = "text", rest
-            return True
-        end = json_object_end(rest)
+        call, end = leading_call(rest, ARGUMENTS_KEYS)
         if end is None:
             self.buffer = rest
             return False
-        call = _call(rest[:end])
         if call is None:
             self.state, self.buffer = "text", rest
             return True
@@ -82,14 +76,6 @@ class Llama3JsonParser(Extractor):
             _text(events, self.buffer)
         self.buffer, self.state, self.after_call = "", "start", False
         return events
-
-
-def _call(text: str) -> list[Event] | None:
-    try:
-        obj = json.loads(text)
-    except (ValueError, RecursionError):
-        return None
-    return call_events(obj, ("parameters", "arguments"))
 
 
 def _text(events: list[Event], text: str) -> None:

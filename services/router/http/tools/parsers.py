@@ -75,6 +75,27 @@ def call_events(obj: Any, arguments_keys: tuple[str, ...]) -> list[Event] | None
     return [CallStart(obj["name"]), CallArguments(json.dumps(arguments, ensure_ascii=False))]
 
 
+# the keys a JSON call object names its arguments by: Llama 3's `parameters`, else `arguments`
+ARGUMENTS_KEYS = ("parameters", "arguments")
+
+
+def leading_call(text: str, arguments_keys: tuple[str, ...]) -> tuple[list[Event] | None, int | None]:
+    """The call object `text` (not empty, leading blanks stripped) starts with: (its
+    events, its end); (None, None) while that object is still open; (None, 0) when
+    `text` starts with no call (text, or a JSON object that is no call)."""
+    if text[0] != "{":
+        return None, 0
+    end = json_object_end(text)
+    if end is None:
+        return None, None
+    try:
+        obj = json.loads(text[:end])
+    except (ValueError, RecursionError):
+        return None, 0
+    call = call_events(obj, arguments_keys)
+    return (call, end) if call is not None else (None, 0)
+
+
 def held_back(text: str, marker: str) -> int:
     """How many characters at the end of `text` could begin `marker` (and so must wait
     for the next piece before they are known to be text)."""
