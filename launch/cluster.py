@@ -72,6 +72,7 @@ import grpc
 from pdserve.engine.offload.config import physical_memory
 from pdserve.engine.spec.config import EAGLE_METHODS
 from pdserve.launch.credentials import LaunchCredentials, generate
+from pdserve.launch.prefork import Prefork, PreforkedProcess
 from pdserve.launch.supervise import Backoff
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
@@ -91,6 +92,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 PER_WORKER = ("role", "port", "router", "worker_id", "advertise_host", "address_file", "metrics_port",
               "cpu_affinity", "credentials")
 LAUNCHERS = ("local", "ray")
+WORKER_STARTS = ("fork", "exec")
 START_ORDER = ("prefill", "mixed", "decode")
 POLL = 0.1
 POLL_TARGETS = 0.5
@@ -118,11 +120,15 @@ class LaunchConfig:
                                                     "workers' (a router's drain must outlast its longest stream, a "
                                                     "worker's need not: the router migrates what it leaves; "
                                                     "default: --drain-timeout)")
+    worker_start: str = flag("fork", "how local workers start: fork (from one helper process that imported torch and "
+                                     "pdserve once: a fraction of the CPU and time of a fresh interpreter; Linux) | "
+                                     "exec (each a fresh `python -m pdserve` interpreter)")
     worker_cpus: str = flag("", "pin workers to CPUs, one CPU list per worker in start order (prefill, mixed, "
                                 "decode), separated by ';', e.g. '0;1' (cycled if shorter; '': not pinned)")
 
     def __post_init__(self) -> None:
         check(self.launcher in LAUNCHERS, "launcher", f"must be one of {LAUNCHERS}", self.launcher)
+        check(self.worker_start in WORKER_STARTS, "worker_start", f"must be one of {WORKER_STARTS}", self.worker_start)
         for role in POOLS:
             check(getattr(self, role) >= 0, role, "must be >= 0", getattr(self, role))
         check(self.decode + self.mixed >= 1, "decode", "need at least one decode or mixed worker", self.decode)
@@ -258,10 +264,12 @@ class Cluster(ABC):
         self.spec = spec
         self.python = python
         self.log_dir = Path(log_dir) if log_dir else None
-        self.processes: dict[str, subprocess.Popen] = {}  # the routers (and a LocalCluster's workers)
+        self.processes: dict[str, subprocess.Popen | PreforkedProcess] = {}  # routers (and LocalCluster's workers)
         self.router_cpus: tuple[int, ...] = ()  # the cores the routers are pinned to (none: unpinned)
         self._cpus: dict[str, tuple[int, ...]] = {}  # a child's cores, for its restarts
         self._extra_env: dict[str, dict[str, str]] = {}  # what a child's environment adds, for its restarts
+        self._forked: set[str] = set()  # children forked from the preloaded helper (and their restarts)
+        self.prefork: Prefork | None = None  # the helper workers fork from (LocalCluster, --worker-start fork)
         self.routers: list[RouterEndpoint] = []  # as they bound their ports
         self.address = ""  # the first router's public address, as it bound it (what `ready` prints)
         self.internal_address = ""  # its Registry, as it bound it
@@ -339,6 +347,9 @@ class Cluster(ABC):
         """Stop every worker and then the router: SIGTERM, SIGKILL after `grace` s."""
         self._stop_all_workers(grace)
         stop_processes(dict(self.processes), grace)
+        if self.prefork is not None:
+            self.prefork.close()
+            self.prefork = None
         for f in self._logs:
             f.close()
         self._logs.clear()
@@ -518,28 +529,45 @@ class Cluster(ABC):
         return routers
 
     def _spawn(self, name: str, args: list[str], cpus: tuple[int, ...] = (), extra_env: dict[str, str] | None = None,
-               ) -> None:
+               forked: bool = False) -> None:
         """`python -m pdserve ARGS` as a child that exits when this process is gone; on
         `cpus` when given (kept for its restarts), pinned before it runs a line of Python
-        so that every thread it starts inherits them."""
+        so that every thread it starts inherits them. `forked` (kept for its restarts):
+        forked from the preloaded helper where there is one (launch/prefork.py), the
+        same command line, environment and cores."""
         command = [self.python, "-m", "pdserve", *args]
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
-        env[LAUNCHER_PID_ENV] = str(os.getpid())
-        # what the launch adds (kept for restarts); never what the operator set
-        env.update({k: v for k, v in self._extra_env.setdefault(name, extra_env or {}).items() if k not in env})
+        env = self.child_env(self._extra_env.setdefault(name, extra_env or {}))
         out: IO | int = 2  # the launcher's stderr: stdout stays for the launcher's own result
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             out = open(self.log_dir / f"{name}.log", "ab")
             self._logs.append(out)
-        log.info("starting %s: %s", name, " ".join(command))
         self._argv.setdefault(name, args)
         pinned = self._cpus.setdefault(name, cpus)
+        if forked:
+            self._forked.add(name)
+        if name in self._forked and self.prefork is not None:
+            try:
+                self.processes[name] = self.prefork.spawn(command, env, pinned, out if isinstance(out, int)
+                                                          else out.fileno())
+                log.info("started %s (forked): %s", name, " ".join(command))
+                return
+            except OSError as e:
+                log.warning("forking %s from the preloaded helper failed (%s): starting a fresh interpreter", name, e)
+        log.info("starting %s: %s", name, " ".join(command))
         # preexec_fn: only a system call between fork and exec
         pin = (lambda: os.sched_setaffinity(0, pinned)) if pinned else None
         self.processes[name] = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
                                                 preexec_fn=pin)
+
+    def child_env(self, extra: dict[str, str]) -> dict[str, str]:
+        """A child's environment: this process's, PYTHONPATH to this pdserve, the launcher's
+        pid, and what the launch adds (`extra`, never what the operator set)."""
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+        env[LAUNCHER_PID_ENV] = str(os.getpid())
+        env.update({k: v for k, v in extra.items() if k not in env})
+        return env
 
     def _check_startup(self, deadline: float, stop: threading.Event | None, waiting: set[str]) -> None:
         if stop is not None and stop.is_set():
@@ -629,7 +657,7 @@ def wait_http(base_url: str, timeout: float, stop: threading.Event | None = None
         time.sleep(POLL)
 
 
-def stop_processes(processes: dict[str, subprocess.Popen], grace: float) -> None:
+def stop_processes(processes: dict[str, subprocess.Popen | PreforkedProcess], grace: float) -> None:
     """SIGTERM every process, SIGKILL those still there after `grace` seconds."""
     for proc in processes.values():
         if proc.poll() is None:

@@ -38,6 +38,8 @@ from pdserve.launch.cluster import (  # noqa: F401  (the names callers import fr
     stop_processes,
 )
 from pdserve.launch.placement import place_local
+from pdserve.launch.prefork import Prefork
+from pdserve.launch.prefork import supported as prefork_supported
 from pdserve.services.common.cpus import this_process
 from pdserve.services.common.flags import to_argv
 from pdserve.services.worker.config import WorkerConfig
@@ -65,10 +67,13 @@ class LocalCluster(Cluster):
 
     def start(self, stop: threading.Event | None = None) -> str:
         log.info("placement: %s", self.placement_line)
+        if self.spec.launch.worker_start == "fork" and prefork_supported() and self.prefork is None:
+            # first: it imports torch while the routers start
+            self.prefork = Prefork(self.python, self.child_env(self.worker_env))
         return super().start(stop)
 
     def _start_worker(self, worker_id: str, config: WorkerConfig) -> None:
-        self._spawn(worker_id, worker_argv(config), extra_env=self.worker_env)
+        self._spawn(worker_id, worker_argv(config), extra_env=self.worker_env, forked=True)
 
     def _stop_worker(self, worker_id: str, grace: float) -> None:
         proc = self.processes.pop(worker_id, None)  # stopped on purpose: no "exited" report, no restart

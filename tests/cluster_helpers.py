@@ -196,6 +196,14 @@ def all_blocks_free(address: str, auth: ClusterAuth | None = None) -> bool:
     return s.num_free_blocks == s.num_blocks and busy == 0
 
 
+def is_prefork_helper(pid: int) -> bool:
+    """Whether `pid` is the helper `pdserve up` forks its workers from (launch/prefork.py)."""
+    try:
+        return b"pdserve.launch.prefork" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except FileNotFoundError:
+        return False
+
+
 def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

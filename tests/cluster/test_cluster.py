@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from cluster_helpers import REPO, Stream, UpProcess, child_env, pid_alive, wait_for
+from cluster_helpers import REPO, Stream, UpProcess, child_env, is_prefork_helper, pid_alive, wait_for
 from engine_helpers import one_thread  # noqa: F401 (an autouse fixture: one torch thread)
 from forked_pdserve import spawn_pdserve
 from pdserve.engine import LLM, SamplingParams
@@ -279,7 +279,9 @@ def test_single_worker_has_every_block_free_afterwards(single):
 def test_up_prints_one_line_and_leaves_no_process_behind(single):
     children = single.children()
     worker_pids = [w.pid for w in single.list_workers()]
-    assert len(children) == 2 and set(worker_pids) <= set(children)
+    # the router, the worker and the helper the worker was forked from (launch/prefork.py)
+    helpers = [pid for pid in children if is_prefork_helper(pid)]
+    assert len(children) == 3 and set(worker_pids) <= set(children) and len(helpers) == 1
     assert single.stop() == 0
     assert single.stdout_lines == [f"ready {single.address} internal {single.internal}"]
     assert not [pid for pid in children if pid_alive(pid)]
@@ -355,7 +357,7 @@ def test_surviving_workers_have_every_block_free(pair):
 
 def test_a_killed_launcher_leaves_no_process_behind(pair):
     children = pair.children()
-    assert len(children) == 2  # the router and decode-1 (decode-0 was killed)
+    assert len(children) == 3  # the router, decode-1 (decode-0 was killed) and the helper they fork from
     pair.proc.kill()
     pair.proc.wait(10)
     wait_for(lambda: not [pid for pid in children if pid_alive(pid)], 15, "the orphaned children to exit")
