@@ -4,8 +4,8 @@ the default on Linux).
 A fresh `python -m pdserve decode ...` spends ~2.5 CPU-s importing torch, gRPC and
 the engine before it reads a flag. `pdserve up` instead starts one helper process
 (`python -m pdserve.launch.prefork`) that imports them once; each local worker, and
-each restart of one, is forked from it and runs the same `pdserve.cli.main(argv)` as
-the exec'd command would, in well under a second of CPU.
+each restart of one, is forked from it and runs its `python -m pdserve ARGS` module
+as the interpreter would (runpy), in well under a second of CPU.
 
     launcher (`pdserve up`)            helper (imported torch once, never ran an op)
       spawn(argv, env, cpus, out) --->  fork -> fork -> worker: env, cores, stdout/err,
@@ -19,8 +19,9 @@ and the worker is re-parented to it, so it is waited for, signalled and watched
 ($PDSERVE_LAUNCHER_PID) like any child), its environment is the one given, its cores
 are set before it runs a line of pdserve, and its /proc/PID/cmdline reads
 `python -m pdserve ROLE FLAGS...` (written over the helper's argv, which it started
-with ROOM bytes of blank room). What it cannot see again is what its libraries read
-at import: the helper starts with the environment the workers get.
+with ROOM bytes of blank room). What differs is what was fixed before the fork: what
+its libraries read from the environment at import, and /proc/PID/environ (both the
+helper's, which starts with the environment the workers get).
 
 The helper is single-threaded when it forks (it imports, it never computes), answers
 one request at a time over a socketpair (JSON and the output descriptor; no pickle),
@@ -44,7 +45,7 @@ from typing import Sequence
 
 log = logging.getLogger(__name__)
 
-PRELOAD = ("torch", "pdserve.cli", "pdserve.services.node")
+PRELOAD = ("torch", "pdserve.cli", "pdserve.services.node")  # what a worker imports before it serves
 ROOM = 32768  # bytes of /proc/PID/cmdline a forked worker can fill
 REPLY_TIMEOUT = 120.0  # the first reply waits for the helper's imports (seconds on a busy machine)
 REPARENT_TIMEOUT = 10.0
@@ -109,8 +110,13 @@ class PreforkedProcess:
 class Prefork:
     """The launcher's end: starts the helper, forks workers from it."""
 
+    # Being a subreaper is a property of the whole process, which may run several
+    # clusters (a benchmark starts two at once): one spawn at a time sets and clears it.
+    _subreaper = threading.Lock()
+
     def __init__(self, python: str, env: dict[str, str]) -> None:
-        self._lock = threading.Lock()  # one spawn at a time: the subreaper window, the socket
+        self._lock = threading.Lock()  # this helper's socket: one request at a time
+        self._ready = False  # the helper said it has imported everything
         self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self._helper = subprocess.Popen(
@@ -131,19 +137,25 @@ class Prefork:
             raise OSError(f"a command line of {len(title)} bytes does not fit the helper's {ROOM}")
         request = json.dumps({"argv": list(command), "env": env, "cpus": list(cpus)}).encode()
         with self._lock:
-            if not _prctl(PR_SET_CHILD_SUBREAPER, 1):
-                self.broken = "this system refuses PR_SET_CHILD_SUBREAPER"
-                raise OSError(self.broken)
             try:
                 self._sock.settimeout(REPLY_TIMEOUT)
-                socket.send_fds(self._sock, [request], [out])
-                reply = json.loads(self._sock.recv(MAX_MESSAGE) or b"{}")
+                if not self._ready:  # its imports, outside the process-wide lock
+                    self._ready = json.loads(self._sock.recv(MAX_MESSAGE) or b"{}").get("ready", False)
+                    if not self._ready:
+                        raise OSError("it ended before it was ready")
+                with Prefork._subreaper:
+                    if not _prctl(PR_SET_CHILD_SUBREAPER, 1):
+                        self.broken = "this system refuses PR_SET_CHILD_SUBREAPER"
+                        raise OSError(self.broken)
+                    try:
+                        socket.send_fds(self._sock, [request], [out])
+                        reply = json.loads(self._sock.recv(MAX_MESSAGE) or b"{}")
+                    finally:
+                        _prctl(PR_SET_CHILD_SUBREAPER, 0)  # later orphans (a worker's own children) go to init
             except (OSError, ValueError) as e:
-                self.broken = f"the helper did not answer: {e}"
+                self.broken = self.broken or f"the helper did not answer: {e}"
                 self.close()
                 raise OSError(self.broken) from e
-            finally:
-                _prctl(PR_SET_CHILD_SUBREAPER, 0)  # later orphans (a worker's own children) go to init
         if "pid" not in reply:
             self.broken = f"the helper failed: {reply.get('error', 'no reply')}"
             self.close()
@@ -198,16 +210,19 @@ def _become(request: dict, out: int, launcher: int, helper_fd: int) -> None:
         if request["cpus"]:
             os.sched_setaffinity(0, request["cpus"])
         argv = request["argv"]
+        if argv[1:2] != ["-m"] or len(argv) < 3:
+            raise ValueError(f"not a `python -m MODULE ...` command: {argv[:3]}")
         set_cmdline(argv)
-        sys.argv = [os.path.join(os.path.dirname(os.path.dirname(__file__)), "__main__.py"), *argv[3:]]
         give_up = time.monotonic() + REPARENT_TIMEOUT
         while os.getppid() != launcher:  # the intermediate is exiting: then we are the launcher's
             if time.monotonic() > give_up:
                 raise OSError(f"not re-parented to the launcher (pid {launcher}) in {REPARENT_TIMEOUT:.0f}s")
             time.sleep(0.001)
-        from pdserve.cli import main
+        import runpy
 
-        code = main(argv[3:])
+        sys.argv = [argv[2], *argv[3:]]  # run_module puts the module's path first, as -m does
+        runpy.run_module(argv[2], run_name="__main__", alter_sys=True)  # what `python -m` runs
+        code = 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
     except BaseException:
@@ -252,6 +267,7 @@ def serve(fd: int) -> None:
 
     for module in PRELOAD:
         importlib.import_module(module)
+    sock.send(json.dumps({"ready": True}).encode())
     while True:
         try:
             message, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 1)
