@@ -1,5 +1,6 @@
-"""Which int8 GEMM is fast on this CPU? The kernel `--quantization int8` runs today
-against full precision and against FBGEMM's dynamic W8A8, on the decode step's shapes.
+"""Which int8 GEMM is fast on this CPU? The two kernels `--quantization int8` chooses
+between at load (engine/quant/cpu_int8.py) against full precision, on the decode
+step's shapes.
 
     python -m pdserve.bench.quant.int8_kernels [--rows 1,16,64] [--repeats 5] [--threads 1]
 
@@ -8,22 +9,20 @@ gate_up, down, the LM head), weights quantized per output channel:
 
     fp32        F.linear on the float32 weight (oneDNN)
     oneDNN      the float32 weight prepacked for oneDNN (the engine's fast path)
-    int8        what `--quantization int8` runs on a CPU (engine/quant/linear.py):
-                torch._weight_int8pack_mm on bfloat16 activations up to
-                INT8PACK_MAX_ROWS rows (W8A16), beyond one GEMM of the int8 weight
-                widened to bfloat16 where the CPU computes in it natively, else to
-                float32
-    FBGEMM W8A8 torch.ops.quantized.linear_dynamic: activations quantized to 7 bits
-                (reduce_range, as x86 needs) per call, int8 x int8 on AVX2 / AVX-512 /
-                VNNI, the weight prepacked once (not in the engine: a candidate)
+    W8A16       engine/quant/linear.py's torch kernels: torch._weight_int8pack_mm on
+                bfloat16 activations up to INT8PACK_MAX_ROWS rows, beyond one GEMM of
+                the int8 weight widened to bfloat16 where the CPU computes in it
+                natively, else to float32
+    W8A8        engine/quant/cpu_int8.py: FBGEMM's int8 x int8 GEMM, each row scaled to
+                its own range and quantized to 7 bits alone (batch-invariant), the
+                weight prepacked once
 
 Per kernel and row count: microseconds per call summed over the shapes (the median of
 `--repeats` timed passes, kernels interleaved) and the speed-up over fp32; the relative
-error of each int8 kernel against the fp32 GEMM of the dequantized weight. The last
-line: `int8_speedup_engine_r1=X int8_speedup_fbgemm_r1=Y` (rows 1, against fp32),
-beside the ISA torch reports. FBGEMM quantizes a call's activations with one range
-for all its rows: in an engine a row would have to be scaled to its own range first
-(a request's numbers must not depend on its batch), which this benchmark does not do.
+error of each int8 kernel against the fp32 GEMM. The last line:
+`int8_speedup_w8a16_r1=X int8_speedup_w8a8_r1=Y` (rows 1, against fp32), beside the
+ISA torch reports. Which one an engine runs, it measures at load on its own largest
+layer and logs (`int8 kernel: ...`).
 """
 
 from __future__ import annotations
@@ -43,7 +42,7 @@ from pdserve.engine.quant.config import online_scheme
 from pdserve.engine.quant.linear import QuantLinear
 from pdserve.services.common.flags import flag
 
-KERNELS = ("fp32", "oneDNN", "int8", "FBGEMM W8A8")
+KERNELS = ("fp32", "oneDNN", "W8A16", "W8A8")
 
 
 @dataclass(frozen=True)
@@ -61,14 +60,12 @@ def kernels(weight: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Te
     with torch.no_grad():
         linear.weight.copy_(weight)
     packed = PrepackedLinear.from_linear(linear)
-    int8 = QuantLinear.from_float(linear, online_scheme("int8"))
-    int8.prepare()
-    scale = int8.weight_scale.double()
-    qweight = torch.quantize_per_channel(int8.weight.float() * int8.weight_scale[:, None], scale,
-                                         torch.zeros(n, dtype=torch.long), 0, torch.qint8)
-    fbgemm = torch.ops.quantized.linear_prepack(qweight, None)
-    return {"fp32": lambda x: F.linear(x, weight), "oneDNN": packed, "int8": int8,
-            "FBGEMM W8A8": lambda x: torch.ops.quantized.linear_dynamic(x, fbgemm, True)}
+    w8a16 = QuantLinear.from_float(linear, online_scheme("int8"))
+    w8a16.prepare()
+    w8a8 = QuantLinear.from_float(linear, online_scheme("int8"))
+    w8a8.prepare()
+    w8a8.use_w8a8()
+    return {"fp32": lambda x: F.linear(x, weight), "oneDNN": packed, "W8A16": w8a16, "W8A8": w8a8}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,14 +73,13 @@ def main(argv: list[str] | None = None) -> int:
     rows = [1, 4] if f.quick else [int(r) for r in f.rows.split(",")]
     repeats, calls = (2, 2) if f.quick else (f.repeats, f.calls)
     torch.set_num_threads(f.threads)
-    torch.backends.quantized.engine = "fbgemm"
     spec = ModelSpec()
     gen = torch.Generator().manual_seed(0)
     layers = [(name, kernels(torch.randn(n, k, generator=gen) * k ** -0.5)) for name, k, n in decode_shapes(spec)]
     print(f"ISA: {torch.backends.cpu.get_cpu_capability()}, torch threads {f.threads}; shapes: "
           + ", ".join(f"{name} {k}x{n}" for name, k, n in decode_shapes(spec)))
     speedups: dict[tuple[str, int], float] = {}
-    print(f"{'rows':>5} " + "".join(f"{name:>14}" for name in KERNELS) + f"{'err int8':>11}{'err W8A8':>10}")
+    print(f"{'rows':>5} " + "".join(f"{name:>14}" for name in KERNELS) + f"{'err W8A16':>11}{'err W8A8':>10}")
     with torch.no_grad():
         for m in rows:
             inputs = {name: torch.randn(m, k, generator=gen) for name, k, _ in decode_shapes(spec)}
@@ -96,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
                             ks[kernel](inputs[name])
                     times[kernel].append((time.perf_counter() - start) / calls * 1e6)
             errors = {}
-            for kernel in ("int8", "FBGEMM W8A8"):
+            for kernel in ("W8A16", "W8A8"):
                 num = den = 0.0
                 for name, ks in layers:
                     ref = ks["fp32"](inputs[name])
@@ -107,10 +103,10 @@ def main(argv: list[str] | None = None) -> int:
             for kernel in KERNELS:
                 speedups[(kernel, m)] = us["fp32"] / us[kernel]
             print(f"{m:>5} " + "".join(f"{us[k]:>8.0f} x{us['fp32'] / us[k]:<4.2f}" for k in KERNELS)
-                  + f"{errors['int8']:>11.4f}{errors['FBGEMM W8A8']:>10.4f}")
+                  + f"{errors['W8A16']:>11.4f}{errors['W8A8']:>10.4f}")
     first = rows[0]
-    print(f"int8_speedup_engine_r{first}={speedups[('int8', first)]:.3f} "
-          f"int8_speedup_fbgemm_r{first}={speedups[('FBGEMM W8A8', first)]:.3f}")
+    print(f"int8_speedup_w8a16_r{first}={speedups[('W8A16', first)]:.3f} "
+          f"int8_speedup_w8a8_r{first}={speedups[('W8A8', first)]:.3f}")
     return 0
 
 

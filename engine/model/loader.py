@@ -134,7 +134,9 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, devi
     if fmt is None and scheme is not None:
         quant_apply.quantize_model(model, scheme)
     _set_kv_scales(model, kv_scales, kv_cache_dtype)
-    quant_apply.prepare(model)
+    choice = quant_apply.prepare(model)
+    if choice is not None:
+        log.info("%s", choice.log_line())
     return model.eval()
 
 

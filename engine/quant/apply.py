@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from pdserve.engine.quant import cpu_int8
 from pdserve.engine.quant.checkpoint import CheckpointFormat, detect_format
 from pdserve.engine.quant.config import WeightScheme, online_scheme
 from pdserve.engine.quant.linear import QuantEmbedding, QuantLinear
@@ -103,16 +104,35 @@ def is_quantized(model: nn.Module, param: str) -> bool:
         return False
 
 
-def prepare(model: nn.Module) -> None:
-    for module in model.modules():
-        if isinstance(module, QuantLinear):
-            module.prepare()
+def prepare(model: nn.Module) -> cpu_int8.Choice | None:
+    """Every QuantLinear into its device's kernel layout; then, on a CPU with FBGEMM, the
+    int8 kernel measured (cpu_int8.choose) and, where W8A8 won, the layers moved to it
+    (not a tied LM head: the embedding reads its matrix). Returns the measurement (None:
+    nothing to choose)."""
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    for layer in layers:
+        layer.prepare()
+    tied = {id(m.head[0]) for m in model.modules() if isinstance(m, QuantEmbedding)}
+    eligible = [layer for layer in layers if layer.w8a8_ready and id(layer) not in tied]
+    if not eligible or not cpu_int8.available():
+        return None
+    probe = max(eligible, key=lambda layer: layer.in_features * layer.out_features)
+    dtype = probe.bias.dtype if probe.bias is not None else next(
+        (p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    packed, pin = cpu_int8.pack(probe.weight, probe.weight_scale), cpu_int8.pin_row(probe.in_features)
+    choice = cpu_int8.choose(probe._cpu, lambda x: cpu_int8.linear(x, packed, pin).to(x.dtype),
+                             (probe.out_features, probe.in_features), dtype)
+    if choice.w8a8:
+        for layer in eligible:
+            layer.use_w8a8()
+    return choice
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of every parameter and buffer, each storage once (a tied table counts once)."""
+    """Bytes of every parameter and buffer, each storage once (a tied table counts once),
+    and of the int8 weights packed for FBGEMM (as the matrices they replace)."""
     seen: dict[int, int] = {}
     for t in [*model.parameters(), *model.buffers()]:
         key = id(t) if t.device.type == "meta" else t.data_ptr()
         seen[key] = max(seen.get(key, 0), t.numel() * t.element_size())
-    return sum(seen.values())
+    return sum(seen.values()) + sum(m.packed_nbytes for m in model.modules() if isinstance(m, QuantLinear))

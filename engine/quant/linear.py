@@ -4,7 +4,9 @@ A `QuantLinear` is built empty with its scheme's canonical buffers (formats.py),
 by the loader (from a checkpoint, or by quantizing a full-precision layer), then
 `prepare()`d once for its device:
 
-    CPU   int8  torch._weight_int8pack_mm (decode-sized batches, bf16 activations: W8A16)
+    CPU   int8  FBGEMM's int8 x int8 GEMM, activations quantized per token (W8A8:
+                engine/quant/cpu_int8.py), where it measured faster at load; else
+                torch._weight_int8pack_mm (decode-sized batches, bf16 activations: W8A16)
                 or one GEMM of the int8 weight widened per call (larger ones): to bf16
                 where the CPU computes in it natively (AMX, AVX512-BF16), else to fp32
                 with the activations as they are
@@ -97,6 +99,7 @@ class QuantLinear(nn.Module):
             self.register_buffer(name, torch.empty(shape, dtype=dt))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
         self._kernel = "unprepared"
+        self._packed: torch.ScriptObject | None = None  # FBGEMM's packed weight (W8A8: use_w8a8)
 
     def canonical(self) -> dict[str, torch.Tensor]:
         return {name: buf for name, buf in self.named_buffers(recurse=False) if not name.startswith("_")}
@@ -131,7 +134,31 @@ class QuantLinear(nn.Module):
 
     def dequantized(self) -> torch.Tensor:
         """W in fp32 (the reference the kernels are checked against)."""
+        if self._packed is not None and not hasattr(self, "weight"):
+            weight = torch.ops.quantized.linear_unpack(self._packed)[0].int_repr()
+            return formats.dequantize(self.method, {"weight": weight, "weight_scale": self.weight_scale}, None)
         return formats.dequantize(self.method, self.canonical(), self.group_size)
+
+    @property
+    def w8a8_ready(self) -> bool:
+        """Whether this layer can take FBGEMM's W8A8 kernel: int8 per channel, prepared on a CPU."""
+        return (self._kernel == "cpu" and self.method == "int8" and self.group_size is None
+                and hasattr(self, "weight") and self.weight.device.type == "cpu")
+
+    def use_w8a8(self) -> None:
+        """Run the W8A8 kernel from now on: the int8 weight packed for FBGEMM, the matrix
+        dropped (not for a tied LM head: its matrix is the embedding table)."""
+        from pdserve.engine.quant import cpu_int8
+
+        self._packed = cpu_int8.pack(self.weight, self.weight_scale)
+        self._pin = cpu_int8.pin_row(self.in_features)
+        del self.weight
+
+    @property
+    def packed_nbytes(self) -> int:
+        """Bytes of the packed weight (not a buffer), counted as the int8 matrix it
+        replaces: FBGEMM's padding and column sums (4 bytes an output) are not counted."""
+        return self.in_features * self.out_features if self._packed is not None else 0
 
     # -- kernels -----------------------------------------------------------------------
 
@@ -185,6 +212,10 @@ class QuantLinear(nn.Module):
     def _cpu(self, x: torch.Tensor) -> torch.Tensor:
         m, out_dtype = self.method, x.dtype
         if m == "int8":
+            if self._packed is not None:
+                from pdserve.engine.quant import cpu_int8
+
+                return cpu_int8.linear(x, self._packed, self._pin).to(out_dtype)
             if self.group_size is not None:
                 return self._int8_groups_cpu(x).to(out_dtype)
             if x.shape[0] <= INT8PACK_MAX_ROWS:

@@ -38,6 +38,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.quant import cpu_int8
 from pdserve.engine.config import DEFAULT_MODEL
 from pdserve.engine.tokenizer import Tokenizer
 from hf_models import build_model
@@ -120,6 +121,21 @@ def test_perplexity_on_heldout_text_stays_within_the_gate(
           f"({100 * change:+.2f} %, gate {100 * tolerance:.0f} %), top-1 agreement "
           f"{quantized.agreement(full_precision):.4f} over {len(quantized.argmax)} tokens")
     assert change <= tolerance, f"perplexity {ppl:.4f} is {100 * change:+.2f} % of full precision's {base:.4f}"
+
+
+@pytest.mark.skipif(not cpu_int8.available(), reason="this torch has no FBGEMM")
+@pytest.mark.parametrize("w8a8", [False, True], ids=["W8A16", "W8A8"])
+def test_each_cpu_int8_kernel_stays_within_the_int8_gate(
+    windows: list[list[int]], full_precision: Scores, w8a8: bool, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Both CPU int8 kernels, whichever this machine measures faster (cpu_int8.choose)."""
+    monkeypatch.setattr(cpu_int8, "choose", lambda *a: cpu_int8.Choice(w8a8, (0, 0), {}))
+    quantized = score(windows, "int8", "auto")
+    change = quantized.perplexity / full_precision.perplexity - 1
+    print(f"\nint8 {'W8A8' if w8a8 else 'W8A16'}: perplexity {quantized.perplexity:.4f} vs "
+          f"{full_precision.perplexity:.4f} ({100 * change:+.2f} %, gate 1 %), top-1 agreement "
+          f"{quantized.agreement(full_precision):.4f} over {len(quantized.argmax)} tokens")
+    assert change <= 0.01
 
 
 # -- vLLM's check_logprobs_close ---------------------------------------------------------

@@ -14,6 +14,7 @@ from pdserve.engine.attention.base import round_trip_kv
 from pdserve.engine.config import DEFAULT_MODEL
 from pdserve.engine.memory import plan_memory
 from pdserve.engine.prepacked import packed_bytes
+from pdserve.engine.quant.linear import QuantLinear
 from hf_models import build_model
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
@@ -39,7 +40,8 @@ def test_plan_equals_what_the_engine_allocated(quantization, kv_cache_dtype):
     plan = plan_memory(DEFAULT_MODEL, kv_cache_memory=3 << 20, **kwargs)
     assert plan == llm.engine.memory
     model = llm.engine.runner.model  # prepacked layers hold their weights outside the parameters
-    assert plan.weight_bytes == packed_bytes(model) + sum(t.numel() * t.element_size() for t in {
+    fbgemm = sum(m.packed_nbytes for m in model.modules() if isinstance(m, QuantLinear))  # W8A8 (cpu_int8.py)
+    assert plan.weight_bytes == packed_bytes(model) + fbgemm + sum(t.numel() * t.element_size() for t in {
         t.data_ptr(): t for t in [*model.parameters(), *model.buffers()]}.values())
 
 
