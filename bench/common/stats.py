@@ -7,6 +7,7 @@ median, and a median with its range over repetitions.
     Ratio.of([r1, r2, r3])      median (min lo, max hi, k=3): per-repetition ratios, nan
                                 ones left out of the median and range but counted in k
     Ratio.paired(a, b)          Ratio.of(a_i / b_i): each repetition's systems compared
+    ratio_line(name, pairs)     "name: median (min, max, k)" of the pairs' a / b, and the median
 """
 
 from __future__ import annotations
@@ -59,6 +60,12 @@ class Ratio:
 
     def __str__(self) -> str:
         return f"{fmt(self.median)} (min {fmt(self.lo)}, max {fmt(self.hi)}, k={self.k})"
+
+
+def ratio_line(name: str, pairs: Sequence[tuple[float, float]]) -> tuple[str, float]:
+    """`name: median (min lo, max hi, k=K)` of the per-repetition ratios a / b, and the median."""
+    ratio = Ratio.paired([a for a, _ in pairs], [b for _, b in pairs])
+    return f"{name}: {ratio}", ratio.median
 
 
 def safe_div(n: float, d: float) -> float:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.bench.common.entry import parse
+from pdserve.bench.common.stats import ratio_line
 from pdserve.services.common.flags import flag
 
 SIDES = ("default", "other")
@@ -80,12 +80,6 @@ def measure(base_url: str, cfg: DefaultsFlags) -> Run:
     throughput = float(re.search(r"Output token throughput \(tok/s\):\s+([\d.]+)", out.stdout).group(1))
     last = re.search(r"ttft_p50_ms=(\S+) tpot_p50_ms=(\S+)", out.stdout)
     return Run(throughput, float(last.group(1)), float(last.group(2)))
-
-
-def ratio_line(name: str, pairs: list[tuple[float, float]]) -> tuple[str, float]:
-    ratios = [a / b for a, b in pairs]
-    median = statistics.median(ratios)
-    return f"{name}: median {median:.3f} (min {min(ratios):.3f}, max {max(ratios):.3f}, n={len(ratios)})", median
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import os
 import queue
 import signal
-import statistics
 import subprocess
 import sys
 import threading
@@ -34,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.bench.common.entry import parse
+from pdserve.bench.common.stats import ratio_line
 from pdserve.services.common.flags import flag
 
 SIDES = ("fork", "exec")
@@ -126,12 +126,6 @@ def one(side: str, f: StartupFlags) -> Run:
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
-
-
-def ratio_line(name: str, pairs: list[tuple[float, float]]) -> tuple[str, float]:
-    ratios = [a / b for a, b in pairs]
-    median = statistics.median(ratios)
-    return f"{name}: median {median:.3f} (min {min(ratios):.3f}, max {max(ratios):.3f}, n={len(ratios)})", median
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -38,7 +38,6 @@ import re
 import shutil
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -48,6 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.bench.common.entry import parse
+from pdserve.bench.common.stats import ratio_line
 from pdserve.services.common.flags import flag
 
 SIDES = ("pdserve", "vllm")
@@ -178,12 +178,6 @@ def stop(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(10)
-
-
-def ratio_line(name: str, pairs: list[tuple[float, float]]) -> tuple[str, float]:
-    ratios = [a / b for a, b in pairs]
-    median = statistics.median(ratios)
-    return f"{name}: median {median:.3f} (min {min(ratios):.3f}, max {max(ratios):.3f}, n={len(ratios)})", median
 
 
 def main(argv: list[str] | None = None) -> int:
