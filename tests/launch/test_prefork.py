@@ -76,3 +76,11 @@ def test_what_the_helper_cannot_do_raises_for_the_launcher_to_exec(helper, tmp_p
     with pytest.raises(OSError):  # broken for good: every later worker is exec'd
         spawn(gone, router(tmp_path), tmp_path / "gone.log")
     gone.close()
+
+
+def test_worker_start_is_fork_by_default_and_a_bad_value_names_the_flag():
+    from pdserve.launch.cluster import LaunchConfig
+
+    assert LaunchConfig().worker_start == "fork"
+    with pytest.raises(ValueError, match="worker_start"):
+        LaunchConfig(worker_start="spawn")
