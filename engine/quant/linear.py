@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.config import cpu_bf16_native
-from pdserve.engine.quant import formats
+from pdserve.engine.quant import cpu_int8, formats
 from pdserve.engine.quant.config import FP4_BLOCK, WeightScheme
 
 # Rows up to this go through torch's int8 weight-only kernel; beyond, a bf16 GEMM of the
@@ -148,8 +148,6 @@ class QuantLinear(nn.Module):
     def use_w8a8(self) -> None:
         """Run the W8A8 kernel from now on: the int8 weight packed for FBGEMM, the matrix
         dropped (not for a tied LM head: its matrix is the embedding table)."""
-        from pdserve.engine.quant import cpu_int8
-
         self._packed = cpu_int8.pack(self.weight, self.weight_scale)
         self._pin = cpu_int8.pin_row(self.in_features)
         del self.weight
@@ -213,8 +211,6 @@ class QuantLinear(nn.Module):
         m, out_dtype = self.method, x.dtype
         if m == "int8":
             if self._packed is not None:
-                from pdserve.engine.quant import cpu_int8
-
                 return cpu_int8.linear(x, self._packed, self._pin).to(out_dtype)
             if self.group_size is not None:
                 return self._int8_groups_cpu(x).to(out_dtype)
