@@ -120,6 +120,7 @@ class Record:
     sequences: int  # sequences asked for
     finished: int  # sequences that ended with a finish reason
     router: str = ""  # the router its last attempt went to (a retried call may have tried others)
+    resumptions: int = 0  # times its stream was resumed on another router after tokens arrived
 
     @property
     def overran(self) -> float:
@@ -194,7 +195,7 @@ def run_one(client: Client, request: Request, index: int, inflight: InFlight) ->
     # RetryingCall keeps the address of its current attempt private; tests read it to
     # tell which router a call was on when that router went away
     return Record(request.kind, index, started, time.monotonic(), request.deadline, code, details, tokens,
-                  sequences, len(finished), getattr(call, "_address", ""))
+                  sequences, len(finished), getattr(call, "_address", ""), getattr(call, "resumptions", 0))
 
 
 @dataclass(frozen=True)

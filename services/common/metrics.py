@@ -112,6 +112,9 @@ METRICS: Mapping[str, Spec] = types.MappingProxyType({
     "request_migrations": Spec(
         "counter", "Requests continued on another decode worker after theirs failed mid-stream, by reason: "
                    "stream_broken (its stream failed), dropped (the registry dropped the worker)", ("reason",)),
+    "request_resumptions": Spec(
+        "counter", "Streams this router resumed for a client after the router serving them died (the client's "
+                   "GenerateRequest.resume)"),
     "router_worker_selected": Spec("counter", "Workers chosen for request attempts", ("target", "target_role")),
     "num_live_workers": Spec("gauge_family", "Workers registered and alive, per pool", ("pool",)),
     "router_kv_events": Spec(
@@ -212,7 +215,7 @@ ROUTER_METRICS = (
     "time_to_first_token_seconds", "inter_token_latency_seconds", "request_time_per_output_token_seconds",
     "e2e_request_latency_seconds", "prompt_tokens", "generation_tokens", "request_success", "request_failure",
     "num_requests_inflight", "http_requests", "router_prefill_path", "router_local_prefill_fallbacks", "router_retries",
-    "request_migrations", "router_worker_selected", "router_kv_events", "stream_write_cutoffs",
+    "request_migrations", "request_resumptions", "router_worker_selected", "router_kv_events", "stream_write_cutoffs",
     "router_structured_outputs_requests", "router_structured_outputs_refusals",
 )
 WORKER_METRICS = (
@@ -434,6 +437,9 @@ class RouterMetrics(_Recorder):
 
     def migration(self, reason: str) -> None:
         self.child("request_migrations", reason).inc()
+
+    def request_resumed(self) -> None:
+        self.child("request_resumptions").inc()
 
     def worker_chosen(self, worker_id: str, role: str) -> None:
         self.child("router_worker_selected", worker_id, role).inc()

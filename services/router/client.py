@@ -32,12 +32,21 @@ other gRPC clients are given):
       |     (the last status; its details list every attempt); the deadline passing
       |     during a retry --> DEADLINE_EXCEEDED, saying why it was retried
       +-- any other status --> fail with it
+    after messages arrived (a Generate call): the router died or the connection
+      broke (UNAVAILABLE, CANCELLED the caller did not cause, a reset HTTP/2 stream)
+      --> resumed on another router (GenerateRequest.resume: the same request plus
+          what arrived of each sequence), within the deadline and maxAttempts; the
+          caller reads on as if nothing happened: no token twice, none missing, one
+          final message per sequence. Not for beam search (it streams nothing
+          before its end, so it is retried as above), nor when the router issued no
+          resume token (no cluster token): then it fails, naming where it stopped.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import logging
 import random
 import socket
 import threading
@@ -54,6 +63,7 @@ from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from pdserve.services.common.addresses import is_ip, join_host_port, lookup
 from pdserve.services.common.keepalive import with_keepalive
 
+log = logging.getLogger(__name__)
 _OPTIONS = pb.SamplingOptions.DESCRIPTOR.fields_by_name
 SERVICE_CONFIG = Path(pb.__file__).with_name("service_config.json")
 # the router's retry hint on RESOURCE_EXHAUSTED (services/router/service.py sets both)
@@ -294,13 +304,76 @@ class _Routers:
 Attempt = Callable[[grpc.Channel, float | None], Iterator]
 
 
+class _Resumable:
+    """What of a Generate call's sequences arrived (their resume states), and the
+    request that resumes it on another router."""
+
+    def __init__(self, request: pb.GenerateRequest, metadata: tuple | None) -> None:
+        self.request = request
+        self.metadata = metadata
+        self._sent = request  # what the next attempt sends
+        self.beam = request.sampling.beam_width > 1
+        self.n = 1 if self.beam else max(1, request.sampling.n if request.sampling.HasField("n") else 1)
+        self.token = b""
+        self.received: dict[int, pb.ResumedSequence] = {}
+        self.closed: set[int] = set()  # sequences whose final message arrived
+
+    def seen(self, message: pb.GenerateResponse) -> bool:
+        """Note `message`; False for one the caller has already (a resumed router
+        sends each sequence's final message, which may have arrived before the break)."""
+        if message.index in self.closed:
+            return False
+        state = message.resume_state
+        self.token = state.token or self.token
+        seq = self.received.setdefault(message.index, pb.ResumedSequence(index=message.index))
+        seq.token_ids.extend(message.token_ids)
+        seq.logprob_sum = state.logprob_sum
+        seq.finish_reason = message.finish_reason or state.finish_reason
+        if message.finish_reason:
+            self.closed.add(message.index)
+        if not self.request.request_id:  # the router's, kept by the routers that resume it
+            self.request.request_id = message.request_id
+        return True
+
+    @property
+    def complete(self) -> bool:
+        """Every sequence's final message arrived: only the stream's close was lost."""
+        return len(self.closed) >= self.n
+
+    def why_not(self) -> str | None:
+        """Why the call cannot be resumed; None if it can."""
+        if self.beam:
+            return "beam search is never resumed"
+        if not self.token:
+            return "the router issued no resume token (it has no --cluster-token-file)"
+        return None
+
+    def attempt(self, channel: grpc.Channel, left: float | None) -> Iterator:
+        return pb_grpc.GenerationStub(channel).Generate(self._sent, timeout=left, metadata=self.metadata)
+
+    def resume(self) -> None:
+        """From now on attempts continue the stream from what arrived."""
+        request = pb.GenerateRequest()
+        request.CopyFrom(self.request)
+        request.resume.CopyFrom(pb.Resume(token=self.token, sequences=list(self.received.values())))
+        self._sent = request
+
+    def tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.received.values())
+
+
 class RetryingCall:
     """One call to the routers, retried per `policy` until a message arrives. An
     iterator of the responses, with `cancel()` and, once ended, `code()`/`details()`."""
 
     def __init__(self, attempt: Attempt, routers: _Routers, policy: RetryPolicy, timeout: float | None,
-                 rng: random.Random) -> None:
+                 rng: random.Random, stream: _Resumable | None = None,
+                 on_resume: Callable[[], None] | None = None) -> None:
+        """`stream`: a Generate call, resumed on another router after a break
+        (`attempt` then sends whatever request `stream` says)."""
         self._attempt, self._routers, self._policy, self._rng = attempt, routers, policy, rng
+        self._stream, self._on_resume = stream, on_resume
+        self.resumptions = 0
         self._deadline = time.monotonic() + timeout if timeout is not None else float("inf")
         self._start = routers.rotation()
         self._tried: Counter[str] = Counter()
@@ -321,12 +394,16 @@ class RetryingCall:
 
     def __next__(self):
         while True:
+            if self._ended is _COMPLETE:
+                raise StopIteration
             if self._ended is not None:
                 raise self._ended
             try:
                 message = next(self._call)  # type: ignore[arg-type]
             except grpc.RpcError as e:
                 self._ended = self._after(e)
+                continue
+            if self._stream is not None and not self._stream.seen(message):
                 continue
             if not self._messages:
                 self._routers.served(self._address)
@@ -349,9 +426,13 @@ class RetryingCall:
         return None if left == float("inf") else max(0.0, left)
 
     def code(self) -> grpc.StatusCode | None:
+        if self._ended is _COMPLETE:
+            return grpc.StatusCode.OK
         return self._ended.code() if self._ended is not None else _call_attr(self._call, "code", None)
 
     def details(self) -> str | None:
+        if self._ended is _COMPLETE:
+            return ""
         return self._ended.details() if self._ended is not None else _call_attr(self._call, "details", None)
 
     def trailing_metadata(self) -> tuple:
@@ -378,8 +459,15 @@ class RetryingCall:
             return error  # the caller cancelled, or closed the client: that is how the call ends
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):  # down, or shutting down
             self._routers.failed(address, self._policy.max_backoff)
-        if self._messages:  # committed: a status the client would have retried says where it stopped
-            return self._stopped(error) if code in self._policy.codes else error
+        if self._messages:  # committed: resumed on another router, or fails saying where it stopped
+            if not (code in self._policy.codes or _stream_reset(error)):
+                return error
+            if self._stream is not None and self._stream.complete:
+                return _COMPLETE
+            why = self._stream.why_not() if self._stream is not None else "not a Generate call"
+            if why is not None or len(self._history) >= self._policy.max_attempts:
+                return self._stopped(error, why or f"{len(self._history)} attempts, maxAttempts of the retry policy")
+            return self._resume(error)
         if code == grpc.StatusCode.DEADLINE_EXCEEDED and self._refused is not None:
             # the deadline cut a retry short: that is how it ended, and the details say
             # why it was retried
@@ -391,6 +479,19 @@ class RetryingCall:
             return self._gave_up(error, f"{len(self._history)} attempts, maxAttempts of the retry policy")
         if hint is not None:
             self._wait_until[address] = time.monotonic() + hint
+        self._refused = error
+        return self._retry(error)
+
+    def _resume(self, error: grpc.RpcError) -> grpc.RpcError | None:
+        """Continue the stream on another router from what arrived (the module docstring)."""
+        stream = self._stream
+        assert stream is not None
+        stream.resume()
+        self.resumptions += 1
+        log.info("call %s: %s from %s after %d tokens; resuming it on another router (resumption %d)",
+                 stream.request.request_id, error.code().name, self._address, stream.tokens(), self.resumptions)
+        if self._on_resume is not None:
+            self._on_resume()
         self._refused = error
         return self._retry(error)
 
@@ -418,12 +519,25 @@ class RetryingCall:
         return CallFailed(error.code(), f"{error.details()} [gave up: {why}; attempts: {_summary(self._history)}]",
                           error)
 
-    def _stopped(self, error: grpc.RpcError) -> CallFailed:
-        """After messages arrived the call is not replayed: say where it stopped."""
+    def _stopped(self, error: grpc.RpcError, why: str) -> CallFailed:
+        """After messages arrived the call is never replayed; when it cannot be resumed
+        either, say where it stopped and why."""
         per_sequence = ", ".join(f"sequence {i}: {n}" for i, n in sorted(self._tokens.items()))
         return CallFailed(error.code(), f"{error.details()} [the stream stopped after {self._messages} messages, "
                           f"{sum(self._tokens.values())} tokens received ({per_sequence}) from {self._address}; "
-                          "not replayed: a call that received tokens is never sent again by the client]", error)
+                          f"not resumed: {why}; attempts: {_summary(self._history)}]", error)
+
+
+class _Complete(grpc.RpcError):
+    """How a call whose every final message arrived ends when only its close was lost."""
+
+
+_COMPLETE = _Complete()
+
+
+def _stream_reset(error: grpc.RpcError) -> bool:
+    """A broken HTTP/2 stream (the router's connection died mid-call): gRPC says INTERNAL."""
+    return error.code() == grpc.StatusCode.INTERNAL and "RST_STREAM" in (error.details() or "")
 
 
 def _summary(history: list[str]) -> str:
@@ -460,6 +574,8 @@ class Client:
             return grpc.secure_channel(target, credentials, options=options)
 
         self._routers = _Routers(address, channel_of, resolve_every, lookup)
+        self._lock = threading.Lock()
+        self.resumptions = 0  # calls of this client resumed on another router (each resumption)
 
     @property
     def addresses(self) -> list[str]:
@@ -477,16 +593,19 @@ class Client:
     ) -> RetryingCall:
         """Stream the completion; the call is an iterator of GenerateResponse."""
         request = pb.GenerateRequest(request_id=request_id, model=model, sampling=options_from_kwargs(**sampling),
-                                     cache_salt=cache_salt)
+                                     cache_salt=cache_salt, resumable=True)
         if isinstance(prompt, str):
             request.text = prompt
         else:
             request.token_ids.ids.extend(prompt)
+        stream = _Resumable(request, self._metadata)
+        self._routers.refresh()
+        return RetryingCall(stream.attempt, self._routers, self.retry, timeout or self.timeout, self._rng, stream,
+                            self._resumed)
 
-        def attempt(channel: grpc.Channel, left: float | None) -> Iterator:
-            return pb_grpc.GenerationStub(channel).Generate(request, timeout=left, metadata=self._metadata)
-
-        return self._call(attempt, timeout or self.timeout)
+    def _resumed(self) -> None:
+        with self._lock:
+            self.resumptions += 1
 
     def list_models(self, timeout: float = 10.0) -> list[pb.ModelInfo]:
         def attempt(channel: grpc.Channel, left: float | None) -> Iterator:

@@ -73,7 +73,7 @@ from pdserve.services.router.config import RouterConfig
 from pdserve.services.router.events import Update, first_of, update_of
 from pdserve.services.router.failures import GONE, KVLost, WorkerFailed
 from pdserve.services.router.fan_out import fan_out
-from pdserve.services.router.migration import Progress, continuation, rebase, unmigratable
+from pdserve.services.router.migration import Progress, continuation, rebase, resumed_progress, unmigratable
 from pdserve.services.router.registry import WorkerHandle, WorkerRegistry
 from pdserve.services.router.stops import stop_watch
 from pdserve.services.router.validate import Job
@@ -105,8 +105,21 @@ class Dispatcher:
         worker is a pause, not a burst of UNAVAILABLE.
 
         Every worker call is registered with `cancel` (cancelled when the caller goes
-        or the request ends). Raises ServeError; CANCELLED once `cancel` fired."""
-        yield from self._serve(job, Progress(n=job.params.n), deadline, cancel, note_cached, [])
+        or the request ends). Raises ServeError; CANCELLED once `cancel` fired.
+
+        A resume (`job.resumed`, resume.py) is served as a stream that migrated after
+        the tokens the client has: each sequence continues from its own (n > 1: one
+        request each, fan_out.py), and one that had ended is not run again."""
+        progress = resumed_progress(job)
+        if progress is None:
+            yield from self._serve(job, Progress(n=job.params.n), deadline, cancel, note_cached, [])
+        elif progress.done:  # only the final message was lost
+            yield progress.final_message()
+        elif job.params.n > 1:
+            yield from fan_out(job, progress, deadline, cancel, lambda one, sample, inner: self._serve(
+                one, sample, deadline, inner, note_cached, []))
+        else:
+            yield from self._serve(job, progress, deadline, cancel, note_cached, [])
 
     def _serve(
         self, job: Job, progress: Progress, deadline: Deadline, cancel: Cancellation,

@@ -6,6 +6,7 @@
     (sampling refused: refuse(error)   INVALID_ARGUMENT "<field>: ...", counted)
                                        tenant (--salt-cache-by-key)    UNAUTHENTICATED
                                        validate -> Job                 INVALID_ARGUMENT "<field>: ..."
+                                       a resume: checked (resume.py)   INVALID_ARGUMENT "resume...: ..."
                                        deadline: the caller's, capped at --request-timeout
                                        admission: a slot, or the queue RESOURCE_EXHAUSTED + retry_after_s
                               <------  Generation (an iterator of SequenceOutput)
@@ -60,6 +61,7 @@ from pdserve.services.router.config import RouterConfig
 from pdserve.services.router.dispatch import Dispatcher
 from pdserve.services.router.records import Request, SequenceOutput
 from pdserve.services.router.responses import ResponseBuilder
+from pdserve.services.router.resume import Resumes
 from pdserve.services.router.structured import ConstraintRefused
 from pdserve.services.router.validate import Job, Limits, Validator
 
@@ -70,11 +72,12 @@ DEADLINE_TOLERANCE = 0.25  # seconds
 class FrontEnd:
     def __init__(
         self, config: RouterConfig, limits: Limits, tokenizer: Tokenizer | None, dispatcher: Dispatcher,
-        metrics: RouterMetrics, api_keys: ApiKeys | None = None,
+        metrics: RouterMetrics, api_keys: ApiKeys | None = None, resumes: Resumes | None = None,
     ) -> None:
         """Callers are authenticated before a request reaches here (by the adapter:
         api_keys.py's interceptor for gRPC); `api_keys` only names their tenant, with
-        --salt-cache-by-key."""
+        --salt-cache-by-key, and the key a resume token is bound to. `resumes` issues
+        and checks resume tokens (resume.py; None: none issued, resumes refused)."""
         self.config = config
         self.limits = limits
         self.tokenizer = tokenizer
@@ -82,6 +85,7 @@ class FrontEnd:
         self.dispatcher = dispatcher
         self.metrics = metrics
         self.api_keys = api_keys
+        self.resumes = resumes or Resumes(None)
         self.admission = Admission(config.max_concurrent_requests, config.max_queued_requests, config.max_queue_wait)
         self._inflight = 0
         self._idle = threading.Condition()
@@ -105,6 +109,15 @@ class FrontEnd:
             except ValueError as e:
                 self._count_refusal(e)
                 raise ServeError(status_of(e), str(e)) from None
+            key_id = self._key_id(request) if request.resumable or request.resume is not None else ""
+            if request.resume is not None:
+                try:
+                    job = self.resumes.job(job, request.resume, self.limits.model_name, key_id,
+                                           self.limits.vocab_size, self.limits.max_model_len)
+                except ValueError as e:
+                    raise ServeError(Status.INVALID_ARGUMENT, str(e)) from None
+                if job.resumed:
+                    self.metrics.request_resumed()
             if job.params.structured_outputs is not None:
                 self.metrics.structured_request(job.params.structured_outputs.kind.value)
             deadline = self._deadline(request.deadline)
@@ -113,7 +126,8 @@ class FrontEnd:
         except BaseException as e:
             self._ended(e.status if isinstance(e, ServeError) else Status.UNKNOWN)
             raise
-        return Generation(self, job, deadline, ResponseBuilder(job, self.tokenizer, arrival, self.metrics))
+        token = self.resumes.token(job, self.limits.model_name, key_id) if request.resumable else None
+        return Generation(self, job, deadline, ResponseBuilder(job, self.tokenizer, arrival, self.metrics, token))
 
     def refuse(self, error: ValueError) -> ServeError:
         """The INVALID_ARGUMENT of a request its adapter could not build (a sampling
@@ -180,6 +194,12 @@ class FrontEnd:
         if tenant is None:  # the key was revoked since the adapter let the call in
             raise ServeError(Status.UNAUTHENTICATED, "API key not valid")
         return tenant
+
+    def _key_id(self, request: Request) -> str:
+        """The caller's API key id, which a resume token is bound to ("" without keys)."""
+        if self.api_keys is None:
+            return ""
+        return self.api_keys.identify({AUTHORIZATION: request.authorization}) or ""
 
     def _deadline(self, caller: Deadline | None) -> Deadline:
         longest = self.config.request_timeout

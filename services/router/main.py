@@ -37,6 +37,7 @@ from pdserve.services.router.dispatch import Dispatcher
 from pdserve.services.router.frontend import FrontEnd
 from pdserve.services.router.registry import WorkerRegistry
 from pdserve.services.router.registry_service import RegistryServicer
+from pdserve.services.router.resume import Resumes
 from pdserve.services.router.service import GenerationServicer
 from pdserve.services.router.structured import ConstraintLimits
 from pdserve.services.router.validate import Limits
@@ -72,7 +73,9 @@ class Router:
         threads = config.max_concurrent_requests + config.max_queued_requests + SPARE_THREADS
         self.server = GrpcServer(threads=threads, max_concurrent_rpcs=2 * threads, interceptors=public_checks)
         dispatcher = Dispatcher(self.registry, config, self.metrics, tokenizer)
-        self.front_end = FrontEnd(config, self.limits, tokenizer, dispatcher, self.metrics, self.api_keys)
+        # Resume tokens are signed with the cluster token, which every router of the cluster shares.
+        resumes = Resumes(self.auth.token.encode() if self.auth.token else None)
+        self.front_end = FrontEnd(config, self.limits, tokenizer, dispatcher, self.metrics, self.api_keys, resumes)
         self.generation = GenerationServicer(self.front_end, config.stream_write_timeout, self.metrics)
         pb_grpc.add_GenerationServicer_to_server(self.generation, self.server.grpc)
         self.http_pool: ThreadPoolExecutor | None = None

@@ -121,6 +121,22 @@ class Progress:
             Result(i, self.sample(i).finish_reason or "", self.sample(i).logprob_sum) for i in range(self.n))))
 
 
+def resumed_progress(job: Job) -> Progress | None:
+    """A resume's progress (resume.py): what the client has of each sequence, as after
+    a migration; None for a request of its own, or a resume that received no token."""
+    if not job.resumed or not any(s.token_ids or s.finish_reason for s in job.resumed):
+        return None
+    progress = Progress(n=job.params.n)
+    for resumed in job.resumed:
+        sample = progress.sample(resumed.index)
+        sample.token_ids, sample.logprob_sum = list(resumed.token_ids), resumed.logprob_sum
+        sample.finish_reason = resumed.finish_reason
+        if sample.finish_reason is None and len(sample.token_ids) >= job.params.max_tokens:
+            sample.finish_reason = "length"
+    progress.migrated()
+    return progress
+
+
 def unmigratable(job: Job) -> str | None:
     """Why `job` cannot continue on another worker once tokens were sent; None if it can."""
     params = job.params

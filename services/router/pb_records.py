@@ -14,7 +14,7 @@ from __future__ import annotations
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.services.common.convert import params_from_options
 from pdserve.services.common.deadline import Deadline
-from pdserve.services.router.records import Request, SequenceOutput, TokenLogprob
+from pdserve.services.router.records import Request, Resume, ResumedSequence, SequenceOutput, TokenLogprob
 
 
 def request_of(request: pb.GenerateRequest, authorization: str = "", deadline: Deadline | None = None) -> Request:
@@ -27,7 +27,14 @@ def request_of(request: pb.GenerateRequest, authorization: str = "", deadline: D
         token_ids=tuple(request.token_ids.ids) if which == "token_ids" else None,
         sampling=params_from_options(request.sampling), model=request.model, request_id=request.request_id,
         cache_salt=request.cache_salt, authorization=authorization, deadline=deadline,
+        resumable=request.resumable, resume=resume_of(request.resume) if request.HasField("resume") else None,
     )
+
+
+def resume_of(resume: pb.Resume) -> Resume:
+    return Resume(resume.token, tuple(
+        ResumedSequence(s.index, tuple(s.token_ids), s.logprob_sum, s.finish_reason or None)
+        for s in resume.sequences))
 
 
 def logprob_of(entry: pb.TokenLogprob | pb.PromptTokenLogprob) -> TokenLogprob:
@@ -61,4 +68,8 @@ def response_of(output: SequenceOutput, request_id: str) -> pb.GenerateResponse:
                                           e2e_seconds=t.e2e_seconds))
     if output.cumulative_logprob is not None:
         message.cumulative_logprob = output.cumulative_logprob
+    state = output.resume_state
+    if state is not None:
+        message.resume_state.CopyFrom(pb.ResumeState(token=state.token, logprob_sum=state.logprob_sum,
+                                                     finish_reason=state.finish_reason or ""))
     return message

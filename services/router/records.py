@@ -24,6 +24,25 @@ from pdserve.services.common.deadline import Deadline
 
 
 @dataclass(frozen=True)
+class ResumedSequence:
+    """What of one sequence reached the client before its stream broke (resume.py)."""
+
+    index: int
+    token_ids: tuple[int, ...]
+    logprob_sum: float = 0.0  # the cumulative logprob of token_ids, as the router said it
+    finish_reason: str | None = None  # it generated its last token already
+
+
+@dataclass(frozen=True)
+class Resume:
+    """A request that continues a broken stream: the token its router issued and
+    what arrived of each sequence."""
+
+    token: bytes
+    sequences: tuple[ResumedSequence, ...]
+
+
+@dataclass(frozen=True)
 class Request:
     """One generation request. Exactly one of `text` and `token_ids` is the prompt.
 
@@ -44,6 +63,8 @@ class Request:
     # The caller left max_tokens unset: sampling.max_tokens is only a cap, lowered to what
     # max_model_len leaves after the prompt.
     fill_context: bool = False
+    resumable: bool = False  # say on each output what resuming the stream needs (resume_state)
+    resume: Resume | None = None  # continue a broken stream (resume.py)
 
 
 @dataclass(frozen=True)
@@ -90,7 +111,17 @@ class SequenceOutput:
     timing: Timing | None = None
     cumulative_logprob: float | None = None
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    resume_state: ResumeState | None = None  # the request asked to be resumable
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class ResumeState:
+    """What a resume of the stream sends back for this sequence (resume.py)."""
+
+    token: bytes  # on the stream's first output only
+    logprob_sum: float  # the sequence's cumulative logprob so far
+    finish_reason: str | None  # it generated its last token

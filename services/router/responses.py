@@ -22,7 +22,7 @@ from pdserve.engine.detokenizer import Decoder
 from pdserve.engine.text import SequenceText
 from pdserve.services.common.metrics import Disabled, RouterMetrics
 from pdserve.services.router.events import Finished, Result, Update
-from pdserve.services.router.records import SequenceOutput, Timing, TokenLogprob, Usage
+from pdserve.services.router.records import ResumeState, SequenceOutput, Timing, TokenLogprob, Usage
 from pdserve.services.router.validate import Job
 
 
@@ -32,6 +32,9 @@ class _Sequence:
     num_tokens: int = 0
     first_at: float | None = None
     last_at: float | None = None
+    logprob_sum: float = 0.0  # of its tokens so far, as its cumulative logprob counts them
+    finish_reason: str | None = None  # it generated its last token (a resumable request's state)
+    resumed: int = 0  # tokens the client had before a resume (not timed here)
 
     def add(self, token_ids: Sequence[int], now: float) -> None:
         if not token_ids:
@@ -53,9 +56,15 @@ class _Sequence:
 
 class ResponseBuilder:
     def __init__(
-        self, job: Job, tokenizer: Decoder | None, arrival: float, metrics: RouterMetrics | None = None
+        self, job: Job, tokenizer: Decoder | None, arrival: float, metrics: RouterMetrics | None = None,
+        resume_token: bytes | None = None,
     ) -> None:
+        """`resume_token`: the request asked to be resumable (resume.py): every output
+        carries its sequence's resume state, the first one this token. A resumed job
+        (`job.resumed`) starts each sequence after the tokens the client has: its text
+        as far as the broken stream had sent it, its counts and logprob sum."""
         self.job = job
+        self._resume_token = resume_token
         self.metrics = metrics or Disabled()
         self._streamed = not job.params.use_beam_search  # beams arrive whole at the end
         self.tokenizer = tokenizer
@@ -63,6 +72,15 @@ class ResponseBuilder:
         self.first_token_at: float | None = None
         self.cached_tokens = 0
         self._seqs: dict[int, _Sequence] = {}
+        for resumed in job.resumed or ():
+            seq = self._seq(resumed.index)
+            seq.num_tokens = seq.resumed = len(resumed.token_ids)
+            seq.logprob_sum = resumed.logprob_sum
+            seq.finish_reason = resumed.finish_reason
+            if seq.text is not None:
+                for t in resumed.token_ids:
+                    seq.text.append(t)
+                seq.text.emit()  # what the broken stream had sent of it
 
     def note_cached_tokens(self, n: int) -> None:
         self.cached_tokens = max(self.cached_tokens, n)
@@ -75,6 +93,9 @@ class ResponseBuilder:
         for tokens in update.tokens:
             seq = self._seq(tokens.index)
             self._add(seq, tokens.token_ids, now)
+            seq.logprob_sum += sum(tokens.token_logprobs) if tokens.token_logprobs else sum(
+                e.logprob or 0.0 for e in tokens.logprobs)
+            seq.finish_reason = seq.finish_reason or tokens.finish_reason
             _grow(out, tokens.index, tokens.token_ids, tokens.logprobs, seq.running_text())
         self._first_tokens(any(t.token_ids for t in update.tokens), now)
         end = update.end
@@ -84,12 +105,23 @@ class ResponseBuilder:
             for result in end.results:
                 seq = self._seq(result.index)
                 self._add(seq, result.token_ids, now)
+                seq.finish_reason = result.finish_reason or "abort"
                 _grow(out, result.index, result.token_ids)
                 out[result.index] = self._finish(out[result.index], seq, result, end, now)
             if end.prompt_logprobs and 0 in out:
                 out[0] = replace(out[0], prompt_logprobs=end.prompt_logprobs)
             self.metrics.request_finished(now - self.arrival)
-        return [out[i] for i in sorted(out) if out[i].token_ids or out[i].text or out[i].finished]
+        outputs = [out[i] for i in sorted(out) if out[i].token_ids or out[i].text or out[i].finished]
+        return outputs if self._resume_token is None else self._with_resume_state(outputs)
+
+    def _with_resume_state(self, outputs: list[SequenceOutput]) -> list[SequenceOutput]:
+        """Each output with its sequence's resume state; the token on the stream's first."""
+        stated = []
+        for output in outputs:
+            seq = self._seqs[output.index]
+            token, self._resume_token = self._resume_token or b"", b""
+            stated.append(replace(output, resume_state=ResumeState(token, seq.logprob_sum, seq.finish_reason)))
+        return stated
 
     def _add(self, seq: _Sequence, token_ids: Sequence[int], now: float) -> None:
         previous = seq.last_at
@@ -115,8 +147,9 @@ class ResponseBuilder:
         request-wide counts go into every sequence's usage)."""
         reason = result.finish_reason or "abort"
         first = self.first_token_at or seq.first_at or now
-        tpot = (seq.last_at - seq.first_at) / (seq.num_tokens - 1) if seq.num_tokens > 1 else 0.0
-        self.metrics.sequence_finished(reason, tpot if self._streamed and seq.num_tokens > 1 else None)
+        timed = seq.num_tokens - seq.resumed
+        tpot = (seq.last_at - seq.first_at) / (timed - 1) if timed > 1 else 0.0
+        self.metrics.sequence_finished(reason, tpot if self._streamed and timed > 1 else None)
         return replace(
             output, text=output.text + seq.final_text(), finish_reason=reason,
             cumulative_logprob=result.cumulative_logprob,

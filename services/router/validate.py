@@ -32,7 +32,7 @@ from pdserve.engine.tokenizer import Tokenizer
 from pdserve.engine.validation import MAX_REQUEST_ID, SamplingLimits, validate_prompt, validate_sampling_params
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.services.common.convert import options_of
-from pdserve.services.router.records import Request
+from pdserve.services.router.records import Request, ResumedSequence
 from pdserve.services.router.structured import ConstraintLimits, check_constraint
 
 # A client's salt: half of what the engine takes, so the tenant in front of it (`key_id/`) always fits.
@@ -47,6 +47,9 @@ class Job:
     prompt: tuple[int, ...]
     params: SamplingParams  # cache_salt included: the one the job runs with
     block_hashes: tuple[bytes, ...]  # salted with params.cache_salt, as every worker hashes them
+    # a resume (resume.py): what of each sequence reached the client before its stream
+    # broke, by index; dispatch continues from there. None: a request of its own.
+    resumed: tuple[ResumedSequence, ...] | None = None
 
     @property
     def options(self) -> pb.SamplingOptions:

@@ -15,9 +15,9 @@ retries counts. A failure belongs to the kill before it ended. Asserted:
   - A == 0: a decode worker's streams migrate to the other one, n > 1 too (beam
     search streams nothing before its end: it is retried there);
   - B == 0: prompts caught mid-prefill or mid-transfer are prefilled elsewhere;
-  - C <= the streams in flight on the killed router at the kill (a call that has
-    received tokens is never replayed; one that has not is retried on the other
-    router), and no call sent after the kill fails;
+  - C == 0 (issue 40): a call in flight on the killed router that had received
+    tokens resumes on the other router from them (GenerateRequest.resume); one
+    that had not is retried there;
   - D, the longest gap between two successful completions (from the first one to the
     end of the load), below DARK_LIMIT (the issue's 1 s holds on a quiet machine; see
     DARK_LIMIT for what was measured under load);
@@ -157,7 +157,8 @@ def test_kill_prefill_decode_and_router_under_load(tmp_path):
             for r in lost[:5]:
                 print(f"    {r.kind} {r.code} after {r.tokens} tokens: {r.details[:300]}", flush=True)
         killed = chaos.at["router"]
-        on_killed_router = [r for r in summary.records if r.router == public0 and r.started < killed <= r.ended]
+        on_killed_router = [r for r in summary.records if r.started < killed <= r.ended and (
+            r.router == public0 or r.resumptions)]
         for r in by_event["router"]:
             if r not in on_killed_router:  # what the assertions below refuse: say what it was
                 print(f"    not in flight on the killed router: {r.kind} {r.code} sent t={r.started - start:.2f}s "
@@ -168,7 +169,7 @@ def test_kill_prefill_decode_and_router_under_load(tmp_path):
                 f"lost_router_kill={len(by_event['router'])} dark_seconds={dark:.2f}")
         print(line, flush=True)
         print(f"  (router kill: {len(on_killed_router)} calls in flight on it, "
-              f"{sum(r.tokens > 0 for r in on_killed_router)} of them streaming; longest dark gap from "
+              f"{sum(r.resumptions > 0 for r in on_killed_router)} resumed on the other router; longest dark gap from "
               f"t={dark_at - start:.1f}s; first success at t={first - start:.1f}s; migrations counted by both routers "
               f"before the router kill: {chaos.migrations:.0f})", flush=True)
 
@@ -177,8 +178,7 @@ def test_kill_prefill_decode_and_router_under_load(tmp_path):
         assert not summary.overruns(), summary.problems()
         assert not by_event["prefill"], summary.problems()
         assert not by_event["decode"], summary.problems()
-        assert len(by_event["router"]) <= len(on_killed_router), (len(by_event["router"]), len(on_killed_router))
-        assert all(r.started < killed for r in by_event["router"]), summary.problems()
+        assert not by_event["router"], summary.problems()
         assert dark < DARK_LIMIT, f"{dark:.2f}s without a successful completion from t={dark_at - start:.1f}s"
 
         for _, registry in up.routers:  # the restarted ones joined both routers again

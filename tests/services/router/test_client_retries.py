@@ -39,11 +39,23 @@ def refuse(code: grpc.StatusCode, retry_after_ms: int | None = None) -> Reply:
     return reply
 
 
-def cut_after(messages: int) -> Reply:
+def cut_after(messages: int, token: bytes = b"", code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE) -> Reply:
+    """`messages` of two tokens each, the first with the resume `token` (b"": a router
+    that issues none), then `code`."""
     def reply(context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
         for t in range(messages):
-            yield pb.GenerateResponse(request_id="r", token_ids=[2 * t, 2 * t + 1])
-        context.abort(grpc.StatusCode.UNAVAILABLE, "the decode worker died")
+            state = pb.ResumeState(token=token if t == 0 else b"", logprob_sum=-1.0 * (t + 1))
+            yield pb.GenerateResponse(request_id="r", token_ids=[2 * t, 2 * t + 1], resume_state=state)
+        context.abort(code, "the router died")
+    return reply
+
+
+def resumed_from(start: int, tokens: int = 3) -> Reply:
+    """What a router resuming the stream sends: tokens from `start`, then the final message."""
+    def reply(context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
+        for t in range(start, start + tokens):
+            yield pb.GenerateResponse(request_id="r", token_ids=[t], resume_state=pb.ResumeState(token=b"tok"),
+                                      finish_reason="length" if t == start + tokens - 1 else "")
     return reply
 
 
@@ -54,6 +66,7 @@ class FakeRouter(pb_grpc.GenerationServicer):
     def __init__(self, *replies: Reply, host: str = "127.0.0.1", port: int = 0) -> None:
         self.replies = list(replies)
         self.arrivals: list[float] = []
+        self.requests: list[pb.GenerateRequest] = []
         self.server = grpc.server(ThreadPoolExecutor(8))
         pb_grpc.add_GenerationServicer_to_server(self, self.server)
         self.port = self.server.add_insecure_port(f"{host}:{port}")
@@ -62,6 +75,7 @@ class FakeRouter(pb_grpc.GenerationServicer):
 
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):
         self.arrivals.append(time.monotonic())
+        self.requests.append(request)
         reply = self.replies.pop(0) if self.replies else serve
         yield from reply(context)
 
@@ -182,7 +196,7 @@ def test_a_hint_past_the_deadline_fails_at_once_saying_so(routers):
     assert dict(info.value.trailing_metadata())["retry-after-ms"] == "5000"
 
 
-def test_a_stream_that_received_tokens_is_never_replayed(routers):
+def test_a_stream_that_received_tokens_is_never_replayed_and_without_a_resume_token_fails_saying_so(routers):
     cut, other = routers(cut_after(3)), routers()
     with Client([cut.address, other.address], timeout=10, retry=QUICK) as client:
         call = client.generate("x")
@@ -193,8 +207,34 @@ def test_a_stream_that_received_tokens_is_never_replayed(routers):
     assert received == [0, 1, 2, 3, 4, 5] and other.arrivals == []
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE == call.code()
     details = info.value.details()
-    assert "the decode worker died" in details and "6 tokens received (sequence 0: 6)" in details
-    assert cut.address in details and "not replayed" in details
+    assert "the router died" in details and "6 tokens received (sequence 0: 6)" in details
+    assert cut.address in details and "not resumed: the router issued no resume token" in details
+
+
+@pytest.mark.parametrize("code", [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED])
+def test_a_broken_stream_resumes_on_another_router_from_what_arrived(routers, code):
+    cut, other = routers(cut_after(2, b"tok", code)), routers(resumed_from(4))
+    with Client([cut.address, other.address], timeout=10, retry=QUICK) as client:
+        call = client.generate("x", max_tokens=7, seed=1)
+        received = [t for m in call for t in m.token_ids]
+        assert client.resumptions == call.resumptions == 1
+    assert received == list(range(7)) and call.code() == grpc.StatusCode.OK
+    (first,), (resume,) = cut.requests, other.requests
+    assert first.resumable and not first.HasField("resume")
+    assert resume.request_id == "r" and resume.sampling == first.sampling and resume.text == "x"
+    assert resume.resume.token == b"tok"
+    assert [(s.index, list(s.token_ids), s.logprob_sum) for s in resume.resume.sequences] == [(0, [0, 1, 2, 3], -2.0)]
+
+
+def test_resuming_stops_at_max_attempts_saying_where_the_stream_stopped(routers):
+    policy = RetryPolicy(max_attempts=2, initial_backoff=0.01, max_backoff=0.05)
+    a, b = routers(cut_after(1, b"tok")), routers(cut_after(1, b"tok"))
+    with Client([a.address, b.address], timeout=10, retry=policy) as client:
+        call = client.generate("x")
+        with pytest.raises(grpc.RpcError) as info:
+            list(call)
+    assert call.resumptions == 1 and "maxAttempts" in info.value.details()
+    assert "4 tokens received" in info.value.details()
 
 
 def test_a_status_that_is_not_retried_reaches_the_caller_as_it_was(routers):
