@@ -103,11 +103,13 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                   "short", (Query(f"sum(pdserve:num_requests_inflight{{{SEL}}})", "in flight"),
                             Query(f"sum by (pool) (pdserve:num_live_workers{{{SEL}}})", "live {{pool}} workers"))),
         PanelSpec("Routing", "Where prompts were prefilled (remote: a prefill worker; local: the decode worker; "
-                  "fallback: no prefill worker could), retries on another worker, and streams migrated to another "
-                  "decode worker after theirs failed mid-stream.",
+                  "fallback: no prefill worker could), retries on another worker, streams migrated to another "
+                  "decode worker after theirs failed mid-stream, and streams resumed for clients whose router died.",
                   "reqps", (rate_by("router_prefill_path_total", "path"),
                             rate_by("router_retries_total", "kind", "retry {{kind}}"),
-                            rate_by("request_migrations_total", "reason", "migrated {{reason}}")), has_data=True),
+                            rate_by("request_migrations_total", "reason", "migrated {{reason}}"),
+                            Query(f"sum(rate(pdserve:request_resumptions_total{{{SEL}}}[{RATE}]))",
+                                  "resumed for a client")), has_data=True),
     )),
     ("Where the time goes", (
         PanelSpec("Queue time", "Arrival at a worker's engine to first scheduled, per role: p50/p90/p99.",

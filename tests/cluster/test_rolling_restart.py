@@ -4,17 +4,21 @@ Client over both routers) while, one after the other, router 0, router 1 and a
 decode worker get SIGTERM, as a rolling update of their pods would:
 
   - a router drains: it admits nothing new (its refusals are retried on the other
-    router), finishes its streams within --router-drain-timeout, exits 0; the
-    launcher starts it again on its ports; the next step waits until every worker
-    has registered with it and the clients are served by it again;
+    router), lets its streams run for --router-drain-timeout (1 s, shorter than the
+    long greedy streams started on it just before), fails those still running, and
+    exits 0; their clients resume them on the other router from the tokens they
+    have (issue 40), so they bring all their tokens; the launcher starts the router
+    again on its ports; the next step waits until every worker has registered with
+    it and the clients are served by it again;
   - the decode worker leaves the routers' pools, finishes what it can within its
     short --drain-timeout (2 s), then stops: the streams still running there fail
     over to the other decode worker (migrated, as a few long greedy streams started
     just before make sure of) and it is started again under the same id.
 
 Asserted: every request ends OK (or CANCELLED, for the client's own cancels), none
-outlives its deadline, the long streams bring all their tokens, the routers counted
-migrations (`pdserve:request_migrations_total`, printed), every KV block is free on
+outlives its deadline, the long streams bring all their tokens (those cut by a
+router's drain resumed), the routers counted migrations
+(`pdserve:request_migrations_total`, printed), every KV block is free on
 every worker at the end, and the launcher restarted each process once.
 """
 
@@ -39,7 +43,7 @@ from pdserve.services.router.client import Client
 pytestmark = pytest.mark.cluster(seconds=120)
 
 WORKER_DRAIN = 2.0  # seconds: short, so that streams are still running when it ends
-ROUTER_DRAIN = 30.0  # seconds: more than any stream of this load takes
+ROUTER_DRAIN = 1.0  # seconds: less than the long streams take; those still running are resumed elsewhere
 FLAGS = ["--routers", "2", "--prefill", "1", "--decode", "2", "--num-blocks", "512", "--held-lease", "10",
          "--heartbeat-interval", "0.5", "--worker-timeout", "2", "--stats-interval", "0.5", "--restart-backoff", "0.5",
          "--drain-timeout", str(WORKER_DRAIN), "--router-drain-timeout", str(ROUTER_DRAIN), "--max-num-seqs", "64"]
@@ -74,23 +78,37 @@ def served_by(up: UpProcess, registry: str) -> float:
         return 0.0
 
 
-def restart_router(up: UpProcess, index: int, start: float) -> None:
-    """SIGTERM router `index`; back once it exited (drained), the launcher started it
-    again, every worker registered with it, and it serves the load again."""
+def restart_router(up: UpProcess, index: int, vocab: int, start: float) -> list[Stream]:
+    """SIGTERM router `index` while long greedy streams run on it; back once it exited
+    (drained), the launcher started it again, every worker registered with it, and it
+    serves the load again. Returns the long streams (resumed on the other router)."""
     name = "router" if index == 0 else f"router-{index}"
+    publics = [public for public, _ in up.routers]
+    # a client each, its first attempt on this router (the list's first)
+    clients = [Client([publics[index], *(p for p in publics if p != publics[index])], timeout=120)
+               for _ in range(LONG_STREAMS // 2)]
+    streams = [Stream(c, [(11 * i + j + index) % vocab for j in range(24)], max_tokens=LONG_TOKENS, temperature=0.0,
+                      ignore_eos=True) for i, c in enumerate(clients, 1)]
+    wait_for(lambda: min(len(s.tokens) for s in streams) > 0, STEP_TIMEOUT, f"every long stream on {name} to start")
     pid = up.router_pid(index)
     sent = time.monotonic()
     os.kill(pid, signal.SIGTERM)
     wait_for(lambda: not pid_alive(pid), ROUTER_DRAIN + 15, f"{name} to drain and exit")
     exited = time.monotonic()
+    for s in streams:
+        s.join(STEP_TIMEOUT)
+    for c in clients:
+        c.close()
     up.wait_line(f"restarted {name} 1", STEP_TIMEOUT)
     _, registry = up.routers[index]
     for _, each in up.routers:
         wait_for(lambda: sorted(registered(up, each)) == WORKERS, STEP_TIMEOUT, f"every worker at {each}", step=0.2)
     wait_for(lambda: served_by(up, registry) > 0, STEP_TIMEOUT, f"the restarted {name} to serve the load", step=0.2)
     print(f"t={sent - start:5.1f}s SIGTERM {name}: drained and exited in {exited - sent:.1f}s, serving again "
-          f"{time.monotonic() - exited:.1f}s later", flush=True)
+          f"{time.monotonic() - exited:.1f}s later; its long streams resumed {[s._call.resumptions for s in streams]} "
+          "times", flush=True)
     time.sleep(RECONNECT)
+    return streams
 
 
 def restart_decode_worker(up: UpProcess, client: Client, vocab: int, start: float) -> list[Stream]:
@@ -135,8 +153,7 @@ def test_rolling_restart_of_both_routers_and_a_decode_worker_loses_no_request(tm
         with Client(publics, timeout=120) as client:
             wait_for(lambda: all(served_by(up, registry) > 0 for _, registry in up.routers), STEP_TIMEOUT,
                      "both routers to serve the load", step=0.2)
-            restart_router(up, 0, start)
-            restart_router(up, 1, start)
+            cut = restart_router(up, 0, vocab, start) + restart_router(up, 1, vocab, start)
             streams = restart_decode_worker(up, client, vocab, start)
             for s in streams:
                 s.join(STEP_TIMEOUT)
@@ -161,6 +178,10 @@ def test_rolling_restart_of_both_routers_and_a_decode_worker_loses_no_request(tm
         assert not summary.unexpected(), summary.problems()
         assert not summary.overruns(), summary.problems()
         assert long_outcomes == [("OK", LONG_TOKENS)] * LONG_STREAMS
+        cut_outcomes = [(s.error.code().name if s.error else "OK", len(s.tokens)) for s in cut]
+        print(f"long streams across the routers' drains: {cut_outcomes}", flush=True)
+        assert cut_outcomes == [("OK", LONG_TOKENS)] * len(cut)
+        assert any(s._call.resumptions for s in cut), "no stream was still running on a router when its drain ended"
         assert sum(moved.values()) > 0, "no stream was still running on decode-0 when its drain ended"
         up.wait_every_block_free()
     finally:
