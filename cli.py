@@ -71,6 +71,13 @@ def _plan(args: argparse.Namespace) -> int:
     return run(from_namespace(PlanConfig, args))
 
 
+def _profile(args: argparse.Namespace) -> int:
+    from pdserve.planner.profile import ProfileConfig, run
+    from pdserve.services.common.flags import from_namespace
+
+    return run(from_namespace(ProfileConfig, args))
+
+
 def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
     """What `pdserve up ARGS` launches: the router, the worker template (every worker's
     settings but those decided per worker, launch/cluster.py render_worker) and the
@@ -303,6 +310,12 @@ def build_parser() -> argparse.ArgumentParser:
                                        "alternative weight and KV dtypes side by side (reads no weights)")
     add_flags(plan, PlanConfig)
     plan.set_defaults(func=_plan)
+    profile = sub.add_parser("profile", help="measure one worker's prefill and decode steps and KV transfer on "
+                                             "this machine: a profile (JSON) for the planner")
+    from pdserve.planner.profile import ProfileConfig  # flags only: torch loads when it runs
+
+    add_flags(profile, ProfileConfig)
+    profile.set_defaults(func=_profile)
     # Listed here for --help; main() hands everything after `bench` to bench.serving.command's own parser.
     sub.add_parser("bench", add_help=False,
                    help="open-loop load generator against a router: TTFT/TPOT/ITL, goodput (pdserve bench --help)")

@@ -14,6 +14,7 @@ aside):
     outside      deploy/, scripts/         anything of ours; nothing imports them
     cli          cli.py, __main__.py       the command line: every subcommand
     bench        bench/                    measures everything below; only cli runs it
+    planner      planner/                  profiles a worker's engine; plans and scales pools
     launch       launch/                   starts services (processes, Ray actors)
     services     services/ (the rest)      the worker process: composes the roles
     prefill      services/prefill/         prefill and decode are siblings:
@@ -72,7 +73,8 @@ LAYERS = (
     Layer("decode", ("pdserve.services.decode.*",), ("worker",)),
     Layer("services", ("pdserve.services.*",), ("prefill", "decode")),
     Layer("launch", ("pdserve.launch.*",), ("services", "router")),
-    Layer("bench", ("pdserve.bench.*",), ("launch", "package")),
+    Layer("planner", ("pdserve.planner.*",), ("launch",)),
+    Layer("bench", ("pdserve.bench.*",), ("planner", "package")),
     Layer("cli", ("pdserve.cli", "pdserve.__main__"), ("bench",)),
     Layer("outside", ("pdserve.deploy.*", "pdserve.scripts.*"), ("cli",)),
 )
