@@ -65,8 +65,17 @@ def _worker(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from pdserve.launch.plan import PlanConfig, run
+    from pdserve.engine.config import DEFAULT_MODEL
     from pdserve.services.common.flags import from_namespace
+
+    if args.profile is not None:  # by SLO, in the simulator
+        from pdserve.planner.plan import SloPlanConfig
+        from pdserve.planner.plan import run as plan_by_slo
+
+        return plan_by_slo(from_namespace(SloPlanConfig, args), args.output_len,
+                           None if args.model == DEFAULT_MODEL else args.model, args.max_num_batched_tokens,
+                           args.max_num_seqs, args.block_size, args.json)
+    from pdserve.launch.plan import PlanConfig, run
 
     return run(from_namespace(PlanConfig, args))
 
@@ -309,6 +318,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="weights, KV blocks and workers needed for a load, for the given and the "
                                        "alternative weight and KV dtypes side by side (reads no weights)")
     add_flags(plan, PlanConfig)
+    from pdserve.planner.plan import SloPlanConfig  # flags only
+
+    add_flags(plan, SloPlanConfig)
     plan.set_defaults(func=_plan)
     profile = sub.add_parser("profile", help="measure one worker's prefill and decode steps and KV transfer on "
                                              "this machine: a profile (JSON) for the planner")
