@@ -21,6 +21,12 @@ Measured in this process, on the engine a worker started with the same flags run
               loopback: seconds per block in a stream of blocks, and the latency of
               one block alone; the transport's own cost, what the engine adds to it
               is the prefill and decode steps above
+    serving   (--serving) what the serving path adds, measured through real clusters
+              of the same flags on this machine (one mixed worker; one prefill and
+              one decode worker) and the project's Client: per request (TTFT less the
+              prefill step), per prompt that crosses (its TTFT less a local one's),
+              and per decode step (inter-token time less the engine's step) as a line
+              in the batch size: the router, the gRPC streams, the workers' loops
 
 Each point is the median of --repeats runs (min and max kept beside it). Prompts are
 random token ids, fresh for each run, so nothing is cached but what a point says.
@@ -37,6 +43,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import platform
 import random
 import statistics
@@ -68,6 +75,7 @@ class ProfileConfig:
     repeats: int = flag(3, "runs per point (the median is kept, with min and max)")
     decode_steps: int = flag(8, "decode steps timed per run of a decode point")
     transfer_blocks: int = flag(256, "KV blocks streamed per run of the transfer measurement")
+    serving: bool = flag(False, "also measure what the serving path adds (a real one-worker cluster on this machine)")
     # the engine's flags, as a worker reads them (a factory: the default model is checked only when used)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
 
@@ -100,6 +108,8 @@ class Profile:
     decode: list[dict] = field(default_factory=list)  # {"batch", "context", seconds, low, high, runs}
     transfer: dict = field(default_factory=dict)  # bytes_per_block, seconds_per_block, latency_seconds, transport
     format: str = FORMAT
+    # request_seconds, step_seconds, step_seconds_per_sequence ({}: not measured)
+    serving: dict = field(default_factory=dict)
 
     def write(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=1) + "\n")
@@ -117,7 +127,8 @@ class Profile:
         for key in ("prefill", "decode"):
             if not data.get(key):
                 raise ValueError(f"profile: {path} has no {key} points")
-        return cls(data["source"], data["prefill"], data["decode"], data.get("transfer", {}), data["format"])
+        return cls(data["source"], data["prefill"], data["decode"], data.get("transfer", {}), data["format"],
+                   data.get("serving", {}))
 
     def prefill_seconds(self, tokens: int, cached: int = 0) -> float:
         """One prefill step of `tokens` new tokens after `cached` ones (interpolated)."""
@@ -126,6 +137,21 @@ class Profile:
     def decode_seconds(self, batch: int, context: int) -> float:
         """One decode step of `batch` sequences of `context` tokens (interpolated)."""
         return _grid(self.decode, "context", "batch", context, batch)
+
+    def request_overhead(self) -> float:
+        """Seconds the serving path adds to a request's first token (0: not measured)."""
+        return self.serving.get("request_seconds", 0.0)
+
+    def remote_overhead(self) -> float:
+        """Seconds a prompt that crosses from a prefill worker adds beyond a local one's
+        (the reservation and the prefill call; 0: not measured)."""
+        return self.serving.get("remote_seconds", 0.0)
+
+    def step_overhead(self, batch: int) -> float:
+        """Seconds the serving path adds to a decode step of `batch` sequences (0: not measured)."""
+        if not self.serving:
+            return 0.0
+        return max(0.0, self.serving["step_seconds"] + batch * self.serving["step_seconds_per_sequence"])
 
     def transfer_seconds(self, blocks: int) -> float:
         """KV of `blocks` blocks over the transport (0 without a transfer measurement)."""
@@ -323,6 +349,69 @@ def measure_transfer(bytes_per_block: int, blocks: int, repeats: int) -> dict:
             "seconds_per_block_high": stream.high, "latency_seconds": statistics.median(singles) / 2}
 
 
+SERVING_PROMPT, SERVING_TOKENS, SERVING_BATCHES = 64, 24, (1, 8, 32)
+
+
+def measure_serving(profile: Profile, worker: WorkerConfig, repeats: int) -> dict:
+    """The serving path's own cost (the module docstring): a one-worker cluster of
+    `worker`'s flags, greedy streams of SERVING_PROMPT random tokens and SERVING_TOKENS
+    outputs, alone (repeats times) and SERVING_BATCHES at once; each figure less what
+    the profile says the engine's step takes."""
+    from concurrent.futures import ThreadPoolExecutor
+    from dataclasses import replace
+
+    from pdserve.launch.cluster import ClusterSpec, LaunchConfig
+    from pdserve.launch.local import LocalCluster
+    from pdserve.services.router.client import Client
+    from pdserve.services.router.config import RouterConfig
+
+    prompts = Prompts(profile.source["vocab_size"], worker.seed + 1)
+
+    def cluster(launch: LaunchConfig) -> LocalCluster:
+        # threshold 0: with a prefill worker, every prompt crosses
+        return LocalCluster(ClusterSpec(RouterConfig(model=worker.model, port=0, log_level="WARNING",
+                                                     local_prefill_threshold=0),
+                                        replace(worker, log_level="WARNING"), launch))
+
+    def one(client: Client) -> tuple[float, list[float]]:
+        start = time.perf_counter()
+        times: list[float] = []
+        for message in client.generate(prompts(SERVING_PROMPT), max_tokens=SERVING_TOKENS, temperature=0.0,
+                                       ignore_eos=True):
+            times += [time.perf_counter()] * len(message.token_ids)
+        return times[0] - start, [b - a for a, b in zip(times, times[1:])]
+
+    with cluster(LaunchConfig(prefill=0, decode=0, mixed=1)) as mixed, Client(mixed.address, timeout=120) as client:
+        one(client)  # warm
+        alone = [one(client) for _ in range(max(3, repeats))]
+        ttft = statistics.median(t for t, _ in alone)
+        steps = {1: statistics.median(x for _, itl in alone for x in itl)}
+        with ThreadPoolExecutor(max(SERVING_BATCHES)) as pool:
+            for batch in SERVING_BATCHES[1:]:
+                runs = list(pool.map(lambda _: one(client), range(batch)))
+                steps[batch] = statistics.median(x for _, itl in runs for x in (itl[2:-2] or itl))
+    with cluster(LaunchConfig(prefill=1, decode=1)) as pd, Client(pd.address, timeout=120) as client:
+        one(client)
+        remote_ttft = statistics.median(one(client)[0] for _ in range(max(3, repeats)))
+    context = SERVING_PROMPT + SERVING_TOKENS // 2
+    extra = {b: max(0.0, t - profile.decode_seconds(b, context)) for b, t in steps.items()}
+    slope, intercept = _line(list(extra), list(extra.values()))
+    blocks = -(-SERVING_PROMPT // profile.source["block_size"])
+    return {"request_seconds": max(0.0, ttft - profile.prefill_seconds(SERVING_PROMPT, 0)),
+            "remote_seconds": max(0.0, remote_ttft - ttft),
+            "step_seconds": max(0.0, intercept), "step_seconds_per_sequence": max(0.0, slope),
+            "measured_itl_seconds": {str(b): t for b, t in steps.items()}, "measured_ttft_seconds": ttft,
+            "measured_remote_ttft_seconds": remote_ttft, "transfer_blocks": blocks}
+
+
+def _line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """Least squares: (slope, intercept)."""
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
+    return slope, my - slope * mx
+
+
 def grids(config: ProfileConfig) -> tuple[Sequence[int], Sequence[int], Sequence[int], Sequence[int]]:
     if config.quick:
         return QUICK["tokens"], QUICK["cached"], QUICK["batches"], QUICK["contexts"]
@@ -333,9 +422,10 @@ def take(config: ProfileConfig, report: Callable[[str], None] = print) -> Profil
     """Measure (the module docstring) and return the profile."""
     from pdserve.engine import SamplingParams
     from pdserve.engine.engine import LLMEngine
-    from pdserve.services.node import prepare
+    from pdserve.services.node import pin, prepare
 
     worker = config.worker
+    unpinned = os.sched_getaffinity(0)  # the serving measurement's cluster is placed from this, as `pdserve up` is
     prepare(worker)
     engine = LLMEngine(worker.engine_config())
     try:
@@ -370,7 +460,15 @@ def take(config: ProfileConfig, report: Callable[[str], None] = print) -> Profil
     if not prefill or not decode:
         raise ValueError("profile: no prefill or no decode point fits this engine (--num-blocks, --max-model-len, "
                          "--max-num-batched-tokens, --max-num-seqs)")
-    return Profile(source, prefill, decode, transfer)
+    profile = Profile(source, prefill, decode, transfer)
+    if config.serving:
+        pin(unpinned)
+        serving = measure_serving(profile, worker, repeats)
+        report(f"serving request_seconds={serving['request_seconds']:.4f} remote_seconds={serving['remote_seconds']:.4f} "
+               f"step_seconds={serving['step_seconds']:.5f} "
+               f"step_seconds_per_sequence={serving['step_seconds_per_sequence']:.6f}")
+        profile = Profile(source, prefill, decode, transfer, serving=serving)
+    return profile
 
 
 def _flags(worker: WorkerConfig) -> dict:

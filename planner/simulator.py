@@ -23,7 +23,11 @@ what TTFT, TPOT and ITL a traffic would see on a given split of workers.
 Tokens are emitted at the end of the step that makes them. Prefix caching: a worker
 keeps every prefix (of `block_tokens`-token blocks, by their hash ids) it prefilled; a
 request's cached tokens are its longest kept prefix (not its whole prompt: the last
-token is always computed). Not modelled: the router's and the network's own CPU,
+token is always computed). The serving path's own cost (router, gRPC streams, the
+worker's loop) comes from the profile where it was measured (`pdserve profile
+--serving`): a delay before each request reaches a worker (and, for a prompt that
+crosses, the reservation and the prefill call), and time added to every step, by its
+batch size. Not modelled: the router's CPU competing with the workers',
 speculative decoding, KV tiers, migrations, a worker's memory other than its blocks.
 
     Simulation(profile, Shape(prefill=1, decode=1), Limits(...)).run(requests) -> [Outcome]
@@ -296,19 +300,21 @@ class Simulation:
         decodes = [s for s, _ in batch if s.computed >= s.prompt]
         prefill_tokens = sum(n for s, n in batch if s.computed < s.prompt)
         context = sum(s.computed for s in decodes) / len(decodes) if decodes else 0
+        serving = self.profile.step_overhead(len(batch))  # the worker's loop and streams (profile --serving)
         if not prefill_tokens:
-            return self.profile.decode_seconds(len(decodes), context)
+            return self.profile.decode_seconds(len(decodes), context) + serving
         cached = max((s.computed for s, _ in batch if s.computed < s.prompt), default=0)
         seconds = self.profile.prefill_seconds(prefill_tokens + len(decodes), cached)
         if decodes:  # what attending over the decodes' contexts adds to their tokens' own cost
             seconds += max(0.0, self.profile.decode_seconds(len(decodes), context) -
                            self.profile.prefill_seconds(len(decodes), 0))
-        return seconds
+        return seconds + serving
 
     def run(self, requests: Iterable[SimRequest]) -> list[Outcome]:
         outcomes = [Outcome(r) for r in sorted(requests, key=lambda r: r.arrival)]
+        delay = self.profile.request_overhead()  # router and streams, first token (profile --serving)
         for order, outcome in enumerate(outcomes):
-            self.at(outcome.request.arrival, self._arrive, outcome, order)
+            self.at(outcome.request.arrival + delay, self._arrive, outcome, order)
         while self._events:
             when, _, fn, args = heapq.heappop(self._events)
             self.now = when
@@ -327,7 +333,8 @@ class Simulation:
                 seq = _Seq(outcome, order, r.prompt, prefill.cached(r), to_emit=1)
                 self._remote[id(seq)] = (decode, r.prompt + 1)
                 outcome.path = "remote"
-                prefill.add(seq)
+                # the reservation and the prefill call (profile --serving), before P queues it
+                self.at(self.now + self.profile.remote_overhead(), prefill.add, seq)
                 return
             outcome.path = "fallback"
         decode.add(_Seq(outcome, order, r.prompt, cached, to_emit=r.output))

@@ -1,5 +1,6 @@
 """`pdserve profile` (planner/profile.py): a real profile of the embedded model taken
-by the CLI, read back; its interpolation, and the refusals of a bad file or flag."""
+by the CLI (with the serving path measured through real clusters), read back; its
+interpolation, and the refusals of a bad file or flag."""
 
 from __future__ import annotations
 
@@ -15,13 +16,15 @@ from pdserve.engine.llm import DEFAULT_MODEL
 from pdserve.planner.profile import FORMAT, Profile, ProfileConfig, _interpolate
 from cluster_helpers import REPO, child_env
 
+pytestmark = pytest.mark.cluster(seconds=15)  # the CLI, and the clusters its serving measurement starts
+
 
 @pytest.fixture(scope="module")
 def taken(tmp_path_factory):
     out = tmp_path_factory.mktemp("profile") / "profile.json"
     done = subprocess.run(
         [sys.executable, "-m", "pdserve", "profile", "--quick", "--output", str(out), "--num-blocks", "512",
-         "--torch-threads", "1", "--transfer-blocks", "32"],
+         "--torch-threads", "1", "--transfer-blocks", "32", "--serving"],
         cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return out, done.stdout
@@ -50,6 +53,12 @@ def test_the_cli_writes_a_profile_of_what_it_measured(taken):
     assert transfer["bytes_per_block"] == source["kv_bytes_per_block"] and transfer["seconds_per_block"] > 0
     assert profile.transfer_seconds(10) == pytest.approx(
         transfer["latency_seconds"] + 9 * transfer["seconds_per_block"])
+    # the serving path, through real clusters: what it adds, never negative
+    serving = profile.serving
+    assert set(serving["measured_itl_seconds"]) == {"1", "8", "32"} and serving["measured_ttft_seconds"] > 0
+    for key in ("request_seconds", "remote_seconds", "step_seconds", "step_seconds_per_sequence"):
+        assert serving[key] >= 0, key
+    assert profile.step_overhead(8) == pytest.approx(serving["step_seconds"] + 8 * serving["step_seconds_per_sequence"])
 
 
 def test_interpolation_meets_the_points_and_is_linear_between_and_beyond():
