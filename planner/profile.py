@@ -24,7 +24,8 @@ Measured in this process, on the engine a worker started with the same flags run
     serving   (--serving) what the serving path adds, measured through real clusters
               of the same flags on this machine (one mixed worker; one prefill and
               one decode worker) and the project's Client: per request (TTFT less the
-              prefill step), per prompt that crosses (its TTFT less a local one's),
+              prefill step), how much slower a long prompt's prefill runs there than
+              alone, per prompt that crosses (its TTFT less a local one's),
               and per decode step (inter-token time less the engine's step) as a line
               in the batch size: the router, the gRPC streams, the workers' loops
 
@@ -141,6 +142,11 @@ class Profile:
     def request_overhead(self) -> float:
         """Seconds the serving path adds to a request's first token (0: not measured)."""
         return self.serving.get("request_seconds", 0.0)
+
+    def prefill_factor(self) -> float:
+        """How much longer a prefill step takes in a serving worker than in the profile's
+        engine alone (1: not measured)."""
+        return self.serving.get("prefill_factor", 1.0)
 
     def remote_overhead(self) -> float:
         """Seconds a prompt that crosses from a prefill worker adds beyond a local one's
@@ -349,7 +355,7 @@ def measure_transfer(bytes_per_block: int, blocks: int, repeats: int) -> dict:
             "seconds_per_block_high": stream.high, "latency_seconds": statistics.median(singles) / 2}
 
 
-SERVING_PROMPT, SERVING_TOKENS, SERVING_BATCHES = 64, 24, (1, 8, 32)
+SERVING_PROMPT, SERVING_TOKENS, SERVING_BATCHES, SERVING_LONG_PROMPT = 64, 24, (1, 8, 32), 512
 
 
 def measure_serving(profile: Profile, worker: WorkerConfig, repeats: int) -> dict:
@@ -373,10 +379,10 @@ def measure_serving(profile: Profile, worker: WorkerConfig, repeats: int) -> dic
                                                      local_prefill_threshold=0),
                                         replace(worker, log_level="WARNING"), launch))
 
-    def one(client: Client) -> tuple[float, list[float]]:
+    def one(client: Client, prompt: int = SERVING_PROMPT) -> tuple[float, list[float]]:
         start = time.perf_counter()
         times: list[float] = []
-        for message in client.generate(prompts(SERVING_PROMPT), max_tokens=SERVING_TOKENS, temperature=0.0,
+        for message in client.generate(prompts(prompt), max_tokens=SERVING_TOKENS, temperature=0.0,
                                        ignore_eos=True):
             times += [time.perf_counter()] * len(message.token_ids)
         return times[0] - start, [b - a for a, b in zip(times, times[1:])]
@@ -390,6 +396,7 @@ def measure_serving(profile: Profile, worker: WorkerConfig, repeats: int) -> dic
             for batch in SERVING_BATCHES[1:]:
                 runs = list(pool.map(lambda _: one(client), range(batch)))
                 steps[batch] = statistics.median(x for _, itl in runs for x in (itl[2:-2] or itl))
+        long_ttft = statistics.median(one(client, SERVING_LONG_PROMPT)[0] for _ in range(max(3, repeats)))
     with cluster(LaunchConfig(prefill=1, decode=1)) as pd, Client(pd.address, timeout=120) as client:
         one(client)
         remote_ttft = statistics.median(one(client)[0] for _ in range(max(3, repeats)))
@@ -397,7 +404,11 @@ def measure_serving(profile: Profile, worker: WorkerConfig, repeats: int) -> dic
     extra = {b: max(0.0, t - profile.decode_seconds(b, context)) for b, t in steps.items()}
     slope, intercept = _line(list(extra), list(extra.values()))
     blocks = -(-SERVING_PROMPT // profile.source["block_size"])
-    return {"request_seconds": max(0.0, ttft - profile.prefill_seconds(SERVING_PROMPT, 0)),
+    request = max(0.0, ttft - profile.prefill_seconds(SERVING_PROMPT, 0))
+    # a long prompt's prefill in the cluster against the profile's: what the serving
+    # processes beside the worker (its own gRPC threads, the router) take from its steps
+    factor = (long_ttft - request) / profile.prefill_seconds(SERVING_LONG_PROMPT, 0)
+    return {"request_seconds": request, "prefill_factor": max(1.0, factor), "measured_long_ttft_seconds": long_ttft,
             "remote_seconds": max(0.0, remote_ttft - ttft),
             "step_seconds": max(0.0, intercept), "step_seconds_per_sequence": max(0.0, slope),
             "measured_itl_seconds": {str(b): t for b, t in steps.items()}, "measured_ttft_seconds": ttft,
@@ -465,6 +476,7 @@ def take(config: ProfileConfig, report: Callable[[str], None] = print) -> Profil
         pin(unpinned)
         serving = measure_serving(profile, worker, repeats)
         report(f"serving request_seconds={serving['request_seconds']:.4f} remote_seconds={serving['remote_seconds']:.4f} "
+               f"prefill_factor={serving['prefill_factor']:.3f} "
                f"step_seconds={serving['step_seconds']:.5f} "
                f"step_seconds_per_sequence={serving['step_seconds_per_sequence']:.6f}")
         profile = Profile(source, prefill, decode, transfer, serving=serving)

@@ -26,8 +26,8 @@ request's cached tokens are its longest kept prefix (not its whole prompt: the l
 token is always computed). The serving path's own cost (router, gRPC streams, the
 worker's loop) comes from the profile where it was measured (`pdserve profile
 --serving`): a delay before each request reaches a worker (and, for a prompt that
-crosses, the reservation and the prefill call), and time added to every step, by its
-batch size. Not modelled: the router's CPU competing with the workers',
+crosses, the reservation and the prefill call), time added to every step by its batch
+size, and a factor on prefill steps (a serving worker's against the engine alone). Not modelled: the router's CPU competing with the workers',
 speculative decoding, KV tiers, migrations, a worker's memory other than its blocks.
 
     Simulation(profile, Shape(prefill=1, decode=1), Limits(...)).run(requests) -> [Outcome]
@@ -304,7 +304,7 @@ class Simulation:
         if not prefill_tokens:
             return self.profile.decode_seconds(len(decodes), context) + serving
         cached = max((s.computed for s, _ in batch if s.computed < s.prompt), default=0)
-        seconds = self.profile.prefill_seconds(prefill_tokens + len(decodes), cached)
+        seconds = self.profile.prefill_seconds(prefill_tokens + len(decodes), cached) * self.profile.prefill_factor()
         if decodes:  # what attending over the decodes' contexts adds to their tokens' own cost
             seconds += max(0.0, self.profile.decode_seconds(len(decodes), context) -
                            self.profile.prefill_seconds(len(decodes), 0))
