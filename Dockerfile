@@ -44,6 +44,7 @@ COPY bench /src/bench
 COPY engine /src/engine
 COPY kvtransfer /src/kvtransfer
 COPY launch /src/launch
+COPY planner /src/planner
 COPY proto /src/proto
 COPY services /src/services
 RUN pip install --no-cache-dir --no-deps --no-build-isolation /src \

@@ -18,6 +18,7 @@ import argparse
 from dataclasses import dataclass
 
 from pdserve.planner.profile import FORMAT, Profile
+from pdserve.services.common.flags import add_flags, check, flag, from_namespace
 
 PREFILL_TOKENS = (16, 64, 256, 1024, 4096, 8192)
 PREFILL_CACHED = (0, 1024, 4096, 16384)
@@ -105,15 +106,27 @@ SCENARIOS = (
 )
 
 
+@dataclass(frozen=True)
+class TableFlags:
+    requests: int = flag(600, "requests simulated per split")
+    max_workers: int = flag(12, "largest split considered")
+
+    def __post_init__(self) -> None:
+        check(self.requests >= 10, "requests", "must be >= 10", self.requests)
+        check(self.max_workers >= 1, "max_workers", "must be >= 1", self.max_workers)
+
+
 def main(argv: list[str] | None = None) -> int:
     from pdserve.planner.plan import SloPlanConfig, search
     from pdserve.planner.simulator import Limits
 
     parser = argparse.ArgumentParser(prog="python -m pdserve.planner.roofline", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--requests", type=int, default=600, help="requests simulated per split")
-    parser.add_argument("--max-workers", type=int, default=12)
-    args = parser.parse_args(argv)
+    add_flags(parser, TableFlags)
+    try:
+        args = from_namespace(TableFlags, parser.parse_args(argv))
+    except ValueError as e:
+        parser.error(str(e))
     print("| model | workers of | traffic | targets (90 %) | planned split | TTFT p50 / p90 | TPOT p50 / p90 | "
           "goodput per worker |")
     print("|---|---|---|---|---|---|---|---|")

@@ -8,7 +8,7 @@ import ast
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
-SUBJECTS = {"engine", "transfer", "serving", "cluster", "spec", "quant", "offload", "structured", "common"}
+SUBJECTS = {"engine", "transfer", "serving", "cluster", "spec", "quant", "offload", "structured", "planner", "common"}
 
 
 def _module(path: Path) -> str:
@@ -37,7 +37,7 @@ def test_every_module_sits_in_a_subject_and_no_module_imports_an_entry_point() -
     entries = {m for m, tree in trees.items() if _is_entry(tree)}
     assert {"pdserve.bench.serving.command", "pdserve.bench.engine.offline", "pdserve.bench.spec.methods",
             "pdserve.bench.spec.gpu", "pdserve.bench.cluster.disagg", "pdserve.bench.quant.schemes",
-            "pdserve.bench.offload.__main__", "pdserve.bench.structured.__main__"} <= entries
+            "pdserve.bench.offload.__main__", "pdserve.bench.structured.__main__", "pdserve.bench.planner.__main__"} <= entries
     assert not any(m.startswith("pdserve.bench.common.") for m in entries)
     importers = {(m, e) for m, tree in trees.items() for e in entries & _imports(tree)}
     assert importers == set(), sorted(importers)

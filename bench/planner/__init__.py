@@ -1,0 +1,1 @@
+"""The planner's evidence: its simulator against the real cluster (`python -m pdserve.bench.planner`)."""
