@@ -44,6 +44,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from pdserve.planner.profile import Profile
+from pdserve.services.common.quantiles import percentile
 
 
 @dataclass(frozen=True)
@@ -390,16 +391,6 @@ class Traffic:
 
 
 # -- figures -------------------------------------------------------------------------------
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0-100), linearly interpolated as numpy's default."""
-    if not values:
-        return math.nan
-    xs = sorted(values)
-    k = (len(xs) - 1) * q / 100
-    lo, hi = math.floor(k), math.ceil(k)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
 @dataclass(frozen=True)

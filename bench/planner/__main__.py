@@ -33,7 +33,8 @@ from pathlib import Path
 from pdserve.bench.common.entry import parse
 from pdserve.bench.common.machine import machine_load
 from pdserve.planner.profile import Profile
-from pdserve.planner.simulator import Shape, SimRequest, Simulation, Limits, percentile
+from pdserve.bench.common.stats import percentile
+from pdserve.planner.simulator import Limits, Shape, SimRequest, Simulation
 from pdserve.services.common.flags import flag
 
 WORKLOADS = {"chat": ((64, 192), (32, 64)), "long": ((384, 768), (16, 48))}

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from pdserve.planner.profile import Profile
-from pdserve.planner.simulator import Limits, Shape, SimRequest, Simulation, Traffic, figures, percentile
+from pdserve.planner.simulator import Limits, Shape, SimRequest, Simulation, Traffic, figures
+from pdserve.services.common.quantiles import percentile
 
 # prefill: 1 ms + 0.1 ms a new token (cached tokens cost nothing); decode: 2 ms + 0.5 ms a
 # sequence (context-free); a block crosses in 0.2 ms after 1 ms of latency
