@@ -120,9 +120,9 @@ class LaunchConfig:
                                                     "workers' (a router's drain must outlast its longest stream, a "
                                                     "worker's need not: the router migrates what it leaves; "
                                                     "default: --drain-timeout)")
-    worker_start: str = flag("fork", "how local workers start: fork (from one helper process that imported torch and "
-                                     "pdserve once: a fraction of the CPU and time of a fresh interpreter; Linux) | "
-                                     "exec (each a fresh `python -m pdserve` interpreter)")
+    worker_start: str = flag("fork", "how local workers and routers start: fork (from one helper process that imported "
+                                     "torch and pdserve once: a fraction of the CPU and time of a fresh interpreter; "
+                                     "Linux) | exec (each a fresh `python -m pdserve` interpreter)")
     worker_cpus: str = flag("", "pin workers to CPUs, one CPU list per worker in start order (prefill, mixed, "
                                 "decode), separated by ';', e.g. '0;1' (cycled if shorter; '': not pinned)")
 
@@ -511,7 +511,10 @@ class Cluster(ABC):
         for index in range(self.spec.launch.routers):
             name = router_name(index)
             configs[name] = render_router(self.spec, Path(self._tmp.name) / f"{name}.address", self.credentials, index)
-            self._spawn(name, ["router", *to_argv(configs[name])], self.router_cpus)
+            # forked too (and its restarts): a router imports torch for its tokenizer, which
+            # the helper already did (the first start waits for the helper's imports; each
+            # restart under load is seconds sooner)
+            self._spawn(name, ["router", *to_argv(configs[name])], self.router_cpus, forked=True)
         routers = []
         for name, config in configs.items():
             address_file = Path(config.address_file)
