@@ -404,11 +404,13 @@ def measure_serving(profile: Profile, worker: WorkerConfig, repeats: int) -> dic
     extra = {b: max(0.0, t - profile.decode_seconds(b, context)) for b, t in steps.items()}
     slope, intercept = _line(list(extra), list(extra.values()))
     blocks = -(-SERVING_PROMPT // profile.source["block_size"])
-    request = max(0.0, ttft - profile.prefill_seconds(SERVING_PROMPT, 0))
-    # a long prompt's prefill in the cluster against the profile's: what the serving
-    # processes beside the worker (its own gRPC threads, the router) take from its steps
-    factor = (long_ttft - request) / profile.prefill_seconds(SERVING_LONG_PROMPT, 0)
-    return {"request_seconds": request, "prefill_factor": max(1.0, factor), "measured_long_ttft_seconds": long_ttft,
+    # TTFT = request + factor x prefill, at two prompt lengths: the factor is how much
+    # slower a prefill runs in a serving worker than in the engine alone (its own gRPC
+    # threads and the router take from it), the request the path's fixed cost
+    short, long = profile.prefill_seconds(SERVING_PROMPT, 0), profile.prefill_seconds(SERVING_LONG_PROMPT, 0)
+    factor = max(1.0, (long_ttft - ttft) / (long - short)) if long > short else 1.0
+    request = max(0.0, ttft - factor * short)
+    return {"request_seconds": request, "prefill_factor": factor, "measured_long_ttft_seconds": long_ttft,
             "remote_seconds": max(0.0, remote_ttft - ttft),
             "step_seconds": max(0.0, intercept), "step_seconds_per_sequence": max(0.0, slope),
             "measured_itl_seconds": {str(b): t for b, t in steps.items()}, "measured_ttft_seconds": ttft,
