@@ -31,6 +31,7 @@ from pathlib import Path
 
 from pdserve.bench.common.entry import parse
 from pdserve.bench.common.stats import ratio_line
+from pdserve.bench.serving.metrics import Headline
 from pdserve.services.common.flags import flag
 
 SIDES = ("default", "other")
@@ -48,13 +49,6 @@ class DefaultsFlags:
     num_blocks: int = flag(2048, "KV blocks of the worker (both sides)")
 
 
-@dataclass(frozen=True)
-class Run:
-    throughput: float  # output tokens/s
-    ttft_p50_ms: float
-    tpot_p50_ms: float
-
-
 def launch(flags: list[str], log: Path) -> tuple[subprocess.Popen, str]:
     """`pdserve up` with a mixed worker and the HTTP API; its OpenAI base URL."""
     proc = subprocess.Popen(
@@ -68,7 +62,7 @@ def launch(flags: list[str], log: Path) -> tuple[subprocess.Popen, str]:
     raise RuntimeError(f"pdserve up {' '.join(flags)} ended before serving; see {log}")
 
 
-def measure(base_url: str, cfg: DefaultsFlags) -> Run:
+def measure(base_url: str, cfg: DefaultsFlags) -> Headline:
     out = subprocess.run(
         [sys.executable, "-m", "pdserve.bench.serving.command", "--backend", "openai", "--base-url", base_url,
          "--request-rate", "inf", "--concurrency", str(cfg.concurrency), "--num-requests", str(cfg.num_requests),
@@ -79,7 +73,7 @@ def measure(base_url: str, cfg: DefaultsFlags) -> Run:
         raise RuntimeError(f"pdserve bench failed:\n{out.stdout[-2000:]}{out.stderr[-2000:]}")
     throughput = float(re.search(r"Output token throughput \(tok/s\):\s+([\d.]+)", out.stdout).group(1))
     last = re.search(r"ttft_p50_ms=(\S+) tpot_p50_ms=(\S+)", out.stdout)
-    return Run(throughput, float(last.group(1)), float(last.group(2)))
+    return Headline(throughput, float(last.group(1)), float(last.group(2)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
           f"default: pdserve up (no flags); other: {f.other}")
     print(f"workload: {f.num_requests} requests, {f.prompt_tokens} prompt / {f.output_tokens} output tokens, "
           f"{f.concurrency} in flight, OpenAI completions streamed; {f.repeats} repetitions, interleaved")
-    runs: dict[str, list[Run]] = {side: [] for side in SIDES}
+    runs: dict[str, list[Headline]] = {side: [] for side in SIDES}
     with tempfile.TemporaryDirectory(prefix="pdserve-defaults-") as logs:
         for repeat in range(f.repeats):
             for side in SIDES:
@@ -106,8 +100,7 @@ def main(argv: list[str] | None = None) -> int:
                     proc.terminate()
                     proc.wait(60)
                 runs[side].append(run)
-                print(f"[{repeat + 1}/{f.repeats}] {side:<8} output {run.throughput:8.1f} tok/s  "
-                      f"TTFT p50 {run.ttft_p50_ms:9.1f} ms  TPOT p50 {run.tpot_p50_ms:7.1f} ms", flush=True)
+                print(f"[{repeat + 1}/{f.repeats}] {side:<8} {run.line()}", flush=True)
     pairs = list(zip(runs["default"], runs["other"]))
     tput, t = ratio_line("output throughput default/other", [(a.throughput, b.throughput) for a, b in pairs])
     tpot, p = ratio_line("TPOT p50 default/other", [(a.tpot_p50_ms, b.tpot_p50_ms) for a, b in pairs])

@@ -238,3 +238,17 @@ def request_record(r: RequestResult, start: float) -> dict:
 
 def _json_float(x: float) -> float | None:
     return None if math.isnan(x) else x
+
+
+@dataclass(frozen=True)
+class Headline:
+    """A server's run in the three figures a side-by-side compares (bench.serving.defaults,
+    bench.serving.vs_vllm)."""
+
+    throughput: float  # output tokens/s
+    ttft_p50_ms: float
+    tpot_p50_ms: float
+
+    def line(self) -> str:
+        return (f"output {self.throughput:8.1f} tok/s  TTFT p50 {self.ttft_p50_ms:9.1f} ms  "
+                f"TPOT p50 {self.tpot_p50_ms:7.1f} ms")

@@ -48,6 +48,7 @@ from pathlib import Path
 
 from pdserve.bench.common.entry import parse
 from pdserve.bench.common.stats import ratio_line
+from pdserve.bench.serving.metrics import Headline
 from pdserve.services.common.flags import flag
 
 SIDES = ("pdserve", "vllm")
@@ -81,14 +82,7 @@ class VsVllmFlags:
     timeout: float = flag(1800.0, "seconds a server start or a run may take")
 
 
-@dataclass(frozen=True)
-class Run:
-    throughput: float  # output tokens/s
-    ttft_p50_ms: float
-    tpot_p50_ms: float
-
-
-def parse_result(text: str) -> Run:
+def parse_result(text: str) -> Headline:
     """The figures `vllm bench serve` prints."""
     found = {}
     for name, pattern in RESULT_PATTERNS.items():
@@ -96,7 +90,7 @@ def parse_result(text: str) -> Run:
         if match is None:
             raise RuntimeError(f"vllm bench serve printed no {name}:\n{text[-3000:]}")
         found[name] = float(match.group(1))
-    return Run(**found)
+    return Headline(**found)
 
 
 def free_port() -> int:
@@ -157,7 +151,7 @@ def start(side: str, f: VsVllmFlags, model: Path, log: Path) -> tuple[subprocess
     return proc, f"http://127.0.0.1:{port}"
 
 
-def measure(base_url: str, name: str, model: Path, rate: str, f: VsVllmFlags, seed: int) -> Run:
+def measure(base_url: str, name: str, model: Path, rate: str, f: VsVllmFlags, seed: int) -> Headline:
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
     out = subprocess.run(
         [f.vllm_python, "-c", VLLM_SHIM, "bench", "serve", "--backend", "openai", "--base-url", base_url,
@@ -192,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
           f"pdserve up (default flags) vs vllm serve --dtype float32; {f.num_prompts} requests, {f.input_len} prompt "
           f"/ {f.output_len} output tokens, at most {f.concurrency} in flight, rates {rates}; {f.repeats} "
           f"repetitions, interleaved", flush=True)
-    runs: dict[tuple[str, str], list[Run]] = {(side, rate): [] for side in SIDES for rate in rates}
+    runs: dict[tuple[str, str], list[Headline]] = {(side, rate): [] for side in SIDES for rate in rates}
     with tempfile.TemporaryDirectory(prefix="pdserve-vs-vllm-") as work:
         model = Path(work) / "model"
         make_model(f, model)
@@ -204,9 +198,7 @@ def main(argv: list[str] | None = None) -> int:
                     for rate in rates:
                         run = measure(url, name, model, rate, f, seed=repeat)
                         runs[(side, rate)].append(run)
-                        print(f"[{repeat + 1}/{f.repeats}] {side:<8} rate {rate:>4}  output {run.throughput:8.1f} "
-                              f"tok/s  TTFT p50 {run.ttft_p50_ms:9.1f} ms  TPOT p50 {run.tpot_p50_ms:7.1f} ms",
-                              flush=True)
+                        print(f"[{repeat + 1}/{f.repeats}] {side:<8} rate {rate:>4}  {run.line()}", flush=True)
                 finally:
                     stop(proc)
     last = None

@@ -116,8 +116,7 @@ class Dispatcher:
         elif progress.done:  # only the final message was lost
             yield progress.final_message()
         elif job.params.n > 1:
-            yield from fan_out(job, progress, deadline, cancel, lambda one, sample, inner: self._serve(
-                one, sample, deadline, inner, note_cached, []))
+            yield from self._fan_out(job, progress, deadline, cancel, note_cached, [])
         else:
             yield from self._serve(job, progress, deadline, cancel, note_cached, [])
 
@@ -140,9 +139,17 @@ class Dispatcher:
                     return
                 self._migrate(job, progress, e.decode, e.error, deadline)
             if job.params.n > 1:  # its sequences go on as requests of their own
-                yield from fan_out(job, progress, deadline, cancel, lambda one, sample, inner: self._serve(
-                    one, sample, deadline, inner, note_cached, list(tried)))
+                yield from self._fan_out(job, progress, deadline, cancel, note_cached, tried)
                 return
+
+    def _fan_out(
+        self, job: Job, progress: Progress, deadline: Deadline, cancel: Cancellation,
+        note_cached: Callable[[int], None], tried: list[WorkerHandle],
+    ) -> Iterator[Update]:
+        """Each sequence of `job` that has not ended, continued as a request of its own
+        (fan_out.py), each one served as `_serve` serves, avoiding `tried`."""
+        yield from fan_out(job, progress, deadline, cancel, lambda one, sample, inner: self._serve(
+            one, sample, deadline, inner, note_cached, list(tried)))
 
     def _follow(
         self, job: Job, progress: Progress, deadline: Deadline, cancel: Cancellation,

@@ -93,9 +93,10 @@ class ResponseBuilder:
         for tokens in update.tokens:
             seq = self._seq(tokens.index)
             self._add(seq, tokens.token_ids, now)
-            seq.logprob_sum += sum(tokens.token_logprobs) if tokens.token_logprobs else sum(
-                e.logprob or 0.0 for e in tokens.logprobs)
-            seq.finish_reason = seq.finish_reason or tokens.finish_reason
+            if self._resume_token is not None:  # only a resumable stream says these
+                seq.logprob_sum += sum(tokens.token_logprobs) if tokens.token_logprobs else sum(
+                    e.logprob or 0.0 for e in tokens.logprobs)
+                seq.finish_reason = seq.finish_reason or tokens.finish_reason
             _grow(out, tokens.index, tokens.token_ids, tokens.logprobs, seq.running_text())
         self._first_tokens(any(t.token_ids for t in update.tokens), now)
         end = update.end

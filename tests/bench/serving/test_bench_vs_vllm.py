@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.bench.serving.vs_vllm import Run, main, parse_result
+from pdserve.bench.serving.metrics import Headline
+from pdserve.bench.serving.vs_vllm import main, parse_result
 
 REPORT = """============ Serving Benchmark Result ============
 Successful requests:                     64
@@ -30,7 +31,7 @@ P99 TPOT (ms):                           600.00
 
 
 def test_the_report_gives_throughput_and_the_medians():
-    assert parse_result(REPORT) == Run(throughput=90.78, ttft_p50_ms=14900.2, tpot_p50_ms=469.5)
+    assert parse_result(REPORT) == Headline(throughput=90.78, ttft_p50_ms=14900.2, tpot_p50_ms=469.5)
 
 
 def test_a_report_without_a_figure_is_an_error_naming_it():
