@@ -133,11 +133,6 @@ class _Seq:
         self.emitted = given  # tokens already emitted elsewhere (remote prefill's first token)
         self.blocks = 0
 
-    @property
-    def tokens(self) -> int:
-        """KV tokens once its next token is computed."""
-        return max(self.prompt, self.computed + 1)
-
     def need(self) -> int:
         """Tokens this step would compute: its prefill's rest, or one decode token."""
         return self.prompt - self.computed if self.computed < self.prompt else 1
